@@ -1,0 +1,55 @@
+"""The `moet` command line. Each subcommand lives next to the code it drives and registers
+itself through a module-level `add_subcommand(subparsers)`; this file only lists them, so
+`moet --help` stays fast (modules are imported lazily, only when their command runs).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from moet import __version__
+from moet.errors import MoetError
+
+# (command name, module that defines add_subcommand, one-line help)
+SUBCOMMANDS: list[tuple[str, str, str]] = [
+    ("quant-study", "moet.quant.study_cli", "codebook study of a checkpoint's routed experts (SPEC 2.1)"),
+]
+
+
+def build_parser(argv_command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moet",
+        description="moet: serve Mixture-of-Experts LLMs too big for the GPU.",
+    )
+    parser.add_argument("--version", action="version", version=f"moet {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in SUBCOMMANDS:
+        if argv_command == name:
+            # Only the command being run is imported: its module adds the real parser.
+            importlib.import_module(module).add_subcommand(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in {n for n, _, _ in SUBCOMMANDS} else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except MoetError as exc:
+        print(f"moet: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moet: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

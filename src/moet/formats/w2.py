@@ -1,0 +1,267 @@
+"""W2: moet's sign-symmetric 2-bit code for routed-expert weights (SPEC 2.1).
+
+Value of element (n, k) = LEVELS[code[n, k]] * 2**(scale[n, k // 32] - 127), with
+  LEVELS = (-4, -1, +1, +4)   code 0: -4, 1: -1, 2: +1, 3: +4
+  scale  = one UE8M0 byte per 32 consecutive K elements (exponent + 127)
+Reference byte layout ("row-major v1", docs/formats.md):
+  codes  uint8 [N, K/4]   element k = 4j + i sits in bits 2i..2i+1 of byte j (first element
+                          in the low bits)
+  scales uint8 [N, K/32]
+2.25 bits per weight.
+
+Re-quantization (the "published" scale rule), exact on float64 input:
+  block exponent e = round(log2(amax / 6)) clamped to [-127, 127]; all-zero blocks: -127
+  u = |w| / 2**e snapped to e2m1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} (ties to the lower,
+  saturating at 6); {0, .5, 1, 1.5, 2} -> 1 and {3, 4, 6} -> 4; the sign bit is kept, so +0
+  -> +1 and -0 -> -1. Because the snap ties to the lower value, this is exactly
+  "level 4 iff |w| > 2.5 * 2**e", which is what the fast path computes.
+Zero-sign modes for exact zeros: "sign" keeps each zero's sign bit; "alt" gives zeros at even
+k the + sign and at odd k the - sign; "auto" uses "alt" when more than 95% of the tensor's
+exact zeros share one sign (an exporter that writes every zero as +0 would otherwise bias the
+tensor by +1 level per zero), else "sign".
+
+Two implementations: `quantize` (vectorised torch, CPU or GPU) and `quantize_reference`
+(a literal per-block float64/Fraction transcription of the rule above, for tests). They agree
+bit for bit for scale_rule="published".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from moet.errors import FormatError
+from moet.formats import e2m1
+from moet.formats._checks import label, require_2d_divisible, require_finite, require_float
+
+LEVELS: tuple[float, ...] = (-4.0, -1.0, 1.0, 4.0)
+BLOCK = 32
+CODES_PER_BYTE = 4
+ZERO_MODES = ("auto", "sign", "alt")
+# published: e = round(log2(amax/6)) (the original design's rule, default: its measured
+# quality and pack compatibility). mse: per block, the exponent among e-2..e+3 with the least
+# squared error for these four levels (docs/formats.md has the measured gain).
+SCALE_RULES = ("published", "mse")
+AUTO_ZERO_SHARE = 0.95
+MIN_EXP, MAX_EXP = -127, 127
+_MSE_OFFSETS = (0, 1, -1, 2, -2, 3)  # order = tie-break preference (published first)
+
+
+def _smallest_double_above_3sqrt2_over_8() -> float:
+    """round(log2(amax/6)) = j - 4 + [m > 3*sqrt(2)/8] for amax = m * 2**j, m in [0.5, 1).
+    The threshold is irrational, so for a double m: m > T  <=>  m >= (smallest double > T).
+    Found exactly with rationals (T**2 = 9/32)."""
+    d = 3 * math.sqrt(2) / 8
+    while Fraction(d) ** 2 < Fraction(9, 32):
+        d = math.nextafter(d, 1.0)
+    while Fraction(math.nextafter(d, 0.0)) ** 2 > Fraction(9, 32):
+        d = math.nextafter(d, 0.0)
+    return d
+
+
+_ROUND_UP_MANTISSA = _smallest_double_above_3sqrt2_over_8()
+
+
+@dataclass(slots=True)
+class W2Tensor:
+    codes: torch.Tensor    # uint8 [N, K/4]
+    scales: torch.Tensor   # uint8 [N, K/32]
+    zero_mode: str = "sign"        # the mode actually applied ("auto" resolved to "sign"/"alt")
+    scale_rule: str = "published"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * CODES_PER_BYTE
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel()
+
+    def to(self, device: torch.device | str) -> "W2Tensor":
+        return W2Tensor(self.codes.to(device), self.scales.to(device), self.zero_mode, self.scale_rule)
+
+
+# ----------------------------------------------------------------------------- packing
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes in 0..3 -> [N, K/4] bytes (element 4j+i in bits 2i..2i+1 of byte j)."""
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/4] bytes -> [N, K] codes in 0..3."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 3).flatten(-2)
+
+
+def dequantize(t: W2Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W2Tensor -> [N, K] values (exact in float32: +-1/+-4 times a power of two >= 2**-127)."""
+    n, k = t.shape
+    if t.scales.shape != (n, k // BLOCK):
+        raise FormatError(f"W2 scales shape {tuple(t.scales.shape)} does not match codes for [{n}, {k}]")
+    levels = torch.tensor(LEVELS, dtype=dtype, device=t.codes.device)
+    vals = levels[unpack_codes(t.codes).long()].reshape(n, k // BLOCK, BLOCK)
+    exps = (t.scales.to(torch.int32) - 127).unsqueeze(-1)
+    return torch.ldexp(vals, exps).reshape(n, k).to(dtype)
+
+
+# ----------------------------------------------------------------------------- fast path
+
+def _published_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """round(log2(amax / 6)) per block, exact, as int32; all-zero blocks -> -127; clamped."""
+    m, j = torch.frexp(amax.double())
+    e = j.to(torch.int32) - 4 + (m >= _ROUND_UP_MANTISSA).to(torch.int32)
+    e = torch.where(amax > 0, e, torch.full_like(e, MIN_EXP))
+    return e.clamp(MIN_EXP, MAX_EXP)
+
+
+def _magnitude_is_4(absw: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """[N, B, 32] |w| (float64) and [N, B] exponents -> bool: level 4 (else 1)."""
+    thr = torch.ldexp(torch.full(e.shape, 2.5, dtype=torch.float64, device=e.device), e)
+    return absw > thr.unsqueeze(-1)
+
+
+def _mse_exponent(absw: torch.Tensor, e0: torch.Tensor) -> torch.Tensor:
+    best_err, best_e = None, None
+    for d in _MSE_OFFSETS:
+        e = (e0 + d).clamp(MIN_EXP, MAX_EXP)
+        big = _magnitude_is_4(absw, e)
+        recon = torch.ldexp(torch.where(big, 4.0, 1.0).to(torch.float64), e.unsqueeze(-1))
+        err = ((absw - recon) ** 2).sum(dim=-1)
+        if best_err is None:
+            best_err, best_e = err, e
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_e = torch.where(better, e, best_e)
+    return best_e
+
+
+def resolve_zero_mode(w: torch.Tensor, zero_mode: str) -> str:
+    """'auto' -> 'alt' when > 95% of the exact zeros of w share one sign, else 'sign'."""
+    if zero_mode not in ZERO_MODES:
+        raise FormatError(f"unknown zero_mode {zero_mode!r}; choose one of {', '.join(ZERO_MODES)}")
+    if zero_mode != "auto":
+        return zero_mode
+    zero = w == 0
+    n_zero = int(zero.sum())
+    if n_zero == 0:
+        return "sign"
+    n_neg = int((zero & torch.signbit(w)).sum())
+    return "alt" if max(n_neg, n_zero - n_neg) > AUTO_ZERO_SHARE * n_zero else "sign"
+
+
+def quantize(w: torch.Tensor, *, zero_mode: str = "auto", scale_rule: str = "published",
+             name: str | None = None) -> W2Tensor:
+    """float [N, K] (K % 32 == 0) -> W2Tensor, on w's device. Exact for float64 input; bf16/fp32
+    input is exact too (it is widened to float64 first)."""
+    require_float(w, name)
+    n, k = require_2d_divisible(w, BLOCK, name)
+    require_finite(w, name)
+    if scale_rule not in SCALE_RULES:
+        raise FormatError(f"unknown scale_rule {scale_rule!r}; choose one of {', '.join(SCALE_RULES)}")
+    mode = resolve_zero_mode(w, zero_mode)
+    w64 = w.double().reshape(n, k // BLOCK, BLOCK)
+    absw = w64.abs()
+    e = _published_exponent(absw.amax(dim=-1))
+    if scale_rule == "mse":
+        e = _mse_exponent(absw, e)
+    big = _magnitude_is_4(absw, e)
+    neg = torch.signbit(w64)
+    if mode == "alt":
+        odd_k = (torch.arange(k, device=w.device) % 2 == 1).reshape(1, k // BLOCK, BLOCK)
+        neg = torch.where(w64 == 0, odd_k, neg)
+    code = torch.where(neg, 1 - big.to(torch.uint8), 2 + big.to(torch.uint8))
+    return W2Tensor(pack_codes(code.reshape(n, k)), (e + 127).to(torch.uint8), mode, scale_rule)
+
+
+def from_float64(w64: torch.Tensor, *, zero_mode: str = "auto", scale_rule: str = "published",
+                 name: str | None = None) -> W2Tensor:
+    """Same as quantize; named for the f64-exact pipeline (decode checkpoint -> float64 -> W2)."""
+    return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
+
+
+def from_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
+               zero_mode: str = "auto", scale_rule: str = "published", name: str | None = None) -> W2Tensor:
+    """modelopt NVFP4 -> W2 through exact float64 values (e2m1 x e4m3 x fp32 fits in 53 bits)."""
+    from moet.formats import nvfp4
+    w64 = nvfp4.dequantize(weight, weight_scale, weight_scale_2, dtype=torch.float64, name=name)
+    return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
+
+
+def from_fp8_block(weight: torch.Tensor, weight_scale_inv: torch.Tensor, *, zero_mode: str = "auto",
+                   scale_rule: str = "published", name: str | None = None) -> W2Tensor:
+    """DeepSeek FP8 block-128 -> W2 through exact float64 values."""
+    from moet.formats import fp8_block
+    w64 = fp8_block.dequantize(weight, weight_scale_inv, dtype=torch.float64, name=name)
+    return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
+
+
+def from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, zero_mode: str = "auto",
+               scale_rule: str = "published", name: str | None = None) -> W2Tensor:
+    """gpt-oss MXFP4 [N, K/32, 16] -> W2 through exact float64 values."""
+    from moet.formats import mxfp4
+    w64 = mxfp4.dequantize(blocks, scales, dtype=torch.float64, name=name)
+    return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def _exact_round_log2(y: Fraction) -> int:
+    """round(log2(y)) for a positive rational y; log2(y) is never exactly k + 1/2 for rational y."""
+    n = math.floor(math.log2(y))   # may be off by one near powers of two: fix exactly
+    while Fraction(2) ** n > y:
+        n -= 1
+    while Fraction(2) ** (n + 1) <= y:
+        n += 1
+    # log2(y) >= n + 1/2  <=>  y**2 >= 2**(2n+1)
+    return n + 1 if y * y >= Fraction(2) ** (2 * n + 1) else n
+
+
+def _snap_e2m1_ties_lower(u: float) -> float:
+    best = None
+    for mag in e2m1.MAGNITUDES:           # ascending: the first of equal distances is the lower
+        if best is None or abs(u - mag) < abs(u - best):
+            best = mag
+    return best
+
+
+def quantize_reference(w: torch.Tensor, *, zero_mode: str = "auto") -> W2Tensor:
+    """Literal float64 transcription of the published rule, one block at a time (slow: tests)."""
+    if zero_mode not in ZERO_MODES:
+        raise FormatError(f"unknown zero_mode {zero_mode!r}")
+    a = w.detach().cpu().double().numpy()
+    n, k = a.shape
+    if k % BLOCK:
+        raise FormatError(f"{label(None)}: K={k} is not divisible by {BLOCK}")
+    zeros = a == 0
+    negs = np.signbit(a)
+    mode = zero_mode
+    if mode == "auto":
+        nz = int(zeros.sum())
+        nneg = int((zeros & negs).sum())
+        mode = "alt" if nz and max(nneg, nz - nneg) / nz > AUTO_ZERO_SHARE else "sign"
+    codes = np.zeros((n, k), dtype=np.uint8)
+    scales = np.zeros((n, k // BLOCK), dtype=np.uint8)
+    for r in range(n):
+        for b in range(k // BLOCK):
+            blk = a[r, b * BLOCK:(b + 1) * BLOCK]
+            amax = float(np.abs(blk).max())
+            e = MIN_EXP if amax == 0 else _exact_round_log2(Fraction(amax) / 6)
+            e = min(max(e, MIN_EXP), MAX_EXP)
+            scales[r, b] = e + 127
+            for i, x in enumerate(blk):
+                col = b * BLOCK + i
+                mag = _snap_e2m1_ties_lower(abs(float(x)) / 2.0 ** e)  # > 6 snaps to 6: saturation
+                big = mag >= 3.0
+                if x == 0 and mode == "alt":
+                    negative = col % 2 == 1
+                else:
+                    negative = bool(np.signbit(x))
+                level = (-4.0 if big else -1.0) if negative else (4.0 if big else 1.0)
+                codes[r, col] = LEVELS.index(level)
+    return W2Tensor(pack_codes(torch.from_numpy(codes)), torch.from_numpy(scales), mode, "published")
