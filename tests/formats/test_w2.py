@@ -191,3 +191,29 @@ def test_bad_input_names_the_tensor():
     t = w2.quantize(torch.randn(2, 64))
     with pytest.raises(FormatError, match="scales shape"):
         w2.dequantize(w2.W2Tensor(t.codes, t.scales[:, :1]))
+
+
+@given(st.integers(0, 2**31), st.integers(1, 4), st.integers(1, 3), st.sampled_from(["auto", "sign", "alt"]),
+       st.sampled_from([1e-30, 1e-6, 0.37, 1.0, 3e4, 1e30]))
+def test_nvfp4_code_domain_path_equals_reference_on_arbitrary_codes_and_scales(seed, n, kb, zero_mode, s2):
+    """Every e2m1 code (incl. -0), e4m3 scales that are zero, -0, negative or subnormal."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randint(0, 256, (n, kb * 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale_bytes = torch.randint(0, 256, (n, kb * 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale_bytes[scale_bytes & 0x7F == 0x7F] = 0x38          # no NaN scales (1.0 instead)
+    scale_bytes[:, 0] = torch.tensor([0x00, 0x80, 0x01, 0xB8])[torch.randint(0, 4, (n,), generator=g)].to(torch.uint8)
+    scale = scale_bytes.view(torch.float8_e4m3fn)
+    s2t = torch.tensor(s2, dtype=torch.float32)
+    fast = w2.from_nvfp4(weight, scale, s2t, zero_mode=zero_mode)
+    ref = w2.quantize_reference(nvfp4.dequantize(weight, scale, s2t, dtype=torch.float64), zero_mode=zero_mode)
+    assert same(fast, ref)
+
+
+@given(st.integers(0, 2**31), st.integers(1, 4), st.integers(1, 3), st.sampled_from(["auto", "sign", "alt"]))
+def test_mxfp4_code_domain_path_equals_reference_over_the_whole_scale_range(seed, n, kb, zero_mode):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, kb, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(0, 255, (n, kb), generator=g, dtype=torch.int32).to(torch.uint8)
+    fast = w2.from_mxfp4(blocks, scales, zero_mode=zero_mode)
+    ref = w2.quantize_reference(mxfp4.dequantize(blocks, scales, dtype=torch.float64), zero_mode=zero_mode)
+    assert same(fast, ref)

@@ -18,9 +18,7 @@ from moet.formats.fp8 import UE8M0_BIAS, UE8M0_NAN
 BLOCK = 32
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32,
-               name: str | None = None) -> torch.Tensor:
-    """-> [..., K] with K = groups * 32, in `dtype` (exact in float32: e2m1 x power of two)."""
+def validate(blocks: torch.Tensor, scales: torch.Tensor, name: str | None = None) -> None:
     require_dtype(blocks, (torch.uint8,), name, "MXFP4 blocks")
     require_dtype(scales, (torch.uint8,), name, "MXFP4 scales")
     if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2:
@@ -30,6 +28,12 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype
                           f"blocks {tuple(blocks.shape)} (expected {tuple(blocks.shape[:-1])})")
     if bool((scales == UE8M0_NAN).any()):
         raise FormatError(f"{label(name)}: MXFP4 scale byte 255 (NaN) present")
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+               name: str | None = None) -> torch.Tensor:
+    """-> [..., K] with K = groups * 32, in `dtype` (exact in float32: e2m1 x power of two)."""
+    validate(blocks, scales, name)
     q = e2m1.decode(e2m1.unpack_nibbles(blocks), dtype)                     # [..., G, 32]
     q = torch.ldexp(q, (scales.to(torch.int32) - UE8M0_BIAS).unsqueeze(-1))
     return q.flatten(-2)

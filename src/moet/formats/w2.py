@@ -143,40 +143,62 @@ def _mse_exponent(absw: torch.Tensor, e0: torch.Tensor) -> torch.Tensor:
 
 def resolve_zero_mode(w: torch.Tensor, zero_mode: str) -> str:
     """'auto' -> 'alt' when > 95% of the exact zeros of w share one sign, else 'sign'."""
+    return _resolve_zero_mode_from_masks(w == 0, torch.signbit(w), zero_mode)
+
+
+def _encode(big: torch.Tensor, neg: torch.Tensor, zero: torch.Tensor, mode: str, k: int) -> torch.Tensor:
+    """Shared tail of every path: bool tensors [N, K] (or [N, K/b, b]) -> packed codes [N, K/4].
+    code = 2*(not neg) + (big xor neg): 0 = -4, 1 = -1, 2 = +1, 3 = +4. Bool tensors are viewed as
+    uint8 (no copies): this tail runs once per weight and dominates CPU conversion time."""
+    n = big.shape[0]
+    big, neg, zero = big.reshape(n, k), neg.reshape(n, k), zero.reshape(n, k)
+    if mode == "alt":
+        odd_k = torch.arange(k, device=neg.device) % 2 == 1
+        neg = torch.where(zero, odd_k, neg)
+    code = (big ^ neg).view(torch.uint8) | ((~neg).view(torch.uint8) << 1)
+    return pack_codes(code)
+
+
+def _resolve_zero_mode_from_masks(zero: torch.Tensor, neg: torch.Tensor, zero_mode: str) -> str:
     if zero_mode not in ZERO_MODES:
         raise FormatError(f"unknown zero_mode {zero_mode!r}; choose one of {', '.join(ZERO_MODES)}")
     if zero_mode != "auto":
         return zero_mode
-    zero = w == 0
-    n_zero = int(zero.sum())
+    n_zero = int(torch.count_nonzero(zero))
     if n_zero == 0:
         return "sign"
-    n_neg = int((zero & torch.signbit(w)).sum())
+    n_neg = int(torch.count_nonzero(zero & neg))
     return "alt" if max(n_neg, n_zero - n_neg) > AUTO_ZERO_SHARE * n_zero else "sign"
+
+
+def _check_scale_rule(scale_rule: str) -> None:
+    if scale_rule not in SCALE_RULES:
+        raise FormatError(f"unknown scale_rule {scale_rule!r}; choose one of {', '.join(SCALE_RULES)}")
 
 
 def quantize(w: torch.Tensor, *, zero_mode: str = "auto", scale_rule: str = "published",
              name: str | None = None) -> W2Tensor:
-    """float [N, K] (K % 32 == 0) -> W2Tensor, on w's device. Exact for float64 input; bf16/fp32
-    input is exact too (it is widened to float64 first)."""
+    """float [N, K] (K % 32 == 0) -> W2Tensor, on w's device, exact for any float dtype.
+
+    float64 input is compared in float64. bf16/fp16/fp32 input is compared in float32, which is
+    exact too: |w| is exact and 2.5 * 2**e is a float32 for every exponent such input can
+    produce (e <= 125 because amax <= float32 max)."""
     require_float(w, name)
     n, k = require_2d_divisible(w, BLOCK, name)
     require_finite(w, name)
-    if scale_rule not in SCALE_RULES:
-        raise FormatError(f"unknown scale_rule {scale_rule!r}; choose one of {', '.join(SCALE_RULES)}")
-    mode = resolve_zero_mode(w, zero_mode)
-    w64 = w.double().reshape(n, k // BLOCK, BLOCK)
-    absw = w64.abs()
+    _check_scale_rule(scale_rule)
+    work = torch.float64 if w.dtype == torch.float64 else torch.float32
+    wb = w.to(work).reshape(n, k // BLOCK, BLOCK)
+    absw = wb.abs()
     e = _published_exponent(absw.amax(dim=-1))
     if scale_rule == "mse":
-        e = _mse_exponent(absw, e)
-    big = _magnitude_is_4(absw, e)
-    neg = torch.signbit(w64)
-    if mode == "alt":
-        odd_k = (torch.arange(k, device=w.device) % 2 == 1).reshape(1, k // BLOCK, BLOCK)
-        neg = torch.where(w64 == 0, odd_k, neg)
-    code = torch.where(neg, 1 - big.to(torch.uint8), 2 + big.to(torch.uint8))
-    return W2Tensor(pack_codes(code.reshape(n, k)), (e + 127).to(torch.uint8), mode, scale_rule)
+        e = _mse_exponent(absw.double(), e)
+    thr = torch.ldexp(torch.full(e.shape, 2.5, dtype=torch.float64, device=e.device), e).to(work)
+    big = absw > thr.unsqueeze(-1)
+    neg = torch.signbit(w)
+    zero = w == 0
+    mode = _resolve_zero_mode_from_masks(zero, neg, zero_mode)
+    return W2Tensor(_encode(big, neg, zero, mode, k), (e + 127).to(torch.uint8), mode, scale_rule)
 
 
 def from_float64(w64: torch.Tensor, *, zero_mode: str = "auto", scale_rule: str = "published",
@@ -185,27 +207,70 @@ def from_float64(w64: torch.Tensor, *, zero_mode: str = "auto", scale_rule: str 
     return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
 
 
+def _from_e2m1_codes(codes: torch.Tensor, mult: torch.Tensor, block: int, *, zero_mode: str,
+                     scale_rule: str, name: str | None) -> W2Tensor:
+    """W2 from e2m1 codes [N, K] with one float64 multiplier per `block` codes ([N, K/block]),
+    value = e2m1(code) * mult: the common shape of NVFP4 (block 16, mult = scale * scale_2) and
+    MXFP4 (block 32, mult = 2**x).
+
+    Works in the code domain: e2m1 magnitudes have 2 significant bits and mult at most 53, so
+    every product is exact in float64 and is only formed per block (8 magnitudes x K/block),
+    never per element. Per element only integer compares remain: level 4 iff the magnitude
+    index is >= the smallest index whose exact value exceeds 2.5 * 2**e."""
+    n, k = codes.shape
+    if scale_rule == "mse":   # the MSE search needs per-element values: take the float64 route
+        vals = e2m1.decode(codes, torch.float64) * mult.repeat_interleave(block, dim=1)
+        return quantize(vals, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
+    mags = torch.tensor(e2m1.MAGNITUDES, dtype=torch.float64, device=codes.device)
+    mag_idx = (codes & 7).reshape(n, k // block, block)
+    absmult = mult.abs()
+    block_max = mags[mag_idx.amax(dim=-1).long()] * absmult                                   # exact
+    amax32 = block_max.reshape(n, k // BLOCK, BLOCK // block).amax(dim=-1)
+    e = _published_exponent(amax32)                                                          # [N, K/32]
+    thr = torch.ldexp(torch.full(e.shape, 2.5, dtype=torch.float64, device=e.device), e)
+    thr = thr.repeat_interleave(BLOCK // block, dim=1)                                       # [N, K/block]
+    # smallest magnitude index whose exact value exceeds the threshold (8 = none does)
+    j_min = 8 - torch.count_nonzero(mags * absmult.unsqueeze(-1) > thr.unsqueeze(-1), dim=-1)
+    big = mag_idx >= j_min.to(torch.uint8).unsqueeze(-1)
+    # IEEE product sign: sign(code) xor sign(mult), also for zeros (-0 * 2 = -0, 0 * -2 = -0)
+    neg = (codes.reshape(n, k // block, block) >= 8) ^ torch.signbit(mult).unsqueeze(-1)
+    zero = (mag_idx == 0) | (absmult == 0).unsqueeze(-1)
+    mode = _resolve_zero_mode_from_masks(zero, neg, zero_mode)
+    return W2Tensor(_encode(big, neg, zero, mode, k), (e + 127).to(torch.uint8), mode, scale_rule)
+
+
 def from_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
                zero_mode: str = "auto", scale_rule: str = "published", name: str | None = None) -> W2Tensor:
-    """modelopt NVFP4 -> W2 through exact float64 values (e2m1 x e4m3 x fp32 fits in 53 bits)."""
+    """modelopt NVFP4 -> W2, bit-identical to quantizing the exact float64 values
+    e2m1 x e4m3 x fp32 (<= 30 significant bits), computed in the code domain."""
     from moet.formats import nvfp4
-    w64 = nvfp4.dequantize(weight, weight_scale, weight_scale_2, dtype=torch.float64, name=name)
-    return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
-
-
-def from_fp8_block(weight: torch.Tensor, weight_scale_inv: torch.Tensor, *, zero_mode: str = "auto",
-                   scale_rule: str = "published", name: str | None = None) -> W2Tensor:
-    """DeepSeek FP8 block-128 -> W2 through exact float64 values."""
-    from moet.formats import fp8_block
-    w64 = fp8_block.dequantize(weight, weight_scale_inv, dtype=torch.float64, name=name)
-    return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
+    _check_scale_rule(scale_rule)
+    nvfp4.validate(weight, weight_scale, weight_scale_2, name)
+    mult = weight_scale.double() * weight_scale_2.reshape(()).double()
+    return _from_e2m1_codes(e2m1.unpack_nibbles(weight), mult, nvfp4.BLOCK,
+                            zero_mode=zero_mode, scale_rule=scale_rule, name=name)
 
 
 def from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, zero_mode: str = "auto",
                scale_rule: str = "published", name: str | None = None) -> W2Tensor:
-    """gpt-oss MXFP4 [N, K/32, 16] -> W2 through exact float64 values."""
+    """gpt-oss MXFP4 [N, K/32, 16] + [N, K/32] -> W2, computed in the code domain."""
     from moet.formats import mxfp4
-    w64 = mxfp4.dequantize(blocks, scales, dtype=torch.float64, name=name)
+    _check_scale_rule(scale_rule)
+    mxfp4.validate(blocks, scales, name)
+    if blocks.dim() != 3:
+        raise FormatError(f"{label(name)}: expected MXFP4 blocks of one matrix [N, K/32, 16], got {tuple(blocks.shape)}")
+    n = blocks.shape[0]
+    codes = e2m1.unpack_nibbles(blocks).reshape(n, -1)
+    mult = torch.ldexp(torch.ones(scales.shape, dtype=torch.float64, device=scales.device),
+                       scales.to(torch.int32) - 127)
+    return _from_e2m1_codes(codes, mult, mxfp4.BLOCK, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
+
+
+def from_fp8_block(weight: torch.Tensor, weight_scale_inv: torch.Tensor, *, zero_mode: str = "auto",
+                   scale_rule: str = "published", name: str | None = None) -> W2Tensor:
+    """DeepSeek FP8 block-128 -> W2 through exact float64 values (e4m3 x fp32 <= 28 bits)."""
+    from moet.formats import fp8_block
+    w64 = fp8_block.dequantize(weight, weight_scale_inv, dtype=torch.float64, name=name)
     return quantize(w64, zero_mode=zero_mode, scale_rule=scale_rule, name=name)
 
 
