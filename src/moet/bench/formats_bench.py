@@ -51,6 +51,16 @@ def copy_bandwidth(device: str) -> float | None:
     return 2 * x.numel() / t
 
 
+def _on_cpu(fmt, t, q8, s8, b4, s4, wb) -> w2.W2Tensor:
+    if fmt == "nvfp4":
+        return w2.from_nvfp4(t.weight.cpu(), t.weight_scale.cpu(), t.weight_scale_2.cpu())
+    if fmt == "fp8_block":
+        return w2.from_fp8_block(q8.cpu(), s8.cpu())
+    if fmt == "mxfp4":
+        return w2.from_mxfp4(b4.cpu(), s4.cpu())
+    return w2.quantize(wb.cpu())
+
+
 def speed(device: str, repeats: int) -> list[dict]:
     rows = []
     g = torch.Generator(device=device).manual_seed(0)
@@ -68,6 +78,9 @@ def speed(device: str, repeats: int) -> list[dict]:
             "bf16": (lambda: w2.quantize(wb), 2 * wb.numel()),
         }
         for fmt, (fn, native_bytes) in cases.items():
+            if device != "cpu":   # the device result must equal the CPU result bit for bit
+                a, b = fn(), _on_cpu(fmt, t, q8, s8, b4, s4, wb)
+                assert torch.equal(a.codes.cpu(), b.codes) and torch.equal(a.scales.cpu(), b.scales), fmt
             sec = _time(fn, device, repeats)
             out_bytes = n * k // 4 + n * k // 32
             rows.append(dict(device=device, shape=shape_name, n=n, k=k, source=fmt, seconds=sec,
