@@ -97,3 +97,15 @@ def test_errors_are_one_clear_line(tmp_path):
     with pytest.raises(FormatError, match="experts.0.*NaN"):
         for m in ExpertTensorReader(tmp_path / "n"):
             cs.unit_space_histogram(m)
+
+
+def test_truncated_or_corrupt_shard_is_a_clear_error(tmp_path):
+    write_expert_checkpoint(tmp_path / "c", "nvfp4", shards=1)
+    f = tmp_path / "c" / "model-00001-of-00001.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])          # truncated
+    with pytest.raises(CheckpointError, match="model-00001-of-00001.safetensors"):
+        list(ExpertTensorReader(tmp_path / "c"))
+    f.write_bytes(b"\xff" * 64)                     # garbage header
+    with pytest.raises(CheckpointError, match="unreadable safetensors"):
+        list(ExpertTensorReader(tmp_path / "c"))

@@ -107,11 +107,23 @@ class ExpertTensorReader:
         if self._open is None or self._open[0] != f:
             if not f.exists():
                 raise CheckpointError(f"{f}: shard file missing (the index names it for {name!r})")
-            self._open = (f, safe_open(str(f), framework="pt"))
+            try:
+                self._open = (f, safe_open(str(f), framework="pt"))
+            except Exception as exc:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"{f}: unreadable safetensors file ({exc}); re-download it") from exc
         return self._open[1]
 
+    def _read(self, fn, name: str):
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # truncated data surfaces only when a tensor is read
+            raise CheckpointError(f"{self.shards[name]}: cannot read tensor {name!r} ({exc}); "
+                                  "the file is truncated or corrupt, re-download it") from exc
+
     def _get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self._read(lambda: self._handle(name).get_tensor(name), name)
 
     def _shape(self, name: str) -> list[int]:
         return list(self._handle(name).get_slice(name).get_shape())
@@ -163,10 +175,10 @@ class ExpertTensorReader:
             if scales_name not in self.shards:
                 raise CheckpointError(f"{self.path}: {blocks_name} has no matching {scales_name}")
             for e in range(self._shape(blocks_name)[0]):
-                b = self._handle(blocks_name).get_slice(blocks_name)[e]
-                s = self._handle(scales_name).get_slice(scales_name)[e]
+                b = self._read(lambda: self._handle(blocks_name).get_slice(blocks_name)[e], blocks_name)
+                s = self._read(lambda: self._handle(scales_name).get_slice(scales_name)[e], scales_name)
                 yield ExpertMatrix(f"{g.prefix}.{e}", layer, e, "mxfp4", {"blocks": b, "scales": s}, b.numel() + s.numel())
         else:
             for e in range(self._shape(g.prefix)[0]):
-                w = self._handle(g.prefix).get_slice(g.prefix)[e]
+                w = self._read(lambda: self._handle(g.prefix).get_slice(g.prefix)[e], g.prefix)
                 yield ExpertMatrix(f"{g.prefix}.{e}", layer, e, "float", {"weight": w}, w.numel() * w.element_size())
