@@ -1,0 +1,52 @@
+"""Expert slot pools: plain tensors whose leading dimension is the slot. A slot holds one
+routed expert's gate_up [2I, H] and down [H, I] weights in one format. Who fills which slot
+(and the slot table that says so) is the store's business; kernels only read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class W2Pool:
+    """moet's 2-bit code (moet.formats.w2): 2.25 bits per weight."""
+    gate_up_codes: torch.Tensor    # uint8 [S, 2I, H/4]
+    gate_up_scales: torch.Tensor   # uint8 [S, 2I, H/32]  UE8M0
+    down_codes: torch.Tensor       # uint8 [S, H, I/4]
+    down_scales: torch.Tensor      # uint8 [S, H, I/32]
+
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up_codes.shape[0]
+
+
+@dataclass(slots=True)
+class FP4Pool:
+    """NVFP4 layout (the FP4 tier, SPEC 2.2): e2m1 pairs, e4m3 block-16 scales, fp32 scale_2."""
+    gate_up_weight: torch.Tensor   # uint8 [S, 2I, H/2]
+    gate_up_scale: torch.Tensor    # float8_e4m3fn [S, 2I, H/16]
+    gate_up_scale_2: torch.Tensor  # float32 [S, 2]: gate rows, up rows
+    down_weight: torch.Tensor      # uint8 [S, H, I/2]
+    down_scale: torch.Tensor       # float8_e4m3fn [S, H, I/16]
+    down_scale_2: torch.Tensor     # float32 [S]
+
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up_weight.shape[0]
+
+
+@dataclass(slots=True)
+class DensePool:
+    """Decoded weights in the model dtype: the reference tier (most memory)."""
+    gate_up: torch.Tensor          # [S, 2I, H]
+    down: torch.Tensor             # [S, H, I]
+
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up.shape[0]
+
+
+def pool_nbytes(pool) -> int:
+    return sum(getattr(pool, f).nbytes for f in pool.__slots__)

@@ -1,0 +1,99 @@
+"""Torch reference of the routed-expert MoE computation: the one function every MoE layer
+calls on CPU, and the signature the Triton kernels (moe_w2.py, moe_fp4.py) implement.
+
+Experts are addressed through a slot table, never by expert id directly:
+  slot_table  int32 [num_experts]   slot of each expert in the pool, -1 = not resident
+  pool        one of W2Pool / FP4Pool / DensePool (plain tensors, leading dim = slots)
+A (token, expert) pair whose expert is not resident contributes zero and adds one to
+`miss_counter` (int32/int64 [1]); the runner fetches the missing experts and replays.
+
+Math per pair (t, j), e = topk_ids[t, j], s = slot_table[e]:
+  gate, up = split(W_gate_up[s] @ x[t])         fused [2I, H] weight: gate rows first
+  (optional SwiGLU clamp, fp32: gate <= limit, -limit <= up <= limit)
+  y[t, j] = W_down[s] @ (silu(gate) * up)
+  out[t] = sum_j topk_weights[t, j] * y[t, j]    fixed order j = 0..k-1 (deterministic)
+Accumulation is in fp32 for the quantized pools (as the kernels do) and in the input dtype
+for DensePool (as transformers does, so the bf16 reference matches it bit for bit in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moet.kernels.pools import DensePool, FP4Pool, W2Pool
+
+W2_LEVELS = (-4.0, -1.0, 1.0, 4.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def decode_w2(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K/4] + scales uint8 [N, K/32] -> float32 [N, K] (exact).
+    Element k = 4j + i sits in bits 2i..2i+1 of byte j; value = level * 2**(scale - 127)."""
+    n, kq = codes.shape
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=codes.device)
+    idx = ((codes.unsqueeze(-1) >> shifts) & 3).reshape(n, kq * 4).long()
+    vals = torch.tensor(W2_LEVELS, dtype=torch.float32, device=codes.device)[idx]
+    exps = (scales.to(torch.int32) - 127).repeat_interleave(32, dim=1)
+    return torch.ldexp(vals, exps)
+
+
+def decode_fp4(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """NVFP4 layout: weight uint8 [N, K/2] (low nibble first) + scale e4m3 [N, K/16] + scale_2
+    fp32 (scalar or one per row [N]) -> float32 [N, K]."""
+    n, kh = weight.shape
+    codes = torch.stack((weight & 0x0F, weight >> 4), dim=-1).reshape(n, kh * 2).long()
+    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=weight.device)[codes]
+    s = scale.to(torch.float32).repeat_interleave(16, dim=1)
+    s2 = scale_2.to(torch.float32).reshape(-1, 1) if scale_2.numel() > 1 else scale_2.to(torch.float32).reshape(())
+    return vals * s * s2
+
+
+def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [2I, H], down [H, I]) of one slot, decoded."""
+    if isinstance(pool, DensePool):
+        return pool.gate_up[slot], pool.down[slot]
+    if isinstance(pool, W2Pool):
+        return (decode_w2(pool.gate_up_codes[slot], pool.gate_up_scales[slot]),
+                decode_w2(pool.down_codes[slot], pool.down_scales[slot]))
+    if isinstance(pool, FP4Pool):
+        two_i = pool.gate_up_weight.shape[1]
+        # gate rows use scale_2[slot, 0], up rows scale_2[slot, 1]: checkpoints quantize gate
+        # and up as separate tensors, each with its own per-tensor scale.
+        s2 = pool.gate_up_scale_2[slot].repeat_interleave(two_i // 2)
+        return (decode_fp4(pool.gate_up_weight[slot], pool.gate_up_scale[slot], s2),
+                decode_fp4(pool.down_weight[slot], pool.down_scale[slot], pool.down_scale_2[slot]))
+    raise TypeError(f"unknown expert pool type {type(pool).__name__}")
+
+
+def moe_experts_reference(
+    hidden: torch.Tensor,            # [T, H]
+    topk_ids: torch.Tensor,          # [T, k] int, expert ids
+    topk_weights: torch.Tensor,      # [T, k] float, router weights (already scaled)
+    slot_table: torch.Tensor,        # int32 [num_experts], -1 = not resident
+    pool: W2Pool | FP4Pool | DensePool,
+    miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
+    *,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    t, k = topk_ids.shape
+    dense = isinstance(pool, DensePool)
+    cdtype = hidden.dtype if dense else torch.float32
+    slots = slot_table.long()[topk_ids.long()]                       # [T, k]
+    missed = slots < 0
+    if bool(missed.any()):
+        miss_counter += missed.sum().to(miss_counter.dtype)
+    y = torch.zeros(t, k, hidden.shape[1], dtype=cdtype, device=hidden.device)
+    for slot in torch.unique(slots[~missed]).tolist():               # ascending slot order
+        rows, cols = torch.where(slots == slot)
+        w_gate_up, w_down = _slot_weights(pool, slot, cdtype)
+        x = hidden[rows].to(cdtype)
+        gate, up = F.linear(x, w_gate_up.to(cdtype)).chunk(2, dim=-1)
+        if swiglu_limit is not None:
+            gate = gate.float().clamp(max=swiglu_limit)
+            up = up.float().clamp(-swiglu_limit, swiglu_limit)
+        act = (F.silu(gate) * up).to(cdtype)
+        y[rows, cols] = F.linear(act, w_down.to(cdtype)) * topk_weights[rows, cols, None].to(cdtype)
+    out = y[:, 0]
+    for j in range(1, k):                                             # fixed-order combine
+        out = out + y[:, j]
+    return out.to(hidden.dtype)

@@ -1,0 +1,24 @@
+"""Model math: layers and the causal LM built from a ModelSpec. Knows math, not where weights
+live: MoE layers read routed experts through a slot table and a pool handed to them.
+
+    model = load_model(open_checkpoint(path), expert_format="w2", dtype=torch.bfloat16)
+"""
+from __future__ import annotations
+
+import torch
+
+from moet.checkpoint import Checkpoint
+from moet.model.loader import load_weights
+from moet.model.model import CausalLM
+
+
+def load_model(ckpt: Checkpoint, *, expert_format: str = "w2", dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu", zero_mode: str = "auto", load_mtp: bool = True,
+               progress: bool = False) -> CausalLM:
+    with torch.device(device):
+        model = CausalLM(ckpt.spec, dtype, load_mtp=load_mtp)
+    load_weights(model, ckpt, expert_format=expert_format, zero_mode=zero_mode, device=device, progress=progress)
+    return model.eval()
+
+
+__all__ = ["CausalLM", "load_model"]

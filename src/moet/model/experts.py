@@ -1,0 +1,108 @@
+"""Filling a MoE layer's expert pool from checkpoint tensors, one expert projection at a time.
+
+Every expert is resident for now (slot = expert id). Each checkpoint projection is converted
+on arrival straight into its rows of the pool (gate -> gate_up rows [0, I), up -> [I, 2I),
+down -> down), so nothing waits for its partner and host memory holds one projection at a time.
+
+expert_format:
+  "w2"   moet.formats.w2, from the exact float64 value of the checkpoint's own format
+         (NVFP4 / FP8 / MXFP4 decode exactly; BF16 is exact already). gate and up are
+         quantized as the separate tensors they are on disk (zero-sign mode is per tensor).
+  "fp4"  NVFP4 layout. An NVFP4 checkpoint's bytes are copied unchanged; other formats are
+         decoded and quantized with moet.formats.nvfp4.quantize (per projection scale_2).
+  "bf16" decoded to the model dtype (the reference; in a float32 run it is float32).
+"""
+from __future__ import annotations
+
+import torch
+
+from moet.errors import CheckpointError, ConfigError
+from moet.formats import nvfp4, w2
+from moet.kernels.pools import DensePool, FP4Pool, W2Pool
+from moet.model.layers.moe import MoE
+from moet.model.weights import decode
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> None:
+    spec = moe.spec
+    e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    u8 = dict(dtype=torch.uint8, device=device)
+    if expert_format == "w2":
+        if h % 32 or i % 32:
+            raise ConfigError(f"expert_format=w2 needs hidden_size ({h}) and moe_intermediate_size ({i}) "
+                              "divisible by 32; use --expert-format fp4 or bf16")
+        moe.pool = W2Pool(torch.zeros(e, 2 * i, h // 4, **u8), torch.zeros(e, 2 * i, h // 32, **u8),
+                          torch.zeros(e, h, i // 4, **u8), torch.zeros(e, h, i // 32, **u8))
+    elif expert_format == "fp4":
+        if h % 16 or i % 16:
+            raise ConfigError(f"expert_format=fp4 needs hidden_size ({h}) and moe_intermediate_size ({i}) "
+                              "divisible by 16; use --expert-format bf16")
+        f8 = dict(dtype=torch.float8_e4m3fn, device=device)
+        moe.pool = FP4Pool(torch.zeros(e, 2 * i, h // 2, **u8), torch.zeros(e, 2 * i, h // 16, **f8),
+                           torch.zeros(e, 2, dtype=torch.float32, device=device),
+                           torch.zeros(e, h, i // 2, **u8), torch.zeros(e, h, i // 16, **f8),
+                           torch.zeros(e, dtype=torch.float32, device=device))
+    elif expert_format == "bf16":
+        moe.pool = DensePool(torch.zeros(e, 2 * i, h, dtype=dtype, device=device),
+                             torch.zeros(e, h, i, dtype=dtype, device=device))
+    else:
+        raise ConfigError(f"unknown expert_format {expert_format!r}")
+    moe.slot_table = torch.arange(e, dtype=torch.int32, device=device)
+    moe.miss_counter = moe.miss_counter.to(device)
+
+
+def _to_w2(fmt: str, parts: dict[str, torch.Tensor], zero_mode: str, name: str) -> w2.W2Tensor:
+    if fmt == "float":
+        return w2.quantize(parts["weight"], zero_mode=zero_mode, name=name)
+    if fmt == "fp8_block":
+        return w2.from_fp8_block(parts["weight"], parts["weight_scale_inv"], zero_mode=zero_mode, name=name)
+    if fmt == "nvfp4":
+        return w2.from_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], zero_mode=zero_mode, name=name)
+    if fmt == "mxfp4":
+        return w2.from_mxfp4(parts["blocks"], parts["scales"], zero_mode=zero_mode, name=name)
+    raise CheckpointError(f"{name}: unknown weight format {fmt}")
+
+
+def _to_fp4(fmt: str, parts: dict[str, torch.Tensor], name: str) -> nvfp4.NVFP4Tensor:
+    if fmt == "nvfp4":
+        nvfp4.validate(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], name)
+        return nvfp4.NVFP4Tensor(parts["weight"], parts["weight_scale"], parts["weight_scale_2"].float().reshape(()))
+    return nvfp4.quantize(decode(fmt, parts, torch.float32, name), name=name)
+
+
+def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
+                zero_mode: str, where: str) -> None:
+    """Convert one projection of one expert into its rows of the pool."""
+    spec = moe.spec
+    i = spec.moe_intermediate_size
+    if not 0 <= expert < spec.router.num_experts:
+        raise CheckpointError(f"{where}: expert {expert} is out of range (config says {spec.router.num_experts} experts)")
+    rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[proj]
+    fused = "down" if proj == "down_proj" else "gate_up"
+    pool = moe.pool
+    if isinstance(pool, DensePool):
+        getattr(pool, fused)[expert, rows] = decode(fmt, parts, pool.gate_up.dtype, where)
+    elif isinstance(pool, W2Pool):
+        t = _to_w2(fmt, parts, zero_mode, where)
+        getattr(pool, f"{fused}_codes")[expert, rows] = t.codes
+        getattr(pool, f"{fused}_scales")[expert, rows] = t.scales
+    else:
+        t = _to_fp4(fmt, parts, where)
+        getattr(pool, f"{fused}_weight")[expert, rows] = t.weight
+        getattr(pool, f"{fused}_scale")[expert, rows] = t.weight_scale
+        if proj == "down_proj":
+            pool.down_scale_2[expert] = t.weight_scale_2
+        else:
+            pool.gate_up_scale_2[expert, 0 if proj == "gate_proj" else 1] = t.weight_scale_2
+
+
+def check_complete(moe: MoE, loaded: set[tuple[int, str]], where: str) -> None:
+    """Every (expert, projection) of the layer arrived exactly once."""
+    n = moe.spec.router.num_experts
+    missing = [(e, p) for e in range(n) for p in PROJS if (e, p) not in loaded]
+    if missing:
+        e, p = missing[0]
+        raise CheckpointError(f"{where}: routed expert tensors missing from the checkpoint, e.g. expert {e} "
+                              f"{p} ({len(missing)} of {3 * n} missing)")

@@ -1,0 +1,70 @@
+"""Grouped-query attention (Qwen3-MoE, GLM-4.5, Mixtral) over a contiguous per-sequence KV
+cache, plus the masked-softmax core shared with MLA.
+
+Shapes are token-major without a batch dimension (one sequence per call): x [T, H]. `start` is
+the number of tokens already in the cache; the T new tokens sit at positions start..start+T-1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moet.checkpoint.spec import AttentionSpec
+from moet.model.layers.linear import Linear
+from moet.model.layers.norm import RMSNorm
+from moet.model.layers.rope import Rotary
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+           sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention. q [T, Hq, d], k [S, Hkv, d], v [S, Hkv, dv] with S = start + T.
+    Softmax in fp32, as transformers' eager path. -> [T, Hq * dv]."""
+    t, hq, _ = q.shape
+    s, hkv, _ = k.shape
+    if hkv != hq:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [H, T|S, d]
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale                 # [H, T, S]
+    qpos = torch.arange(start, start + t, device=q.device)[:, None]
+    kpos = torch.arange(s, device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed = allowed & (kpos > qpos - sliding_window)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, vh)                                          # [H, T, dv]
+    return out.transpose(0, 1).reshape(t, -1)
+
+
+class GQAttention(nn.Module):
+    def __init__(self, spec: AttentionSpec, hidden: int, rotary: Rotary, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.spec, self.rotary = spec, rotary
+        d = spec.head_dim
+        self.q_proj = Linear(hidden, spec.num_heads * d, spec.qkv_bias, dtype)
+        self.k_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
+        self.v_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
+        self.o_proj = Linear(spec.num_heads * d, hidden, spec.o_bias, dtype)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, eps, dtype)
+            self.k_norm = RMSNorm(d, eps, dtype)
+
+    def cache_shapes(self, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        s = self.spec
+        return (max_len, s.num_kv_heads, s.head_dim), (max_len, s.num_kv_heads, s.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        s, t = self.spec, x.shape[0]
+        q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        k_cache, v_cache = cache
+        k_cache[start:start + t] = k
+        v_cache[start:start + t] = v
+        out = attend(q, k_cache[:start + t], v_cache[:start + t], start, s.scale, s.sliding_window)
+        return self.o_proj(out)

@@ -1,0 +1,59 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), as transformers computes it.
+
+The cache holds the compressed latent (kv_lora_rank, after kv_a_layernorm) and the shared
+rotated key slice (qk_rope_head_dim) per token: 576 values per token for DeepSeek-V3 instead of
+128 heads x 320. Keys/values are re-expanded through kv_b_proj at every step (the naive form;
+the absorbed form for decode is a kernel concern, kernels/mla.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moet.checkpoint.spec import AttentionSpec
+from moet.model.layers.attention import attend
+from moet.model.layers.linear import Linear
+from moet.model.layers.norm import RMSNorm
+from moet.model.layers.rope import Rotary
+
+
+class MLAttention(nn.Module):
+    def __init__(self, spec: AttentionSpec, hidden: int, rotary: Rotary, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.spec, self.rotary = spec, rotary
+        nh, qk = spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        if spec.q_lora_rank is None:
+            self.q_proj = Linear(hidden, nh * qk, False, dtype)
+        else:
+            self.q_a_proj = Linear(hidden, spec.q_lora_rank, spec.qkv_bias, dtype)
+            # transformers builds these two norms with its default eps (1e-6), not rms_norm_eps
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, 1e-6, dtype)
+            self.q_b_proj = Linear(spec.q_lora_rank, nh * qk, False, dtype)
+        self.kv_a_proj_with_mqa = Linear(hidden, spec.kv_lora_rank + spec.qk_rope_head_dim, spec.qkv_bias, dtype)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, 1e-6, dtype)
+        self.kv_b_proj = Linear(spec.kv_lora_rank, nh * (spec.qk_nope_head_dim + spec.v_head_dim), False, dtype)
+        self.o_proj = Linear(nh * spec.v_head_dim, hidden, spec.o_bias, dtype)
+
+    def cache_shapes(self, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (max_len, self.spec.kv_lora_rank), (max_len, self.spec.qk_rope_head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        s, t = self.spec, x.shape[0]
+        nope, rope_d, nh = s.qk_nope_head_dim, s.qk_rope_head_dim, s.num_heads
+        q = self.q_proj(x) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, nh, nope + rope_d)
+        q_pass, q_rot = q[..., :nope], q[..., nope:]
+        kv_nope, k_rot = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, rope_d], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope)
+        q_rot = self.rotary.apply(q_rot, cos, sin)
+        k_rot = self.rotary.apply(k_rot.view(t, 1, rope_d), cos, sin).view(t, rope_d)
+        lat_cache, rot_cache = cache
+        lat_cache[start:start + t] = kv_nope
+        rot_cache[start:start + t] = k_rot
+        n = start + t
+        kv = self.kv_b_proj(lat_cache[:n]).view(n, nh, nope + s.v_head_dim)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        k = torch.cat([k_nope, rot_cache[:n, None, :].expand(n, nh, rope_d)], dim=-1)
+        q = torch.cat([q_pass, q_rot], dim=-1)
+        return self.o_proj(attend(q, k, v, start, s.scale))

@@ -1,0 +1,49 @@
+"""The MoE block: router -> routed experts through a slot table and a pool -> + shared experts.
+
+The block owns its router and shared experts (dense weights). Routed experts are reached
+only through `slot_table` (int32 [num_experts], -1 = absent) and `pool` (moet.kernels.pools),
+which the loader fills with every expert resident (slot = expert id) for now; a later runner
+hands in the device cache's table and pool instead, without touching this file.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moet.checkpoint.spec import ModelSpec
+from moet.kernels.reference import moe_experts_reference
+from moet.model.layers.linear import MLP
+from moet.model.layers.router import route
+
+
+class Router(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        r = spec.router
+        wdtype = torch.float32 if r.fp32_weight else dtype
+        self.weight = nn.Parameter(torch.empty(r.num_experts, spec.hidden_size, dtype=wdtype), requires_grad=False)
+        if r.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(r.num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+
+class MoE(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        self.gate = Router(spec, dtype)
+        self.shared_experts = (MLP(spec.hidden_size, spec.shared_intermediate_size, dtype)
+                               if spec.shared_intermediate_size else None)
+        self.slot_table = torch.full((spec.router.num_experts,), -1, dtype=torch.int32)
+        self.pool = None                               # set by the loader
+        self.miss_counter = torch.zeros(1, dtype=torch.int64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(x, self.gate.weight, self.spec.router, self.gate.e_score_correction_bias)
+        out = moe_experts_reference(x, ids, weights, self.slot_table, self.pool, self.miss_counter,
+                                    swiglu_limit=self.spec.swiglu_limit)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,38 @@
+"""Routing rules: which k experts each token uses and with what weights. Mirrors transformers'
+routers op for op (the chosen set must match exactly; near-ties decide it)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moet.checkpoint.spec import RouterSpec
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
+          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], router weight [E, H] -> (topk_ids int64 [T, k], topk_weights [T, k])."""
+    if spec.scoring == "softmax":
+        # Mixtral / Qwen3-MoE: softmax over all experts (fp32), top-k, optional renormalise
+        logits = F.linear(x, weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        w, ids = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return ids, w.to(logits.dtype)
+    # DeepSeek-V3 / GLM: sigmoid scores in fp32; the correction bias steers the choice only;
+    # group-limited: keep the topk_group groups whose best-2 sum is largest.
+    logits = F.linear(x.float(), weight.float())
+    scores = logits.sigmoid()
+    choice = scores + correction_bias if correction_bias is not None else scores
+    e, g = spec.num_experts, spec.n_group
+    if g > 1:
+        group_scores = choice.view(-1, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, g, e // g).reshape(-1, e)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    if spec.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, w * spec.routed_scaling_factor

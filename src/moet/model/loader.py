@@ -1,0 +1,175 @@
+"""Load a checkpoint into a CausalLM, shard by shard, tensor by tensor.
+
+Like nano-vllm, a parameter is found by its (canonical) name and receives its on-disk tensors
+through a weight_loader (`param.weight_loader` if a module defines one, else
+weights.default_weight_loader); routed experts go to model/experts.py instead. Host memory
+holds the model, the one open shard's mapped pages that were touched, and one parameter's
+tensors (plus its decoded copy) at a time; each shard is closed before the next is opened.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from tqdm import tqdm
+
+from moet.checkpoint import Checkpoint
+from moet.checkpoint import weight_format as wf
+from moet.checkpoint.spec import ExpertRef, expert_ref
+from moet.errors import CheckpointError
+from moet.model import experts
+from moet.model.layers.moe import MoE
+from moet.model.model import CausalLM
+from moet.model.weights import default_weight_loader
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Tensors some checkpoints carry that no computation needs.
+IGNORED = (re.compile(r"rotary_emb\.inv_freq$"),)
+
+
+def logical_shape(fmt: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The decoded shape of a parameter, from its on-disk tensors' header shapes."""
+    if fmt == "nvfp4":
+        *lead, half = shapes["weight"]
+        return (*lead, half * 2)
+    if fmt == "mxfp4":
+        *lead, groups, _ = shapes["blocks"]
+        return (*lead, groups * 32)
+    return tuple(shapes["weight"])
+
+
+def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
+    layer = model.model.layers[ref.layer] if ref.layer is not None else model.mtp[ref.mtp].layer
+    if not isinstance(layer.mlp, MoE):
+        raise CheckpointError(f"{where}: routed-expert tensor for a dense layer (config.json's "
+                              "first_k_dense_replace / mlp_only_layers disagree with the weights)")
+    return layer.mlp
+
+
+def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_mode: str = "auto",
+                 device: torch.device | str = "cpu", progress: bool = False) -> None:
+    """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr."""
+    spec, reader = ckpt.spec, ckpt.reader
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        experts.allocate_pool(moe, expert_format, model.dtype, device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    experts_loaded: dict[int, set[tuple[int, str]]] = {id(m): set() for m in moes}
+
+    def add_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict, where: str) -> None:
+        if (expert, proj) in experts_loaded[id(moe)]:
+            raise CheckpointError(f"{where}: expert {expert} {proj} is stored twice (per-expert and fused?)")
+        experts.load_expert(moe, expert, proj, fmt, parts, zero_mode, where)
+        experts_loaded[id(moe)].add((expert, proj))
+
+    shard_bytes = reader.shard_bytes()
+    bar = tqdm(total=sum(shard_bytes.values()), unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"loading ({expert_format} experts)", disable=not progress, leave=False)
+    by_shard: dict[str, list[str]] = {sh: [] for sh in reader.shards}
+    for n, info in reader.tensors.items():
+        by_shard[info.file].append(n)
+    for shard in reader.shards:
+        for disk_name in sorted(by_shard[shard]):
+            if wf.primary_name(disk_name) is not None:
+                continue  # a scale / calibration companion, read with its weight
+            base = disk_name[: -len(wf.MXFP4_BLOCKS)] if disk_name.endswith(wf.MXFP4_BLOCKS) else disk_name
+            name = spec.canonical_name(base)
+            if any(p.search(name) for p in IGNORED):
+                continue
+            if name.startswith("mtp.") and int(name.split(".")[1]) < spec.num_mtp_layers and not model.mtp:
+                continue  # MTP layers not requested (load_mtp=False)
+            fmt = wf.tensor_format(base, reader.tensors)
+            if fmt == "float" and reader.info(disk_name).dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{reader.where(disk_name)}: stored as {reader.info(disk_name).dtype} "
+                                      "without the scale tensors of a quantized weight")
+            names = wf.companions(base, fmt)
+            for role, n in names.items():
+                if n not in reader:
+                    raise CheckpointError(f"{reader.where(disk_name)}: {fmt} weight without its {role} tensor {n}")
+            where = reader.where(disk_name)
+            shape = logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
+
+            ref = expert_ref(name)
+            if ref is not None and ref.expert is not None:
+                moe = _moe_of(model, ref, where)
+                want = ((spec.hidden_size, spec.moe_intermediate_size) if ref.proj == "down_proj"
+                        else (spec.moe_intermediate_size, spec.hidden_size))
+                if shape != want:
+                    raise CheckpointError(f"{where}: shape {list(shape)} does not match the {list(want)} "
+                                          "that config.json implies")
+                parts = {r: reader.get(n, copy=False) for r, n in names.items()}
+                add_expert(moe, ref.expert, ref.proj, fmt, parts, where)
+                continue
+            if ref is not None:
+                _load_fused(model, ref, fmt, names, shape, reader, add_expert, where)
+                continue
+            param = params.get(name)
+            if param is None:
+                raise CheckpointError(f"{where}: unexpected tensor (no {spec.architecture} parameter named {name}); "
+                                      "config.json and the weights disagree")
+            if tuple(shape) != tuple(param.shape):
+                raise CheckpointError(f"{where}: shape {list(shape)} does not match the {list(param.shape)} "
+                                      "that config.json implies")
+            parts = {r: reader.get(n, copy=False) for r, n in names.items()}
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, fmt, parts, where)
+            loaded.add(name)
+        reader.close()
+        bar.update(shard_bytes[shard])
+    bar.close()
+
+    _finish(model, ckpt, params, loaded, moes, experts_loaded)
+
+
+def _load_fused(model, ref: ExpertRef, fmt, names, shape, reader, add_expert, where) -> None:
+    """transformers-style fused expert tensors: gate_up_proj [E, 2I, H] (gate rows first) and
+    down_proj [E, H, I]; float or MXFP4 (gpt-oss style *_blocks / *_scales)."""
+    spec = model.spec
+    moe = _moe_of(model, ref, where)
+    e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    want = (e, h, i) if ref.proj == "down_proj" else (e, 2 * i, h)
+    if tuple(shape) != want:
+        raise CheckpointError(f"{where}: shape {list(shape)} does not match the {list(want)} that config.json implies")
+    if fmt not in ("float", "mxfp4"):
+        raise CheckpointError(f"{where}: fused {fmt} expert tensors are not supported (per-expert tensors are)")
+    full = {r: reader.get(n, copy=False) for r, n in names.items()}
+    for x in range(e):
+        if ref.proj == "down_proj":
+            add_expert(moe, x, "down_proj", fmt, {r: t[x] for r, t in full.items()}, f"{where}[{x}]")
+        else:
+            for proj, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+                add_expert(moe, x, proj, fmt, {r: t[x, rows] for r, t in full.items()}, f"{where}[{x}]")
+
+
+def _finish(model: CausalLM, ckpt: Checkpoint, params: dict, loaded: set[str], moes: list[MoE],
+            experts_loaded: dict[int, set]) -> None:
+    spec = ckpt.spec
+    if "lm_head.weight" not in loaded and spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    for j, m in enumerate(model.mtp):
+        # DeepSeek-V3 MTP blocks share the main embedding and head (paper 2.2); checkpoints may
+        # store copies. Keep a copy only if it differs, so memory is not spent twice.
+        for attr, main, own in (("has_own_embed", model.model.embed_tokens.weight, f"mtp.{j}.embed_tokens.weight"),
+                                ("has_own_head", model.lm_head.weight, f"mtp.{j}.shared_head.head.weight")):
+            if own in loaded and not torch.equal(params[own], main):
+                setattr(m, attr, True)
+            loaded.add(own)
+        if not m.has_own_embed:
+            m.embed_tokens = None
+        if not m.has_own_head:
+            m.shared_head.head = None
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise CheckpointError(f"{ckpt.path}: tensor {_disk_hint(spec, missing[0])} is missing from the checkpoint "
+                              f"({len(missing)} parameters missing)")
+    for moe in moes:
+        where = next(n for n, mod in model.named_modules() if mod is moe)
+        experts.check_complete(moe, experts_loaded[id(moe)], f"{ckpt.path}: {where}")
+
+
+def _disk_hint(spec, canonical: str) -> str:
+    """A canonical name as the checkpoint would spell it (MTP blocks live at model.layers.{N + j})."""
+    m = re.match(r"mtp\.(\d+)\.(layer\.)?(.*)$", canonical)
+    return f"model.layers.{spec.num_layers + int(m.group(1))}.{m.group(3)}" if m else canonical

@@ -1,0 +1,123 @@
+"""The causal LM for every supported family, built from a ModelSpec alone.
+
+All four families share one skeleton (pre-norm decoder, residual adds, final norm, LM head);
+they differ in attention (GQA or MLA), rope, which layers are MoE, the routing rule and shared
+experts, all of which the spec carries. Module names follow the canonical tensor names
+(ModelSpec.canonical_name), so loading is a name lookup.
+
+MTP layers (DeepSeek-V3 layout, also GLM-4.5): mtp.{j} = enorm(embed(token_{t+1})) and
+hnorm(hidden_t) -> eh_proj(concat) -> one decoder layer -> shared_head.norm -> shared_head.head.
+They are loaded and kept for speculative decoding; `mtp_forward` runs one.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moet.checkpoint.spec import ModelSpec
+from moet.model.layers.attention import GQAttention
+from moet.model.layers.linear import MLP, Linear
+from moet.model.layers.mla import MLAttention
+from moet.model.layers.moe import MoE
+from moet.model.layers.norm import RMSNorm
+from moet.model.layers.rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        attn_cls = MLAttention if spec.attention.kind == "mla" else GQAttention
+        self.self_attn = attn_cls(spec.attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype)
+        self.mlp = MoE(spec, dtype) if kind == "moe" else MLP(spec.hidden_size, spec.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, cache, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.head = Linear(spec.hidden_size, spec.vocab_size, False, dtype)
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.enorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * spec.hidden_size, spec.hidden_size, False, dtype)
+        self.layer = DecoderLayer(spec, spec.layer_kinds[-1], rotary, dtype)
+        self.shared_head = SharedHead(spec, dtype)
+        # which of embed_tokens / shared_head.head the checkpoint provided (else the main model's)
+        self.has_own_embed = False
+        self.has_own_head = False
+
+
+class Backbone(nn.Module):
+    """`model.*` of the checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, spec: ModelSpec, rotary: Rotary, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, k, rotary, dtype) for k in spec.layer_kinds)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, *, load_mtp: bool = True):
+        super().__init__()
+        self.spec, self.dtype = spec, dtype
+        self.rotary = Rotary(spec.rope, spec.max_position_embeddings)
+        self.model = Backbone(spec, self.rotary, dtype)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype)
+        n_mtp = spec.num_mtp_layers if load_mtp else 0
+        self.mtp = nn.ModuleList(MTPLayer(spec, self.rotary, dtype) for _ in range(n_mtp))
+
+    # ------------------------------------------------------------------ caches
+
+    def new_cache(self, max_len: int, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Contiguous per-layer caches for one sequence (main layers, then MTP layers)."""
+        layers = [layer for layer in self.model.layers] + [m.layer for m in self.mtp]
+        out = []
+        for layer in layers:
+            a, b = layer.self_attn.cache_shapes(max_len)
+            out.append((torch.zeros(a, dtype=self.dtype, device=device), torch.zeros(b, dtype=self.dtype, device=device)))
+        return out
+
+    # ------------------------------------------------------------------ forward
+
+    def hidden_states(self, input_ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+        """input_ids [T] at positions start..start+T-1 -> final hidden states [T, H] (pre-norm)."""
+        positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache[i], start)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+    def forward(self, input_ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, start, cache))
+
+    def mtp_forward(self, j: int, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer j. hidden [T, H]: the main model's final-normed hidden states (what the LM
+        head sees; vLLM and SGLang feed the same) of the tokens at start..; next_ids [T]: the
+        token following each -> (this block's output hidden [T, H], draft logits [T, V] for the
+        token after next). Chained blocks take the previous block's output hidden."""
+        m = self.mtp[j]
+        embed = m.embed_tokens if m.has_own_embed else self.model.embed_tokens
+        head = m.shared_head.head if m.has_own_head else self.lm_head
+        positions = torch.arange(start, start + next_ids.shape[0], device=next_ids.device)
+        x = m.eh_proj(torch.cat([m.enorm(embed(next_ids)), m.hnorm(hidden)], dim=-1))
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = m.layer(x, cos, sin, cache[len(self.model.layers) + j], start)
+        return x, head(m.shared_head.norm(x))

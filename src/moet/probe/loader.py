@@ -1,0 +1,175 @@
+"""Load a DeepSeek-V3-layout checkpoint (moet-tiny) into transformers' DeepseekV3ForCausalLM
+with the routed experts in a chosen number format, plus its MTP layer.
+
+The moet engine does not run models yet, so the probes use transformers as the reference
+forward; only the routed-expert weights change between formats:
+  bf16   the checkpoint's experts as stored (BF16 checkpoints), or NVFP4 decoded exactly
+  nvfp4  NVFP4 decoded (BF16 experts are first quantized with moet.formats.nvfp4.quantize)
+  w2     NVFP4 -> moet.formats.w2.from_nvfp4 -> decoded (BF16 experts: w2.quantize)
+For the shipped NVFP4 checkpoint bf16 and nvfp4 are therefore the same weights; the card's
+BF16 row was measured on the trained weights before quantization.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from moet.errors import CheckpointError
+from moet.formats import nvfp4, w2
+
+EXPERT_FORMATS = ("bf16", "nvfp4", "w2")
+
+
+def default_checkpoint() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets" / "moet-tiny"
+
+
+def read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    index = ckpt / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(ckpt.glob("*.safetensors"))]
+    if not files:
+        raise CheckpointError(f"{ckpt}: no safetensors files; pass a checkpoint directory (moet probe CKPT)")
+    out = {}
+    for f in files:
+        with safe_open(str(ckpt / f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def expert_weight(t: dict[str, torch.Tensor], prefix: str, fmt: str) -> torch.Tensor:
+    """One routed-expert linear (prefix ends in .gate_proj etc.) -> float32 [N, K] in `fmt`."""
+    w = t[f"{prefix}.weight"]
+    if w.dtype == torch.uint8:  # NVFP4
+        ws, ws2 = t[f"{prefix}.weight_scale"], t[f"{prefix}.weight_scale_2"]
+        if fmt == "w2":
+            return w2.dequantize(w2.from_nvfp4(w, ws, ws2, name=prefix))
+        return nvfp4.dequantize(w, ws, ws2, name=prefix)
+    w = w.float()
+    if fmt == "nvfp4":
+        q = nvfp4.quantize(w, name=prefix)
+        return nvfp4.dequantize(q.weight, q.weight_scale, q.weight_scale_2)
+    if fmt == "w2":
+        return w2.dequantize(w2.quantize(w, name=prefix))
+    return w
+
+
+def hf_config(ckpt: Path, attn_implementation: str = "sdpa"):
+    from transformers import DeepseekV3Config
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("quantization_config", None)  # experts arrive already decoded
+    config = DeepseekV3Config.from_dict(cfg)
+    config._attn_implementation = attn_implementation
+    return config
+
+
+class MTPHead(nn.Module):
+    """DeepSeek-V3 MTP layer built from transformers' own modules (layer index = L)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm = DeepseekV3RMSNorm(h, eps), DeepseekV3RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DeepseekV3DecoderLayer(config, config.num_hidden_layers)
+        self.norm = DeepseekV3RMSNorm(h, eps)
+        self.head = nn.Linear(h, config.vocab_size, bias=False)
+
+    def forward(self, model, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced drafts: hidden [B, T, H] = the main model's final (post-norm) states
+        for input_ids [B, T]; returns logits [B, T-1, V] for tokens 2..T (position t predicts
+        t+2 from h_t and token t+1, placed at position t+1)."""
+        emb = model.model.embed_tokens(input_ids[:, 1:])
+        pos = torch.arange(1, input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        pe = model.model.rotary_emb(emb, pos)
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden[:, :-1])], dim=-1))
+        out = self.layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        x = out[0] if isinstance(out, tuple) else out
+        return self.head(self.norm(x))
+
+
+@dataclass
+class Loaded:
+    model: nn.Module        # DeepseekV3ForCausalLM
+    mtp: MTPHead
+    tokenizer: object
+    experts: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load(ckpt: Path | str | None = None, experts: str = "nvfp4", device: str | torch.device = "cpu",
+         dtype: torch.dtype | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Loaded:
+    """`tensors` lets a caller reuse one read of the files across formats."""
+    from transformers import AutoTokenizer
+    ckpt = Path(ckpt) if ckpt is not None else default_checkpoint()
+    if not (ckpt / "config.json").exists():
+        raise CheckpointError(f"{ckpt}: no config.json; pass a Hugging Face checkpoint directory")
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    t = tensors if tensors is not None else read_tensors(ckpt)
+    model, mtp = build(hf_config(ckpt), t, experts, device, dtype)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    return Loaded(model, mtp, tok, experts, device, dtype)
+
+
+def build(config, t: dict[str, torch.Tensor], experts: str, device: torch.device, dtype: torch.dtype
+          ) -> tuple[nn.Module, MTPHead]:
+    """transformers' DeepseekV3ForCausalLM + MTPHead from checkpoint tensors (names as on disk)."""
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+    if experts not in EXPERT_FORMATS:
+        raise CheckpointError(f"unknown expert format {experts!r}; use one of {', '.join(EXPERT_FORMATS)}")
+    n_layers, n_exp = config.num_hidden_layers, config.n_routed_experts
+
+    def fused(layer: int) -> dict[str, torch.Tensor]:
+        gu, dn = [], []
+        for e in range(n_exp):
+            p = f"model.layers.{layer}.mlp.experts.{e}"
+            gu.append(torch.cat([expert_weight(t, f"{p}.gate_proj", experts), expert_weight(t, f"{p}.up_proj", experts)]))
+            dn.append(expert_weight(t, f"{p}.down_proj", experts))
+        return {"mlp.experts.gate_up_proj": torch.stack(gu), "mlp.experts.down_proj": torch.stack(dn)}
+
+    main, mtp_sd = {}, {}
+    mtp_prefix = f"model.layers.{n_layers}."
+    for k, v in t.items():
+        if ".mlp.experts." in k:
+            continue
+        if k.startswith(mtp_prefix):
+            mtp_sd[k[len(mtp_prefix):]] = v
+        else:
+            main[k] = v
+    for layer in range(config.first_k_dense_replace, n_layers + 1):
+        for k, v in fused(layer).items():
+            if layer == n_layers:
+                mtp_sd[k] = v
+            else:
+                main[f"model.layers.{layer}.{k}"] = v
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+        mtp = MTPHead(config)
+    model.load_state_dict(main, strict=True, assign=True)
+    remap = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "shared_head.norm.weight": "norm.weight", "shared_head.head.weight": "head.weight"}
+    mtp.load_state_dict({remap.get(k, f"layer.{k}"): v for k, v in mtp_sd.items()}, strict=True, assign=True)
+    for m in (model, mtp):
+        # Router weights and the correction bias stay fp32 (transformers keeps them so).
+        for name, p in list(m.named_parameters()) + list(m.named_buffers()):
+            if p.is_meta:
+                continue  # non-persistent rotary buffers, rebuilt below
+            keep32 = name.endswith(("e_score_correction_bias", "mlp.gate.weight"))
+            p.data = p.data.to(device=device, dtype=torch.float32 if keep32 else dtype)
+        m.eval()
+    # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild them.
+    model.model.rotary_emb = DeepseekV3RotaryEmbedding(config=config).to(device)
+    return model, mtp

@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package (nothing here downloads anything)."""
