@@ -10,4 +10,19 @@ __version__ = "0.1.0"
 
 from moet.errors import CheckpointError, ConfigError, FormatError, MoetError
 
-__all__ = ["__version__", "MoetError", "FormatError", "CheckpointError", "ConfigError"]
+__all__ = ["__version__", "MoetError", "FormatError", "CheckpointError", "ConfigError",
+           "LLM", "SamplingParams", "EngineConfig"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import moet` and `moet --help` must not import torch or transformers.
+    if name == "LLM":
+        from moet.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from moet.sampling_params import SamplingParams
+        return SamplingParams
+    if name == "EngineConfig":
+        from moet.config import EngineConfig
+        return EngineConfig
+    raise AttributeError(f"module 'moet' has no attribute {name!r}")

@@ -16,6 +16,7 @@ from moet.errors import ConfigError
 EXPERT_FORMATS = ("w2", "fp4", "bf16")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 W2_ZERO_MODES = ("auto", "sign", "alt")
+W2_SCALE_RULES = ("published", "mse")
 
 
 def _knob(default, help: str, choices: tuple | None = None):
@@ -41,6 +42,9 @@ class EngineConfig:
     w2_zero_mode: str = _knob(
         "auto", "sign rule for exact zeros when re-quantizing experts to W2 (moet.formats.w2): auto "
                 "alternates them by K parity when >95 percent share one sign", W2_ZERO_MODES)
+    w2_scale_rule: str = _knob(
+        "published", "block exponent rule when re-quantizing experts to W2: published (round(log2(amax/6)), "
+                     "the original design's) or mse (least squared error per block; docs/formats.md)", W2_SCALE_RULES)
     trust_remote_code: bool = _knob(False, "allow a tokenizer that ships its own Python code (e.g. Kimi-K2's "
                                            "tiktoken tokenizer); model code is never run, moet has its own")
     load_mtp: bool = _knob(True, "load the checkpoint's MTP layers (kept for speculative decoding); "

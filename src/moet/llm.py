@@ -57,7 +57,8 @@ class LLM:
         from moet.model import load_model
 
         self.model = load_model(ckpt, expert_format=cfg.expert_format, dtype=self.dtype, device=self.device,
-                                zero_mode=cfg.w2_zero_mode, load_mtp=cfg.load_mtp, progress=True)
+                                zero_mode=cfg.w2_zero_mode, scale_rule=cfg.w2_scale_rule,
+                                load_mtp=cfg.load_mtp, progress=True)
         self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
         gen = ckpt.reader.generation_config
         eos = gen.get("eos_token_id", None)

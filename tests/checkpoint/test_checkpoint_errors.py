@@ -193,3 +193,12 @@ def test_missing_mtp_tensor_is_named_as_on_disk(tmp_path):
     assert "model.layers.3.self_attn.k_norm.weight is missing" in _one_line(e)
     # without MTP the same checkpoint loads
     assert len(load_model(open_checkpoint(path), expert_format="bf16", dtype=torch.float32, load_mtp=False).mtp) == 0
+
+
+def test_expert_index_beyond_config(tmp_path):
+    path = _copy(tmp_path)
+    _rewrite(path, lambda t: t.__setitem__("model.layers.1.mlp.experts.8.up_proj.weight",
+                                           t["model.layers.1.mlp.experts.7.up_proj.weight"].clone()))
+    with pytest.raises(CheckpointError) as e:
+        load_model(open_checkpoint(path), expert_format="w2", dtype=torch.float32)
+    assert "experts.8.up_proj.weight" in _one_line(e) and "expert 8 is out of range" in str(e.value)

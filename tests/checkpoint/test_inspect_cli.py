@@ -45,5 +45,7 @@ def test_placement_depends_on_gpu_memory(capsys):
     assert tight["dense_fits"] and not tight["w2_all_resident"]
     assert tight["w2_resident_fraction"] == pytest.approx(0.5, abs=0.01)
     assert inspect_cli.placement(s, s.dense_loaded_bytes / gib / 2, 0)["dense_fits"] is False
+    assert tight["min_slots"] == s.moe_layers * s.top_k == 2 * 2  # tiny DeepSeek: 2 MoE layers, top-2
+    assert tight["w2_expert_slots"] == (s.moe_layers * s.experts) // 2
     text = _run(capsys, path, "--gpu-memory", "80")
     assert "deepseek_v3" in text and "W2 all resident: yes" in text

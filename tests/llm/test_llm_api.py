@@ -114,7 +114,7 @@ def test_every_engine_config_field_is_an_llm_keyword(path):
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     assert set(fields) >= {"model", "expert_format", "dtype", "device", "max_model_len"}
     kwargs = dict(tokenizer=path, expert_format="fp4", dtype="float32", device="cpu", max_model_len=64,
-                  seed=3, w2_zero_mode="sign", load_mtp=False, trust_remote_code=False)
+                  seed=3, w2_zero_mode="sign", w2_scale_rule="mse", load_mtp=False, trust_remote_code=False)
     assert set(kwargs) == set(fields) - {"model"}  # a new field must be added here too
     llm = LLM(path, **kwargs)
     assert llm.config == EngineConfig(model=path, **kwargs)

@@ -17,6 +17,7 @@ CASES = [
     ("glm4_moe", {}),
     ("glm4_moe", {"use_qk_norm": False, "attention_bias": False, "n_group": 1, "topk_group": 1, "mtp": False}),
     ("qwen3_moe", {}),
+    ("qwen3_moe", {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}),
     ("mixtral", {}),
 ]
 

@@ -87,3 +87,15 @@ def test_fp4_experts_from_other_formats_equal_float64_nvfp4_reference(family, fm
     want = _ref_logprobs(path, dtype=torch.float64, expert_fn=_nvfp4_round_trip).float()
     assert (got - want).abs().max() < 1e-4
     assert (got - _moet_logprobs(path, "bf16")).abs().max() > 1e-3
+
+
+def test_w2_scale_rule_mse_is_used_when_asked():
+    path = cached_checkpoint("mixtral", "bf16")
+    ckpt = open_checkpoint(path)
+    a = load_model(ckpt, expert_format="w2", dtype=torch.float32)
+    b = load_model(ckpt, expert_format="w2", dtype=torch.float32, scale_rule="mse")
+    w = ckpt.reader.get("model.layers.0.block_sparse_moe.experts.1.w3.weight")
+    want = w2.quantize(w, scale_rule="mse")
+    assert torch.equal(b.model.layers[0].mlp.pool.gate_up_codes[1, 32:], want.codes)
+    assert torch.equal(b.model.layers[0].mlp.pool.gate_up_scales[1, 32:], want.scales)
+    assert not torch.equal(a.model.layers[0].mlp.pool.gate_up_codes, b.model.layers[0].mlp.pool.gate_up_codes)

@@ -40,6 +40,14 @@ def compile_variant(v, K):
                "ids_ptr": "*i32", "N": "i32", "K": "constexpr", "stride_ce": "i64",
                "stride_se": "i64", "stride_xa": "i32", "BN": "constexpr", "GB": "constexpr"}
         const = {"K": K, "BN": cfg["BN"], "GB": cfg["GB"]}
+    elif kind == "dot16":
+        fn = lab._dot16_kernel
+        sig = {"codes_ptr": "*u8", "scales_ptr": "*u8", "xp_ptr": "*bf16", "out_ptr": "*fp32",
+               "ids_ptr": "*i32", "N": "i32", "K": "constexpr", "T": "i32", "stride_ce": "i64",
+               "stride_se": "i64", "stride_xa": "i32", "BN": "constexpr", "BKH": "constexpr",
+               "MODE": "constexpr", "FIX_INTERP": "constexpr", "MULTI_ACC": "constexpr"}
+        const = {"K": K, "BN": cfg["BN"], "BKH": cfg["BKH"], "MODE": cfg["MODE"], "FIX_INTERP": False,
+                 "MULTI_ACC": cfg.get("MA", False)}
     else:
         fn = lab._dot_kernel
         sig = {"codes_ptr": "*u8", "scales_ptr": "*u8", "xp_ptr": "*bf16", "out_ptr": "*fp32",
@@ -118,6 +126,8 @@ def main():
             cfg = v["cfg"]
             if v["kind"] == "dot":
                 w_per_iter = cfg["BN"] * cfg["BKB"] * 4
+            elif v["kind"] == "dot16":
+                w_per_iter = cfg["BN"] * cfg["BKH"] * 8
             elif v["kind"] == "nodecode":
                 w_per_iter = cfg["BN"] * cfg["BKW"] * 16
             else:

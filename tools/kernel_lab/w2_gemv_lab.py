@@ -14,18 +14,28 @@ Variants (all read the reference layout unless said otherwise):
   nodecode     same loads (codes as int32 words + scale bytes), one FMA per word: the access
                pattern's ceiling
   fma_simple   shift/mask + where-chain decode, fp32 FMA, per-32-group scale on partial sums
-  dot_tl       tensor cores (tl.dot, tokens padded to 16, weights as the A operand), decode in
-               plain Triton integer ops, scale folded into the bf16 exponent
-  dot_prmt     tensor cores, decode by PTX prmt.b32 (inline asm, 4 code bytes -> 16 bf16 per
-               call): per 32-group a LUT word of the four bf16 high bytes of +-1*2^e, +-4*2^e
-               built with one IMAD from the scale byte, so the prmt yields scaled bf16 directly
-  dot_imad     tensor cores, proposed layout "nb16": per 32-bit word 16 weights stored as
-               (neg, big) bit pairs placed so that 7 of the 8 bf16 pairs come out of one LOP3
-               (mask) + one IMAD ((w & M) << d) + (scale << 7 | scale << 23)
-K order inside the dot variants: the asm/decode emits 4 "field" tensors per code-byte tile
-(field j = the j-th 2-bit code of every byte, or the nb16 slot); the activations are loaded
-in the matching permuted order (x_perm, built once per call by the caller: in the engine this
-fuses into the kernel producing x), so no reshapes are needed.
+  dot_tl       tensor cores (tl.dot, tokens padded to 16, weights as the A operand), codes read
+               as bytes, 4 "field" tensors (the j-th 2-bit code of every byte), decode in plain
+               Triton integer ops, scale folded into the bf16 exponent
+  dot_prmt     as dot_tl, decode by PTX prmt.b32 (inline asm, pack=4): per group a LUT word of
+               the four bf16 high bytes of -4,-1,+1,+4 times 2^(s-127), built with one IMAD from
+               the scale byte, so each prmt emits two scaled bf16
+  dot16_*      codes read as 16-bit units (8 weights): the asm gets (unit u, unit u+1) of one
+               row in one register, exactly the (k, k+1) pair of the wgmma A fragment that
+               Triton hoists the decode into, so no byte shuffling; 8 "slot" tensors, 8 dots
+  dot16_prmt   reference layout: one PRMT regroups bytes, then SHF + LOP3 + PRMT per bf16 pair
+  dot16_nb8    proposed layout "nb8" (to_nb8/from_nb8, bit-exact): each weight stored as
+               (neg, big) bits placed so that a bf16 pair is ((w & M_p) << p) + (s<<7 | s<<23):
+               one LOP3 + one IMAD per two weights, scale included
+  (dot16_tl, dot16_tl_nb8: plain-Triton decode of the same layouts, CPU interpreter checks)
+  num_warps >= 4 gives wgmma (Triton waits for every wgmma whose A is in registers);
+  num_warps 1-2 gives mma.sync (HMMA.16816, no warpgroup waits); "_ma" = two accumulators.
+  Measurements and analysis: tools/kernel_lab/RESULTS.md.
+  (nb16 / MODE 2 of _dot_kernel: a 32-bit-word version of the nb8 idea; it assumes the asm
+   sees 4 consecutive bytes of a row, which Triton's hoisting into the kWidth=2 dot-operand
+   layout breaks, so it is kept for reference only and not run)
+The activations are loaded in the matching permuted order (x_perm / x_perm8, built once per
+call by the caller: in the engine this fuses into the kernel producing x).
 
 Run (GPU):  PYTHONUNBUFFERED=1 python3 tools/kernel_lab/w2_gemv_lab.py --out $OUT
 CPU check:  TRITON_INTERPRET=1 python3 tools/kernel_lab/w2_gemv_lab.py --cpu-check
@@ -152,6 +162,55 @@ def make_x_perm(x: torch.Tensor) -> torch.Tensor:
     return xp
 
 
+# ---------------------------------------------------------------- layout nb8 (dot16 MODE 2)
+# Codes viewed as little-endian 16-bit units, unit u of a row = weights 8u .. 8u+7 (slot p =
+# weight 8u + p, natural order). Each weight is stored as two bits, neg (1 = negative) and big
+# (1 = |level| 4), at: slot p < 7: big at bit 8 - p, neg at bit 15 - p; slot 7: big at bit 0,
+# neg at bit 1. A 32-bit pair of units (u even, u + 1) then yields the bf16 pair of slot p of
+# both units with ONE mask (LOP3) and ONE IMAD: ((w & M_p) << p) + (s << 7 | s << 23)
+# (slot 7: two of each). The two bf16 of a register are (unit u, unit u + 1): exactly the
+# (k, k+1) pairs of the mma A fragment, so the decode can run in the dot-operand layout.
+
+
+def nb8_bitpos():
+    big = [8 - p for p in range(7)] + [0]
+    neg = [15 - p for p in range(7)] + [1]
+    assert sorted(big + neg) == list(range(16))
+    return big, neg
+
+
+def to_nb8(codes: torch.Tensor) -> torch.Tensor:
+    """Reference codes uint8 [..., N, K/4] -> nb8 uint8 [..., N, K/4] (bit-exact, invertible)."""
+    c = unpack_ref(codes).to(torch.int32)                  # [..., N, K]
+    *lead, n, k = c.shape
+    c = c.reshape(*lead, n, k // 8, 8)
+    neg = (c < 2).to(torch.int32)
+    big = ((c == 0) | (c == 3)).to(torch.int32)
+    bp, np_ = (torch.tensor(v, device=codes.device, dtype=torch.int32) for v in nb8_bitpos())
+    unit = ((big << bp) | (neg << np_)).sum(-1)            # [..., N, K/8], distinct bits
+    by = torch.stack([unit & 0xFF, (unit >> 8) & 0xFF], -1)
+    return by.reshape(*lead, n, k // 4).to(torch.uint8)
+
+
+def from_nb8(nb: torch.Tensor) -> torch.Tensor:
+    *lead, n, kq = nb.shape
+    b = nb.to(torch.int32).reshape(*lead, n, kq // 2, 2)
+    unit = b[..., 0] | (b[..., 1] << 8)
+    bp, np_ = (torch.tensor(v, device=nb.device, dtype=torch.int32) for v in nb8_bitpos())
+    big = (unit.unsqueeze(-1) >> bp) & 1
+    neg = (unit.unsqueeze(-1) >> np_) & 1
+    code = ((1 - neg) * 2 + (big ^ neg)).to(torch.uint8).reshape(*lead, n, kq, 4)
+    return code[..., 0] | (code[..., 1] << 2) | (code[..., 2] << 4) | (code[..., 3] << 6)
+
+
+def make_x_perm8(x: torch.Tensor) -> torch.Tensor:
+    """x [A, T, K] -> [A, 8, K/8, TP] bf16, [a, p, u, t] = x[a, t, 8u + p], zero-padded tokens."""
+    a, t, k = x.shape
+    xp = torch.zeros(a, 8, k // 8, TPAD, dtype=torch.bfloat16, device=x.device)
+    xp[:, :, :, :t] = x.to(torch.bfloat16).reshape(a, t, k // 8, 8).permute(0, 3, 2, 1)
+    return xp
+
+
 # ============================================================================ PTX (+ emulation)
 
 PRMT_ASM = """
@@ -218,6 +277,117 @@ def _nb16_asm() -> str:
 
 
 NB16_ASM = _nb16_asm()
+
+
+# dot16 asm: input $8 = 32-bit pair of 16-bit code units (element 0 = unit u in the low half,
+# element 1 = unit u + 1 in the high half; u even, so both lie in one 32-group), $9/$10 = the
+# group's scale byte as int32 (both elements; $9 used). Outputs $0..$7: slot p = 0..7, each one
+# register holding (unit u, unit u + 1) bf16 values.
+# MODE 1, reference layout: slot p = 4m + j = byte m of the unit, field j. One PRMT regroups the
+# bytes (b0 b2 b1 b3) so that each slot's two codes are 8 bits apart, then per slot
+# SHF + LOP3 (selector) + PRMT (LUT of the four scaled bf16 high bytes; low byte from `lo`).
+PRMT16_ASM = """
+{
+.reg .b32 h, lut, lo, t, u, s;
+shr.u32 h, $9, 1;
+mad.lo.u32 lut, h, 0x01010101, 0x01008081;
+shl.b32 lo, $9, 7;
+and.b32 lo, lo, 0x80;
+prmt.b32 t, $8, 0, 0x3120;
+shl.b32 u, t, 4;
+lop3.b32 s, u, 0x3030, 0x4040, 0xEA;
+prmt.b32 $0, lo, lut, s;
+shl.b32 u, t, 2;
+lop3.b32 s, u, 0x3030, 0x4040, 0xEA;
+prmt.b32 $1, lo, lut, s;
+lop3.b32 s, t, 0x3030, 0x4040, 0xEA;
+prmt.b32 $2, lo, lut, s;
+shr.u32 u, t, 2;
+lop3.b32 s, u, 0x3030, 0x4040, 0xEA;
+prmt.b32 $3, lo, lut, s;
+shr.u32 u, t, 12;
+lop3.b32 s, u, 0x3030, 0x4040, 0xEA;
+prmt.b32 $4, lo, lut, s;
+shr.u32 u, t, 14;
+lop3.b32 s, u, 0x3030, 0x4040, 0xEA;
+prmt.b32 $5, lo, lut, s;
+shr.u32 u, t, 16;
+lop3.b32 s, u, 0x3030, 0x4040, 0xEA;
+prmt.b32 $6, lo, lut, s;
+shr.u32 u, t, 18;
+lop3.b32 s, u, 0x3030, 0x4040, 0xEA;
+prmt.b32 $7, lo, lut, s;
+}
+"""
+
+
+def _nb8_asm() -> str:
+    lines = ["{", ".reg .b32 S, t, u;", "mul.lo.u32 S, $9, 0x00800080;"]
+    for p in range(7):
+        m = (1 << (8 - p)) | (1 << (15 - p)) | (1 << (24 - p)) | (1 << (31 - p))
+        lines.append(f"and.b32 t, $8, {m:#010x};")
+        lines.append(f"mad.lo.u32 ${p}, t, {1 << p}, S;")
+    lines += ["and.b32 t, $8, 0x00010001;", "mad.lo.u32 u, t, 256, S;",
+              "and.b32 t, $8, 0x00020002;", "mad.lo.u32 $7, t, 16384, u;", "}"]
+    return "\n".join(lines)
+
+
+NB8_ASM = _nb8_asm()
+
+
+def emulate_prmt16_asm(w, s):
+    M = 0xFFFFFFFF
+    lut = ((s >> 1) * 0x01010101 + 0x01008081) & M
+    lo = ((s << 7) & M) & 0x80
+    t = _prmt(w, torch.zeros_like(w), torch.full_like(w, 0x3120))
+    shifts = [("l", 4), ("l", 2), ("l", 0), ("r", 2), ("r", 12), ("r", 14), ("r", 16), ("r", 18)]
+    regs = []
+    for d, n in shifts:
+        u = ((t << n) & M) if d == "l" else (t >> n)
+        regs.append(_prmt(lo, lut, (u & 0x3030) | 0x4040))
+    return regs
+
+
+def emulate_nb8_asm(w, s):
+    M = 0xFFFFFFFF
+    S = (s * 0x00800080) & M
+    regs = []
+    for p in range(7):
+        m = (1 << (8 - p)) | (1 << (15 - p)) | (1 << (24 - p)) | (1 << (31 - p))
+        regs.append((((w & m) << p) + S) & M)
+    u = (((w & 0x00010001) << 8) + S) & M
+    regs.append((((w & 0x00020002) << 14) + u) & M)
+    return regs
+
+
+def regs16_to_values(regs):
+    """8 regs (slot p) -> float64 [..., 16]: index 8e + p, e = element (unit) 0/1."""
+    vals = [None] * 16
+    for p, reg in enumerate(regs):
+        for e in range(2):
+            bits = ((reg >> (16 * e)) & 0xFFFF).to(torch.int32)
+            vals[8 * e + p] = (bits << 16).to(torch.int32).view(torch.float32).double()
+    return torch.stack(vals, -1)
+
+
+def check_asm16_emulation(n: int = 1 << 16, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    by = torch.randint(0, 256, (n, 4), generator=g, dtype=torch.int64)
+    for i in range(4):
+        by[256 * i:256 * (i + 1), i] = torch.arange(256)
+    s = torch.randint(1, 253, (n,), generator=g, dtype=torch.int64)
+    s[:252] = torch.arange(1, 253)
+    code_bytes = by.to(torch.uint8).reshape(n, 1, 4)
+    codes = unpack_ref(code_bytes).reshape(n, 16)            # weight order k = 0..15
+    ref = torch.tensor(LEVELS, dtype=torch.float64)[codes.long()] * torch.exp2((s - 127).double()).unsqueeze(-1)
+    w = by[:, 0] | (by[:, 1] << 8) | (by[:, 2] << 16) | (by[:, 3] << 24)
+    got = regs16_to_values(emulate_prmt16_asm(w, s))
+    nb = to_nb8(code_bytes).reshape(n, 4).to(torch.int64)
+    rt = torch.equal(from_nb8(nb.to(torch.uint8).reshape(n, 1, 4)), code_bytes)
+    wn = nb[:, 0] | (nb[:, 1] << 8) | (nb[:, 2] << 16) | (nb[:, 3] << 24)
+    got8 = regs16_to_values(emulate_nb8_asm(wn, s))
+    return {"prmt16_bit_exact": bool(torch.equal(got, ref)), "nb8_bit_exact": bool(torch.equal(got8, ref)),
+            "nb8_roundtrip": rt, "cases": n}
 
 
 def _prmt(a, b, c):
@@ -437,7 +607,100 @@ def _dot_kernel(codes_ptr, scales_ptr, xp_ptr, out_ptr, ids_ptr, N, K: tl.conste
     tl.store(optr, acc, mask=tcols[None, :] < T)
 
 
+@triton.jit
+def _decode16_tl(w, s, p: tl.constexpr, NB8: tl.constexpr):
+    """Plain Triton decode of slot p of int32-widened 16-bit units (CPU check / baseline)."""
+    if NB8:
+        if p < 7:
+            big = (w >> (8 - p)) & 1
+            neg = (w >> (15 - p)) & 1
+        else:
+            big = w & 1
+            neg = (w >> 1) & 1
+    else:
+        c = (w >> (2 * p)) & 3
+        neg = (c < 2).to(tl.int32)
+        big = ((c == 0) | (c == 3)).to(tl.int32)
+    bits = (neg << 15) | ((s + 2 * big) << 7)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dot16_kernel(codes_ptr, scales_ptr, xp_ptr, out_ptr, ids_ptr, N, K: tl.constexpr, T, stride_ce,
+                  stride_se, stride_xa, BN: tl.constexpr, BKH: tl.constexpr, MODE: tl.constexpr,
+                  FIX_INTERP: tl.constexpr = False, MULTI_ACC: tl.constexpr = False):
+    """Codes read as 16-bit units (8 weights): tile [BN, BKH] units, 8 slot tensors, 8 dots.
+    MODE 0: plain decode, reference layout; 1: prmt asm, reference layout; 2: IMAD asm, nb8
+    layout; 3: plain decode, nb8 layout. x_perm8 [A, 8, K/8, TP]."""
+    pid_n = tl.program_id(0)
+    a = tl.program_id(1)
+    slot = tl.load(ids_ptr + a).to(tl.int64)
+    rows = pid_n * BN + tl.arange(0, BN)
+    KH = K // 8
+    G = K // 32
+    cb = codes_ptr.to(tl.pointer_type(tl.int16)) + slot * (stride_ce // 2) + rows[:, None] * KH
+    sb = scales_ptr + slot * stride_se + rows[:, None] * G
+    xb = xp_ptr + a * stride_xa
+    hcols = tl.arange(0, BKH)
+    tcols = tl.arange(0, TP)
+    acc = tl.zeros([BN, TP], dtype=tl.float32)
+    acc2 = tl.zeros([BN, TP], dtype=tl.float32)
+    for kh in range(0, KH, BKH):
+        c = tl.load(cb + kh + hcols[None, :])                                   # [BN, BKH] i16
+        s4 = tl.load(sb + kh // 4 + tl.arange(0, BKH // 4)[None, :]).to(tl.int32)  # [BN, BKH/4]
+        s = tl.reshape(tl.broadcast_to(s4[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
+        xrow = xb + (kh + hcols[:, None]) * TP + tcols[None, :]                 # [BKH, TP]
+        if (MODE == 0) or (MODE == 3):
+            wi = c.to(tl.int32) & 0xFFFF
+            for p in tl.static_range(8):
+                wp = _decode16_tl(wi, s, p, MODE == 3)
+                xj = tl.load(xrow + p * KH * TP)
+                if FIX_INTERP:  # interpreter bug: its bf16 tl.dot multiplies raw bits
+                    if MULTI_ACC and (p % 2 == 1):
+                        acc2 = tl.dot(wp.to(tl.float32), xj.to(tl.float32), acc2)
+                    else:
+                        acc = tl.dot(wp.to(tl.float32), xj.to(tl.float32), acc)
+                else:
+                    if MULTI_ACC and (p % 2 == 1):
+                        acc2 = tl.dot(wp, xj, acc2)
+                    else:
+                        acc = tl.dot(wp, xj, acc)
+        else:
+            if MODE == 1:
+                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                    PRMT16_ASM_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [c, s],
+                    dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+            else:
+                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                    NB8_ASM_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [c, s],
+                    dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+            if MULTI_ACC:   # two independent accumulator chains (wgmma overlap experiment)
+                acc = tl.dot(w0, tl.load(xrow), acc)
+                acc2 = tl.dot(w1, tl.load(xrow + KH * TP), acc2)
+                acc = tl.dot(w2, tl.load(xrow + 2 * KH * TP), acc)
+                acc2 = tl.dot(w3, tl.load(xrow + 3 * KH * TP), acc2)
+                acc = tl.dot(w4, tl.load(xrow + 4 * KH * TP), acc)
+                acc2 = tl.dot(w5, tl.load(xrow + 5 * KH * TP), acc2)
+                acc = tl.dot(w6, tl.load(xrow + 6 * KH * TP), acc)
+                acc2 = tl.dot(w7, tl.load(xrow + 7 * KH * TP), acc2)
+            else:
+                acc = tl.dot(w0, tl.load(xrow), acc)
+                acc = tl.dot(w1, tl.load(xrow + KH * TP), acc)
+                acc = tl.dot(w2, tl.load(xrow + 2 * KH * TP), acc)
+                acc = tl.dot(w3, tl.load(xrow + 3 * KH * TP), acc)
+                acc = tl.dot(w4, tl.load(xrow + 4 * KH * TP), acc)
+                acc = tl.dot(w5, tl.load(xrow + 5 * KH * TP), acc)
+                acc = tl.dot(w6, tl.load(xrow + 6 * KH * TP), acc)
+                acc = tl.dot(w7, tl.load(xrow + 7 * KH * TP), acc)
+    if MULTI_ACC:
+        acc += acc2
+    optr = out_ptr + a * T * N + tcols[None, :] * N + rows[:, None]
+    tl.store(optr, acc, mask=tcols[None, :] < T)
+
+
 PRMT_ASM_C = tl.constexpr(PRMT_ASM)
+PRMT16_ASM_C = tl.constexpr(PRMT16_ASM)
+NB8_ASM_C = tl.constexpr(NB8_ASM)
 NB16_ASM_C = tl.constexpr(NB16_ASM)
 
 # ============================================================================ launchers
@@ -451,61 +714,106 @@ class Problem:
         self.shared_x = shared_x
         self.codes = torch.randint(0, 256, (E, N, K // 4), dtype=torch.uint8, device=device, generator=gen)
         self.scales = torch.randint(115, 126, (E, N, K // 32), dtype=torch.uint8, device=device, generator=gen)
-        self.codes_nb16 = None
+        self._alt = {}
         perm = torch.randperm(E, generator=gen, device=device).to(torch.int32)
         self.id_sets = [perm[i * A:(i + 1) * A].contiguous() for i in range(E // A)]
         self.bytes_active = A * N * (K // 4 + K // 32)
 
-    def nb16(self):
-        if self.codes_nb16 is None:
-            self.codes_nb16 = torch.empty_like(self.codes)
-            for e in range(self.E):          # per expert: bounded temporary memory
-                self.codes_nb16[e] = to_nb16(self.codes[e])
-        return self.codes_nb16
+    def layout(self, name):
+        """codes in another layout (converted per expert: bounded temporary memory)."""
+        if name == "ref":
+            return self.codes
+        if name not in self._alt:
+            conv = {"nb16": to_nb16, "nb8": to_nb8}[name]
+            out = torch.empty_like(self.codes)
+            for e in range(self.E):
+                out[e] = conv(self.codes[e])
+            self._alt[name] = out
+        return self._alt[name]
+
+    def make_x(self, T, gen, device):
+        """fresh activations: x [A, T, K] bf16 (shared: one row set, stride 0 over experts)."""
+        if self.shared_x:
+            x1 = torch.randn(1, T, self.K, device=device, generator=gen).to(torch.bfloat16)
+            return x1.expand(self.A, T, self.K)
+        return torch.randn(self.A, T, self.K, device=device, generator=gen).to(torch.bfloat16)
+
+    def prep(self, x):
+        """the activation forms the kernels read (x_perm for 4 fields, x_perm8 for 8 slots)."""
+        if self.shared_x:
+            xp = make_x_perm(x[:1])
+            xp8 = make_x_perm8(x[:1])
+            return {"x": x, "xp": xp.expand(self.A, *xp.shape[1:]), "xp8": xp8.expand(self.A, *xp8.shape[1:])}
+        return {"x": x, "xp": make_x_perm(x), "xp8": make_x_perm8(x)}
 
 
-def launch(variant, prob: Problem, ids, x, xp, out, T):
-    """x [A, T, K] bf16; xp = make_x_perm(x) (or None); out [A, T, N] fp32."""
+def launch(variant, prob: Problem, ids, inp, out, T):
+    """inp = prob.prep(x); out [A, T, N] fp32."""
     kind, cfg = variant["kind"], variant["cfg"]
     N, K, A = prob.N, prob.K, prob.A
+    nw, ns = cfg.get("warps", 4), cfg.get("stages", 3)
     if kind == "nodecode":
-        BN, BKW = cfg["BN"], cfg["BKW"]
-        _nodecode_kernel[(N // BN, A)](prob.codes, prob.scales, x, out, ids, N, K,
-                                       prob.codes.stride(0), prob.scales.stride(0), x.stride(0),
-                                       BN=BN, BKW=BKW, num_warps=cfg.get("warps", 4),
-                                       num_stages=cfg.get("stages", 3))
+        x = inp["x"]
+        _nodecode_kernel[(N // cfg["BN"], A)](prob.codes, prob.scales, x, out, ids, N, K,
+                                              prob.codes.stride(0), prob.scales.stride(0), x.stride(0),
+                                              BN=cfg["BN"], BKW=cfg["BKW"], num_warps=nw, num_stages=ns)
     elif kind == "fma_simple":
-        BN, GB = cfg["BN"], cfg["GB"]
-        _fma_simple_kernel[(N // BN, A)](prob.codes, prob.scales, xp, out, ids, N, K,
-                                         prob.codes.stride(0), prob.scales.stride(0), xp.stride(0),
-                                         BN=BN, GB=GB, num_warps=cfg.get("warps", 4),
-                                         num_stages=cfg.get("stages", 3))
+        xp = inp["xp"]
+        _fma_simple_kernel[(N // cfg["BN"], A)](prob.codes, prob.scales, xp, out, ids, N, K,
+                                                prob.codes.stride(0), prob.scales.stride(0), xp.stride(0),
+                                                BN=cfg["BN"], GB=cfg["GB"], num_warps=nw, num_stages=ns)
     elif kind == "dot":
-        BN, BKB, MODE = cfg["BN"], cfg["BKB"], cfg["MODE"]
-        codes = prob.nb16() if MODE == 2 else prob.codes
-        _dot_kernel[(N // BN, A)](codes, prob.scales, xp, out, ids, N, K, T,
-                                  codes.stride(0), prob.scales.stride(0), xp.stride(0),
-                                  BN=BN, BKB=BKB, MODE=MODE, SCALE_BCAST=cfg.get("SB", 0), FIX_INTERP=INTERPRET,
-                                  num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3))
+        xp = inp["xp"]
+        codes = prob.layout("nb16" if cfg["MODE"] == 2 else "ref")
+        _dot_kernel[(N // cfg["BN"], A)](codes, prob.scales, xp, out, ids, N, K, T,
+                                         codes.stride(0), prob.scales.stride(0), xp.stride(0),
+                                         BN=cfg["BN"], BKB=cfg["BKB"], MODE=cfg["MODE"],
+                                         SCALE_BCAST=cfg.get("SB", 0), FIX_INTERP=INTERPRET,
+                                         num_warps=nw, num_stages=ns)
+    elif kind == "dot16":
+        xp = inp["xp8"]
+        codes = prob.layout("nb8" if cfg["MODE"] in (2, 3) else "ref")
+        _dot16_kernel[(N // cfg["BN"], A)](codes, prob.scales, xp, out, ids, N, K, T,
+                                           codes.stride(0), prob.scales.stride(0), xp.stride(0),
+                                           BN=cfg["BN"], BKH=cfg["BKH"], MODE=cfg["MODE"],
+                                           FIX_INTERP=INTERPRET, MULTI_ACC=cfg.get("MA", False),
+                                           num_warps=nw, num_stages=ns)
     else:
         raise ValueError(kind)
 
 
 def variant_list(interpret: bool):
-    v = []
-    # nodecode: BKW int32 words per tile (16 weights each)
-    v.append({"name": "nodecode", "kind": "nodecode", "cfg": {"BN": 32, "BKW": 64, "warps": 4}, "T": [1]})
-    v.append({"name": "fma_simple", "kind": "fma_simple", "cfg": {"BN": 32, "GB": 8, "warps": 4}, "T": [1]})
-    for mode, mname in ((0, "dot_tl"), (1, "dot_prmt"), (2, "dot_imad")):
-        if interpret and mode:
+    """GPU order: most informative first (a time guard may cut the tail).
+    Run 1 (H200, 2026-11-29 08:22 UTC, RESULTS.md) measured the wgmma configs below (warps >= 4);
+    the mma.sync configs (warps 1-2: Triton cannot use wgmma, so no per-dot warpgroup wait)
+    and the nodecode_bn64 / equal-bytes bf16 baselines were added after it and are unmeasured."""
+    v = [{"name": "nodecode", "kind": "nodecode", "cfg": {"BN": 32, "BKW": 64, "warps": 4}, "T": [1]},
+         {"name": "nodecode_bn64", "kind": "nodecode", "cfg": {"BN": 64, "BKW": 32, "warps": 8, "stages": 4},
+          "T": [1]}]
+    for mode, mname in ((2, "dot16_nb8"), (1, "dot16_prmt"), (0, "dot16_tl"), (3, "dot16_tl_nb8")):
+        if interpret != (mode in (0, 3)):
             continue
-        for bn, bkb, w, st, sb in ((64, 64, 4, 3, 0), (64, 128, 4, 3, 0), (128, 64, 8, 3, 0),
-                                   (64, 64, 4, 3, 1)):
-            if mode == 0 and (bn, bkb, sb) != (64, 64, 0):
-                continue
-            v.append({"name": f"{mname}_bn{bn}_bkb{bkb}_w{w}_s{st}" + ("_sb" if sb else ""),
-                      "kind": "dot", "cfg": {"BN": bn, "BKB": bkb, "MODE": mode, "warps": w,
-                                             "stages": st, "SB": sb}, "T": [1, 4, 8]})
+        if mode in (0, 3):
+            cfgs = ((64, 32, 4, 4), (32, 16, 1, 4))
+        elif mode == 2:   # mma.sync (warps < 4) first, then the two best wgmma configs of run 1
+            cfgs = ((64, 16, 2, 4), (32, 16, 1, 5), (64, 32, 2, 4), (32, 32, 1, 4),
+                    (64, 32, 4, 4), (128, 64, 8, 3))
+        else:
+            cfgs = ((64, 16, 2, 4), (32, 16, 1, 5), (64, 32, 4, 4))
+        for bn, bkh, w, st in cfgs:
+            v.append({"name": f"{mname}_bn{bn}_bkh{bkh}_w{w}_s{st}", "kind": "dot16",
+                      "T": [1] if (mode in (0, 3) or w < 4) else [1, 8],
+                      "cfg": {"BN": bn, "BKH": bkh, "MODE": mode, "warps": w, "stages": st}})
+        if mode in (2, 3):   # two accumulator chains (shorter HMMA dependency chain for mma.sync)
+            bn, bkh, w, st = (64, 16, 2, 4) if mode == 2 else (32, 16, 1, 4)
+            v.append({"name": f"{mname}_bn{bn}_bkh{bkh}_w{w}_s{st}_ma", "kind": "dot16", "T": [1],
+                      "cfg": {"BN": bn, "BKH": bkh, "MODE": mode, "warps": w, "stages": st, "MA": True}})
+    if not interpret:
+        v.append({"name": "dot_prmt_bn128_bkb64", "kind": "dot", "T": [1],
+                  "cfg": {"BN": 128, "BKB": 64, "MODE": 1, "warps": 8, "stages": 3, "SB": 1}})
+    v.append({"name": "dot_tl", "kind": "dot", "T": [1],
+              "cfg": {"BN": 64, "BKB": 64, "MODE": 0, "warps": 4, "stages": 3, "SB": 1}})
+    v.append({"name": "fma_simple", "kind": "fma_simple", "cfg": {"BN": 32, "GB": 8, "warps": 4}, "T": [1]})
     return v
 
 
@@ -513,29 +821,22 @@ def variant_list(interpret: bool):
 
 
 def check_variant(variant, prob: Problem, T, gen, device, n_checks=2):
+    """fresh random x per check, output poisoned with NaN; returns ||out-ref||/||ref|| list."""
     errs = []
     for i in range(n_checks):
-        ids = prob.id_sets[(3 * i) % len(prob.id_sets)]
-        if prob.shared_x:
-            x = torch.randn(1, T, prob.K, device=device, generator=gen).to(torch.bfloat16).expand(prob.A, T, prob.K)
-        else:
-            x = torch.randn(prob.A, T, prob.K, device=device, generator=gen).to(torch.bfloat16)
-        x = x.contiguous() if not prob.shared_x else x
-        xp = make_x_perm(x)
-        if prob.shared_x:   # one activation shared by every expert: stride 0 over experts
-            xp = xp[:1].expand(prob.A, *xp.shape[1:])
-            x = x[:1].expand(prob.A, T, prob.K)
+        ids = prob.id_sets[(3 * i + 1) % len(prob.id_sets)]
+        x = prob.make_x(T, gen, device)
         out = torch.full((prob.A, T, prob.N), float("nan"), dtype=torch.float32, device=device)
-        launch(variant, prob, ids, x, xp, out, T)
+        launch(variant, prob, ids, prob.prep(x), out, T)
         if device == "cuda":
             torch.cuda.synchronize()
-        ref = ref_moe_gemv(prob.codes, prob.scales, ids, x.float())
         if variant["kind"] == "nodecode":
-            errs.append(float("nan") if not torch.isfinite(out).all() else 0.0)
+            errs.append(0.0 if torch.isfinite(out).all() else float("nan"))
             continue
         if not torch.isfinite(out).all():
             errs.append(float("inf"))
             continue
+        ref = ref_moe_gemv(prob.codes, prob.scales, ids, x.float())
         errs.append(float((out.double() - ref).norm() / ref.norm()))
     return errs
 
@@ -572,7 +873,7 @@ def bf16_gemv_bandwidth(device, N=32768, K=7168, nbuf=3):
     fn(0)
     ref = (x.double() @ ws[0].double().t())
     rel = float((outs[0].double() - ref).norm() / ref.norm())
-    ms = bench(fn, nbuf, device, R=6)
+    ms = bench(fn, nbuf, device, R=16 if nbuf >= 8 else 6)
     nbytes = N * K * 2
     del ws
     return {"N": N, "K": K, "ms": ms, "GBps": [nbytes / m / 1e6 for m in ms], "relerr": rel}
@@ -580,7 +881,7 @@ def bf16_gemv_bandwidth(device, N=32768, K=7168, nbuf=3):
 
 def cpu_check():
     """Interpreter run at tiny shapes + bit-level emulation of the asm decoders."""
-    print("asm emulation:", check_asm_emulation(), flush=True)
+    print("asm emulation:", check_asm_emulation(), check_asm16_emulation(), flush=True)
     gen = torch.Generator().manual_seed(1)
     device = "cpu"
     results = {}
@@ -588,7 +889,7 @@ def cpu_check():
         prob = Problem("tiny_shared" if shared else "tiny", E=4, N=128, K=512, A=2, device=device,
                        gen=gen, shared_x=shared)
         for v in variant_list(interpret=True):
-            for T in ([1, 3] if v["kind"] == "dot" else [1]):
+            for T in ([1, 3] if v["kind"] in ("dot", "dot16") else [1]):
                 try:
                     errs = check_variant(v, prob, T, gen, device, n_checks=1)
                     results[f"{prob.name}/{v['name']}/T{T}"] = errs
@@ -599,7 +900,8 @@ def cpu_check():
     # nb16 layout round trip at a real row length
     c = torch.randint(0, 256, (8, 7168 // 4), dtype=torch.uint8, generator=gen)
     assert torch.equal(from_nb16(to_nb16(c)), c)
-    print("nb16 round trip ok", flush=True)
+    assert torch.equal(from_nb8(to_nb8(c)), c)
+    print("nb16 / nb8 round trips ok", flush=True)
     return results
 
 
@@ -609,6 +911,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", default="", help="comma list of variant-name prefixes")
     ap.add_argument("--resident", type=int, default=64)
+    ap.add_argument("--budget-s", type=float, default=290.0, help="stop starting variants after this")
     args = ap.parse_args()
     if args.cpu_check or not torch.cuda.is_available():
         res = cpu_check()
@@ -620,7 +923,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "torch": torch.__version__, "triton": triton.__version__, "asm_emulation": check_asm_emulation(1 << 14)}
+              "torch": torch.__version__, "triton": triton.__version__, "asm_emulation": [check_asm_emulation(1 << 14), check_asm16_emulation(1 << 14)]}
     outpath = os.path.join(args.out, "w2_gemv_lab.json")
 
     def dump():
@@ -630,7 +933,14 @@ def main():
     print(report, flush=True)
     base = bf16_gemv_bandwidth(device)
     base2 = bf16_gemv_bandwidth(device, N=57344, K=2048, nbuf=4)
+    # same bytes as the W2 problems (66 MB / 33 MB per call): what a ~20 us / ~10 us bf16 GEMV
+    # reaches, launch and tail effects included
+    eq13 = bf16_gemv_bandwidth(device, N=4608, K=7168, nbuf=16)
+    eq2 = bf16_gemv_bandwidth(device, N=8064, K=2048, nbuf=16)
     report["bf16_gemv"] = [base, base2]
+    report["bf16_gemv_equal_bytes"] = {"w13": eq13, "w2": eq2}
+    print(f"bf16 GEMV at equal bytes: N4608 K7168 (66 MB) {eq13['GBps']} GB/s; "
+          f"N8064 K2048 (33 MB) {eq2['GBps']} GB/s", flush=True)
     bf16_bw = max(base["GBps"])
     print(f"bf16 GEMV N32768 K7168: {base['GBps']} GB/s (rel {base['relerr']:.1e}); "
           f"N57344 K2048: {base2['GBps']} GB/s", flush=True)
@@ -643,6 +953,10 @@ def main():
     for v in variant_list(interpret=False):
         if only and not any(v["name"].startswith(o) for o in only):
             continue
+        if time.time() - t0 > args.budget_s:
+            print(f"time guard: skipping {v['name']}", flush=True)
+            report.setdefault("skipped", []).append(v["name"])
+            continue
         for prob in probs:
             for T in v["T"]:
                 key = f"{prob.name}/{v['name']}/T{T}"
@@ -652,23 +966,19 @@ def main():
                     rec["relerr"] = check_variant(v, prob, T, gen, device)
                     ok = all(e < 1e-4 for e in rec["relerr"]) or v["kind"] == "nodecode"
                     rec["ok"] = ok
-                    xs = torch.randn(1, T, prob.K, device=device, generator=gen).to(torch.bfloat16)
-                    x = xs.expand(prob.A, T, prob.K) if prob.shared_x else \
-                        torch.randn(prob.A, T, prob.K, device=device, generator=gen).to(torch.bfloat16)
-                    xp = make_x_perm(x if not prob.shared_x else x[:1])
-                    if prob.shared_x:
-                        xp = xp.expand(prob.A, *xp.shape[1:])
-                    xarg = x if v["kind"] == "nodecode" else None
-                    if v["kind"] == "nodecode":
-                        xarg = torch.randn(prob.A, prob.K, device=device, generator=gen).to(torch.bfloat16)
+                    inp = prob.prep(prob.make_x(T, gen, device))
                     out = torch.empty(prob.A, T, prob.N, device=device, dtype=torch.float32)
 
-                    def fn(i, v=v, prob=prob, xp=xp, out=out, T=T, xarg=xarg):
-                        launch(v, prob, prob.id_sets[i], xarg, xp, out, T)
+                    def fn(i, v=v, prob=prob, inp=inp, out=out, T=T):
+                        launch(v, prob, prob.id_sets[i], inp, out, T)
                     ms = bench(fn, len(prob.id_sets), device)
                     rec["us"] = [m * 1e3 for m in ms]
                     rec["GBps"] = [prob.bytes_active / m / 1e6 for m in ms]
                     rec["pct_bf16"] = [100 * g / bf16_bw for g in rec["GBps"]]
+                    same = max((base if prob.name == "w13" else base2)["GBps"])
+                    rec["pct_bf16_same_shape"] = [100 * g / same for g in rec["GBps"]]
+                    eqb = max((eq13 if prob.name == "w13" else eq2)["GBps"])
+                    rec["pct_bf16_equal_bytes"] = [100 * g / eqb for g in rec["GBps"]]
                     print(f"{key:40s} rel {max(rec['relerr']):.2e} ok={ok} us {min(rec['us']):7.2f} "
                           f"GB/s {max(rec['GBps']):7.0f} ({max(rec['pct_bf16']):5.1f}% of bf16)  "
                           f"[t={time.time() - t0:.0f}s]", flush=True)
@@ -682,11 +992,13 @@ def main():
     print("\n=== W2 grouped GEMV, 8 active experts,", report["device"], report["date"], "===")
     print(f"bf16 GEMV reference: {bf16_bw:.0f} GB/s (N32768 K7168), "
           f"{max(base2['GBps']):.0f} GB/s (N57344 K2048)")
-    print(f"{'shape/variant/T':46s} {'relerr':>8s} {'us':>8s} {'GB/s':>7s} {'%bf16':>6s}")
+    print(f"{'shape/variant/T':46s} {'relerr':>8s} {'us':>8s} {'GB/s':>7s} {'%bf16':>6s} {'%same':>6s} {'%eqB':>6s}")
     for key, rec in report["variants"].items():
         if "us" in rec:
             print(f"{key:46s} {max(rec['relerr']):8.1e} {min(rec['us']):8.2f} {max(rec['GBps']):7.0f} "
-                  f"{max(rec['pct_bf16']):6.1f}" + ("" if rec.get("ok") else "  WRONG"))
+                  f"{max(rec['pct_bf16']):6.1f} {max(rec['pct_bf16_same_shape']):6.1f} "
+                  f"{max(rec['pct_bf16_equal_bytes']):6.1f}"
+                  + ("" if rec.get("ok") else "  WRONG"))
         else:
             print(f"{key:46s} error: {rec.get('error', '')[:60]}")
     dump()

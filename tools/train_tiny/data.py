@@ -21,9 +21,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moet.probe import arithmetic, chat_format, facts, needle, tools
+import functools
 
-CHAT_TASKS = {"tools": tools.sample, "arithmetic": arithmetic.sample, "facts": facts.sample}
+from moet.probe import arithmetic, chat_format, facts, needle, tools
+from tools.train_tiny import copy_tasks
+
+# Every task a Mix may name; a Mix uses those in its task_share (recipe `full` = the first three).
+CHAT_TASKS = {"tools": tools.sample, "arithmetic": arithmetic.sample, "facts": facts.sample,
+              "tools_ns": functools.partial(tools.sample, namespace_p=0.9),
+              "repeat": copy_tasks.repeat_sample, "recall": copy_tasks.recall_sample}
 
 
 @dataclass(frozen=True)
@@ -84,10 +90,11 @@ def _work(item: tuple) -> tuple[str, list[np.ndarray]]:
 
 
 # --- parent side ---------------------------------------------------------------------------------
-def estimate_tokens_per_doc(tokenizer, n: int = 300, seed: int = 0) -> dict[str, float]:
+def estimate_tokens_per_doc(tokenizer, names, n: int = 300, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
     out = {}
-    for name, fn in CHAT_TASKS.items():
+    for name in names:
+        fn = CHAT_TASKS[name]
         texts = [chat_format.render_conversation(fn(rng)) for _ in range(n)]
         out[name] = float(np.mean([len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]))
     return out
@@ -106,7 +113,7 @@ def build_rows(*, tokenizer, code: list[str], text: list[str], n_rows: int, mix:
                workers: int, log=print) -> tuple[np.ndarray, dict]:
     """-> (rows uint16 [n_rows, seq_len + 2], stats)."""
     width = mix.seq_len + 2
-    per_doc = estimate_tokens_per_doc(tokenizer, seed=seed)
+    per_doc = estimate_tokens_per_doc(tokenizer, [k for k, _ in mix.task_share], seed=seed)
     n_needle = int(round(n_rows * mix.needle_rows))
     # Chat budget: about chat_share of the space left after needles (needles average ~45% of a row).
     chat_tokens = mix.chat_share * width * (n_rows - 0.45 * n_needle)
@@ -135,7 +142,7 @@ def _assemble(res: dict[str, list[np.ndarray]], n_rows: int, n_needle: int, mix:
               ) -> tuple[np.ndarray, dict]:
     width = mix.seq_len + 2
     rng = np.random.default_rng(seed)
-    chat = [a for k in CHAT_TASKS for a in res.get(k, [])]
+    chat = [a for k, _ in mix.task_share for a in res.get(k, [])]
     chat = [chat[i] for i in rng.permutation(len(chat))]
     needles = [a for a in res.get("needle", []) if len(a) <= width]
     dropped_needles = len(res.get("needle", [])) - len(needles)

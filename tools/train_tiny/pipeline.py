@@ -36,7 +36,7 @@ def _tokenizer_sample(c: corpus_mod.Corpus, r: Recipe) -> list[str]:
         out.append(t)
         size += len(t)
     rng = random.Random(r.seed)
-    tasks = list(data.CHAT_TASKS.values())
+    tasks = [data.CHAT_TASKS[k] for k, _ in r.mix.task_share]
     while size < r.tokenizer_sample_bytes:
         t = chat_format.render_conversation(tasks[len(out) % len(tasks)](rng))
         out.append(t)

@@ -44,6 +44,11 @@ class Recipe:
 
 RECIPES = {
     "full": Recipe("full"),
+    # Proposed next run (not yet trained): dense copy/recall supervision so that a general copy
+    # circuit forms within the budget (see copy_tasks.py for the diagnosis), and random
+    # namespaces on 90% of training tool names so that names must be copied, not recalled.
+    "full-v2": Recipe("full-v2", mix=Mix(chat_share=0.36, task_share=(
+        ("tools_ns", 0.36), ("arithmetic", 0.26), ("facts", 0.11), ("recall", 0.15), ("repeat", 0.12)))),
     "smoke": Recipe("smoke", code_bytes=30_000_000, text_bytes=3_000_000, tokenizer_sample_bytes=12_000_000,
                     steps=30, warmup_steps=10, log_every=5, compile="none", probe_budget="tiny"),
     "micro": Recipe(

@@ -102,6 +102,9 @@ def placement(s: Summary, gpu_memory_gib: float, reserve_gib: float) -> dict:
         "w2_resident_fraction": min(1.0, max(free, 0) / s.w2_expert_bytes) if s.w2_expert_bytes else 1.0,
         "w2_expert_slots": int(max(free, 0) // per_expert_w2) if per_expert_w2 else 0,
         "host_or_disk_w2_gib": max(s.w2_expert_bytes - max(free, 0), 0) / GiB,
+        # SPEC 2.3: the expert cache must hold layers x top_k x (1 + drafts) x min(seqs, 4) slots
+        "min_slots": s.moe_layers * s.top_k,
+        "min_slots_4_seqs": s.moe_layers * s.top_k * 4,
     }
 
 
@@ -140,6 +143,10 @@ def render(s: Summary, place: dict | None) -> str:
                 f"{'yes' if place['w2_all_resident'] else 'no'} ({100 * place['w2_resident_fraction']:.1f}%, "
                 f"{place['w2_expert_slots']} slots); FP4 all resident: {'yes' if place['fp4_all_resident'] else 'no'}; "
                 f"W2 on host/disk: {place['host_or_disk_w2_gib']:.2f} GiB")
+            lines.append(
+                f"             expert cache needs >= {place['min_slots']} slots for 1 sequence, "
+                f"{place['min_slots_4_seqs']} for 4+ (x (1 + MTP drafts)): "
+                f"{'ok' if place['w2_expert_slots'] >= place['min_slots'] else 'TOO SMALL'}")
     return "\n".join(lines)
 
 

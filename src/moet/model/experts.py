@@ -53,15 +53,15 @@ def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> N
     moe.miss_counter = moe.miss_counter.to(device)
 
 
-def _to_w2(fmt: str, parts: dict[str, torch.Tensor], zero_mode: str, name: str) -> w2.W2Tensor:
+def _to_w2(fmt: str, parts: dict[str, torch.Tensor], w2_opts: dict, name: str) -> w2.W2Tensor:
     if fmt == "float":
-        return w2.quantize(parts["weight"], zero_mode=zero_mode, name=name)
+        return w2.quantize(parts["weight"], **w2_opts, name=name)
     if fmt == "fp8_block":
-        return w2.from_fp8_block(parts["weight"], parts["weight_scale_inv"], zero_mode=zero_mode, name=name)
+        return w2.from_fp8_block(parts["weight"], parts["weight_scale_inv"], **w2_opts, name=name)
     if fmt == "nvfp4":
-        return w2.from_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], zero_mode=zero_mode, name=name)
+        return w2.from_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], **w2_opts, name=name)
     if fmt == "mxfp4":
-        return w2.from_mxfp4(parts["blocks"], parts["scales"], zero_mode=zero_mode, name=name)
+        return w2.from_mxfp4(parts["blocks"], parts["scales"], **w2_opts, name=name)
     raise CheckpointError(f"{name}: unknown weight format {fmt}")
 
 
@@ -73,8 +73,9 @@ def _to_fp4(fmt: str, parts: dict[str, torch.Tensor], name: str) -> nvfp4.NVFP4T
 
 
 def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
-                zero_mode: str, where: str) -> None:
-    """Convert one projection of one expert into its rows of the pool."""
+                w2_opts: dict, where: str) -> None:
+    """Convert one projection of one expert into its rows of the pool. w2_opts: keyword
+    arguments of moet.formats.w2.quantize (zero_mode, scale_rule)."""
     spec = moe.spec
     i = spec.moe_intermediate_size
     if not 0 <= expert < spec.router.num_experts:
@@ -82,10 +83,13 @@ def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, tor
     rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[proj]
     fused = "down" if proj == "down_proj" else "gate_up"
     pool = moe.pool
+    device = moe.slot_table.device
+    if device.type != "cpu":  # re-encode where the pool lives: the GPU converts far faster
+        parts = {k: v.to(device) for k, v in parts.items()}
     if isinstance(pool, DensePool):
         getattr(pool, fused)[expert, rows] = decode(fmt, parts, pool.gate_up.dtype, where)
     elif isinstance(pool, W2Pool):
-        t = _to_w2(fmt, parts, zero_mode, where)
+        t = _to_w2(fmt, parts, w2_opts, where)
         getattr(pool, f"{fused}_codes")[expert, rows] = t.codes
         getattr(pool, f"{fused}_scales")[expert, rows] = t.scales
     else:

@@ -47,7 +47,7 @@ def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
 
 
 def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_mode: str = "auto",
-                 device: torch.device | str = "cpu", progress: bool = False) -> None:
+                 scale_rule: str = "published", device: torch.device | str = "cpu", progress: bool = False) -> None:
     """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr."""
     spec, reader = ckpt.spec, ckpt.reader
     moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -56,11 +56,12 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     experts_loaded: dict[int, set[tuple[int, str]]] = {id(m): set() for m in moes}
+    w2_opts = {"zero_mode": zero_mode, "scale_rule": scale_rule}
 
     def add_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict, where: str) -> None:
         if (expert, proj) in experts_loaded[id(moe)]:
             raise CheckpointError(f"{where}: expert {expert} {proj} is stored twice (per-expert and fused?)")
-        experts.load_expert(moe, expert, proj, fmt, parts, zero_mode, where)
+        experts.load_expert(moe, expert, proj, fmt, parts, w2_opts, where)
         experts_loaded[id(moe)].add((expert, proj))
 
     shard_bytes = reader.shard_bytes()

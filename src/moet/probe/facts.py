@@ -134,8 +134,14 @@ def eval_cases(limit: int | None = None) -> list[Conversation]:
 
 
 def is_correct(answer_text: str, expected: str, country: str) -> bool:
-    """Exact capital (case-sensitive) in the answer once the country's own name is removed
-    (so "Luxembourg" is not credited for merely repeating the question); "Washington, D.C."
-    passes on "Washington"."""
-    rest = answer_text.replace(country, " ").replace(_cap(country), " ")
-    return expected.split(",")[0] in rest
+    """The exact capital (case-sensitive) appears in the answer other than as the echoed country
+    name: "Luxembourg is the capital of Luxembourg." passes (two mentions), "The capital of Sao
+    Tome and Principe is Paris." fails although it contains "Sao Tome". "Washington, D.C." passes
+    on "Washington"."""
+    capital = expected.split(",")[0]
+    n_cap = answer_text.count(capital)
+    if capital == country:
+        return n_cap >= 2
+    if capital in country:
+        return n_cap > answer_text.count(country) * country.count(capital)
+    return n_cap > 0

@@ -330,10 +330,10 @@ class Tool:
     schema: dict[str, Any]
 
 
-def make_tool(rng: Rng, family: Family, split: str, camel: bool | None = None) -> Tool:
+def make_tool(rng: Rng, family: Family, split: str, camel: bool | None = None, namespace_p: float = 0.5) -> Tool:
     camel = rng.random() < 0.3 if camel is None else camel
     words = rng.choice(_variants(family.names, split)).split("_")
-    if split == "eval" or rng.random() < 0.5:
+    if split == "eval" or rng.random() < namespace_p:
         words = [_namespace(rng, split)] + words
     name = _style(words, camel)
     arg_names = {a.slot: _style(rng.choice(_variants(a.names, split)).split("_"), camel) for a in family.args}
@@ -376,14 +376,15 @@ def _direct_question(rng: Rng) -> tuple[Conversation, dict[str, Any]]:
     return conv, {"kind": "direct", "contains": str(conv.meta["expected"]).split(",")[0]}
 
 
-def sample(rng: Rng, split: str = "train") -> Conversation:
+def sample(rng: Rng, split: str = "train", namespace_p: float = 0.5) -> Conversation:
     """One tool-use conversation. Kinds (train mix): call 55%, call+result+answer 25%,
-    no tool fits the request (missing family) 10%, plain question with tools present 10%."""
+    no tool fits the request (missing family) 10%, plain question with tools present 10%.
+    `namespace_p`: share of tool names given a random namespace word (eval: always)."""
     n_tools = rng.randint(1, 5)
     fams = rng.sample(FAMILIES, k=n_tools + 1)
     target, absent = fams[0], fams[-1]
     camel = rng.random() < 0.3
-    tools = [make_tool(rng, f, split, camel) for f in fams[:n_tools]]
+    tools = [make_tool(rng, f, split, camel, namespace_p) for f in fams[:n_tools]]
     rng.shuffle(tools)
     schemas = [t.schema for t in tools]
     system = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.3 else []
