@@ -84,7 +84,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser, *, positional_model: bool
     for f in fields(EngineConfig):
         help_text = f.metadata.get("help", "")
         if f.name == "model" and positional_model:
-            parser.add_argument("model", help=help_text)
+            from moet.assets import default_model
+            parser.add_argument("model", nargs="?", default=default_model(),
+                                help=f"{help_text}; default: the shipped moet-tiny")
             continue
         default = None if f.default is MISSING else f.default
         t = str(f.type)  # annotations are strings here: "int | None", "bool", "str"

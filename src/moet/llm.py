@@ -103,6 +103,19 @@ class LLM:
                    disable=not use_tqdm or len(prompts) < 2, leave=False)
         return [self._generate_one(prompt, sp) for prompt, sp in bar]
 
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *, tools: list[dict] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """vLLM-style chat: one conversation (a list of {"role", "content"} dicts) or a list of
+        conversations, rendered with the checkpoint's chat template (tools included)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{self.config.tokenizer or self.config.model} has no chat template; use generate()")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=False)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     # ------------------------------------------------------------------ internals
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:

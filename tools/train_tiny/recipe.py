@@ -44,7 +44,8 @@ class Recipe:
 
 RECIPES = {
     "full": Recipe("full"),
-    # Proposed next run (not yet trained): dense copy/recall supervision so that a general copy
+    # THE SHIPPED MODEL (trained 2026-11-29 08:45 UTC on one H200; "full" is the first run,
+    # kept to reproduce its numbers). Adds dense copy/recall supervision so that a general copy
     # circuit forms within the budget (see copy_tasks.py for the diagnosis), and random
     # namespaces on 90% of training tool names so that names must be copied, not recalled.
     "full-v2": Recipe("full-v2", mix=Mix(chat_share=0.36, task_share=(

@@ -26,7 +26,8 @@ EXPERT_FORMATS = ("bf16", "nvfp4", "w2")
 
 
 def default_checkpoint() -> Path:
-    return Path(__file__).resolve().parent.parent / "assets" / "moet-tiny"
+    from moet.assets import MOET_TINY
+    return MOET_TINY
 
 
 def read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
