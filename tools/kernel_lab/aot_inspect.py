@@ -92,14 +92,7 @@ def loop_stats(sass: str):
             tgt = None
             if t:
                 tgt = int(t.group(1), 16)
-            else:
-                t2 = re.search(r"\.L_x_(\d+)", ln)
-                if t2:
-                    # label form: find label address
-                    lab_name = ".L_x_" + t2.group(1)
-                    for l2 in sass.splitlines():
-                        if l2.strip().startswith(lab_name + ":"):
-                            pass
+            # branches to a label (".L_x_N") are not resolved: only address targets delimit loops
             if tgt is not None and tgt < addr:
                 body = [o for (a, o, _) in lines if tgt <= a <= addr]
                 if best is None or len(body) > len(best):
