@@ -111,7 +111,7 @@ def dequantize(t: W2Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 # ----------------------------------------------------------------------------- fast path
 
-def _published_exponent(amax: torch.Tensor) -> torch.Tensor:
+def published_exponent(amax: torch.Tensor) -> torch.Tensor:
     """round(log2(amax / 6)) per block, exact, as int32; all-zero blocks -> -127; clamped."""
     m, j = torch.frexp(amax.double())
     e = j.to(torch.int32) - 4 + (m >= _ROUND_UP_MANTISSA).to(torch.int32)
@@ -190,7 +190,7 @@ def quantize(w: torch.Tensor, *, zero_mode: str = "auto", scale_rule: str = "pub
     work = torch.float64 if w.dtype == torch.float64 else torch.float32
     wb = w.to(work).reshape(n, k // BLOCK, BLOCK)
     absw = wb.abs()
-    e = _published_exponent(absw.amax(dim=-1))
+    e = published_exponent(absw.amax(dim=-1))
     if scale_rule == "mse":
         e = _mse_exponent(absw.double(), e)
     thr = torch.ldexp(torch.full(e.shape, 2.5, dtype=torch.float64, device=e.device), e).to(work)
@@ -226,7 +226,7 @@ def _from_e2m1_codes(codes: torch.Tensor, mult: torch.Tensor, block: int, *, zer
     absmult = mult.abs()
     block_max = mags[mag_idx.amax(dim=-1).long()] * absmult                                   # exact
     amax32 = block_max.reshape(n, k // BLOCK, BLOCK // block).amax(dim=-1)
-    e = _published_exponent(amax32)                                                          # [N, K/32]
+    e = published_exponent(amax32)                                                          # [N, K/32]
     thr = torch.ldexp(torch.full(e.shape, 2.5, dtype=torch.float64, device=e.device), e)
     thr = thr.repeat_interleave(BLOCK // block, dim=1)                                       # [N, K/block]
     # smallest magnitude index whose exact value exceeds the threshold (8 = none does)

@@ -57,7 +57,7 @@ def unit_space_histogram(m: ExpertMatrix) -> np.ndarray:
             from moet.errors import FormatError
             raise FormatError(f"tensor {m.name!r}: K={k} is not divisible by the W2 block size {w2.BLOCK}")
         blocks = w.double().reshape(n, k // w2.BLOCK, w2.BLOCK)
-        e = w2._published_exponent(blocks.abs().amax(dim=-1))
+        e = w2.published_exponent(blocks.abs().amax(dim=-1))
         codes = e2m1.encode(torch.ldexp(blocks, -e.unsqueeze(-1)), "nearest_lower")
     return torch.bincount(codes.flatten().long(), minlength=16).numpy().astype(np.float64)
 
