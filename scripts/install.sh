@@ -4,7 +4,8 @@
 # otherwise the CPU wheel torch==2.13.0 is installed first, so pip never pulls a
 # multi-GB CUDA build for a CPU machine.
 #   scripts/install.sh          runtime only
-#   scripts/install.sh --test   plus the test extras (pytest, hypothesis)
+#   scripts/install.sh --test   plus the test extras (pytest, hypothesis) and triton for the
+#                               interpreted kernel tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,5 +14,14 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+if [ "${1:-}" = "--test" ]; then
+    extras="[test]"
+    # The Triton kernels are tested on CPU through TRITON_INTERPRET=1. CUDA builds of torch
+    # bring their own (exactly pinned) triton, which must stay; elsewhere take the version the
+    # H200 box's torch 2.11 ships.
+    if ! "$PY" -c "import triton" >/dev/null 2>&1; then
+        echo "[install] no triton found: installing triton==3.6.0 (CPU tests run it interpreted)"
+        "$PY" -m pip install -q "triton==3.6.0"
+    fi
+fi
 "$PY" -m pip install -q -e ".${extras}"

@@ -1,0 +1,258 @@
+"""Triton paged attention kernels; signatures equal attention_reference's. Importing this module
+needs triton (an optional dependency: moet.kernels never imports it on its own).
+
+paged_decode_gqa: split-K ("flash-decoding") over the pages of each sequence.
+  Stage 1, grid (B, Hkv, splits): one program = one sequence, one KV head with all its G query
+  heads (K/V read once per group), `split_tokens` tokens. Online softmax in fp32; writes its
+  unnormalised partial output, running max and sum to a workspace.
+  Stage 2, grid (B, Hq): merges the splits in index order 0..S-1 (log-sum-exp rescale). No
+  atomics and a fixed order, so the result is bit-identical run to run (SPEC 3); it may differ
+  in the last bits between two split sizes, which is why split_tokens is an explicit argument.
+The number of splits comes from the block table's width, not from seq_lens.max(): no host
+sync, and a fixed launch shape for CUDA graphs; splits past a sequence's end exit at once.
+
+paged_decode_mla: the same split-K over the latent rows (weight-absorbed MQA: one shared key
+  row [latent | rope] per token, values = latent). Grid (B, ceil(H / BLOCK_H), splits): every
+  program reads each latent row once for BLOCK_H heads. Scores are the sum of two dots
+  (latent, rope), so the 576-wide row is never padded to 1024. All three MLA formats: auto,
+  fp8 per-tensor (one scale for latent and rope), fp8 block (fp8_ds_mla: per-group latent
+  scales, rope in the model dtype).
+
+Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); NOT yet compiled or
+measured on a GPU. Scores and P@V use fp32 operands with input_precision="ieee" so the CPU
+interpreter and the GPU agree with the fp32 reference; whether bf16 operands are worth it for
+decode (memory bound) is for the GPU session to measure.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moet.errors import ConfigError
+from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
+
+_SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
+
+
+@triton.jit
+def _load_dequant(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
+                  DIM: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr):
+    """[BLOCK_SIZE, BLOCK_D] float32 of one page's tokens for head h."""
+    m = tmask[:, None] & (d[None, :] < DIM)
+    x = tl.load(ptr + blk * s_b + tok[:, None] * s_t + h * s_h + d[None, :], mask=m, other=0.0).to(tl.float32)
+    if SCALE_KIND == 1:
+        x = x * tl.load(scale_ptr)
+    if SCALE_KIND == 2:
+        s = tl.load(scale_ptr + blk * ss_b + tok[:, None] * ss_t + h * ss_h + d[None, :] // GROUP, mask=m, other=0.0)
+        x = x * s
+    return x
+
+
+@triton.jit
+def _gqa_decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+        s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+        ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+        SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    tok = tl.arange(0, BLOCK_SIZE)
+    qh = h * G + g
+    q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
+                mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    first = sp * PAGES_PER_SPLIT
+    lo_tok = 0
+    if WINDOW > 0:
+        lo_tok = tl.maximum(n - WINDOW, 0)     # key j visible iff j > (n - 1) - WINDOW
+    # a page is skipped (masked wholesale) when it lies past the end or before the window;
+    # the loop bound stays a constexpr so the interpreter and graph capture see one shape
+    for i in range(PAGES_PER_SPLIT):
+        page = first + i
+        start = page * BLOCK_SIZE
+        if (start < n) & (start + BLOCK_SIZE > lo_tok):
+            blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
+            pos = start + tok
+            tmask = (pos < n) & (pos >= lo_tok)
+            k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
+                              D, SCALE_KIND, GROUP_K)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale          # [BLOCK_G, BLOCK_SIZE]
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
+                              DV, SCALE_KIND, GROUP_V)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+    row = (b * (tl.num_programs(1) * G) + qh) * NUM_SPLITS + sp                  # [B, Hq, S] index
+    gmask = g < G
+    tl.store(m_ptr + row, m_i, mask=gmask)
+    tl.store(l_ptr + row, l_i, mask=gmask)
+    tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=gmask[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+        ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+        s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALE_KIND: tl.constexpr,
+        GROUP: tl.constexpr):
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    p_ = tl.arange(0, BLOCK_P)
+    tok = tl.arange(0, BLOCK_SIZE)
+    hmask = hh < H
+    ql = tl.load(ql_ptr + b * s_qlb + hh[:, None] * s_qlh + r[None, :],
+                 mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+    qr = tl.load(qr_ptr + b * s_qrb + hh[:, None] * s_qrh + p_[None, :],
+                 mask=hmask[:, None] & (p_[None, :] < P), other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    first = sp * PAGES_PER_SPLIT
+    for i in range(PAGES_PER_SPLIT):
+        page = first + i
+        start = page * BLOCK_SIZE
+        if start < n:
+            blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
+            tmask = (start + tok) < n
+            lm = tmask[:, None] & (r[None, :] < R)
+            lat = tl.load(lat_ptr + blk * s_lb + tok[:, None] * s_lt + r[None, :], mask=lm, other=0.0).to(tl.float32)
+            rm = tmask[:, None] & (p_[None, :] < P)
+            rope = tl.load(rope_ptr + blk * s_rb + tok[:, None] * s_rt + p_[None, :], mask=rm, other=0.0).to(tl.float32)
+            if SCALE_KIND == 1:
+                sc = tl.load(ls_ptr)
+                lat = lat * sc
+                rope = rope * sc
+            if SCALE_KIND == 2:
+                lat = lat * tl.load(ls_ptr + blk * ss_b + tok[:, None] * ss_t + r[None, :] // GROUP, mask=lm, other=0.0)
+            s = (tl.dot(ql, tl.trans(lat), input_precision="ieee")
+                 + tl.dot(qr, tl.trans(rope), input_precision="ieee")) * scale
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(pr, lat, input_precision="ieee")
+            m_i = m_new
+    row = (b * H + hh) * NUM_SPLITS + sp
+    tl.store(m_ptr + row, m_i, mask=hmask)
+    tl.store(l_ptr + row, l_i, mask=hmask)
+    tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, HQ: tl.constexpr,
+                         DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.arange(0, BLOCK_DV)
+    base = (b * HQ + h) * NUM_SPLITS
+    m_max = float("-inf")
+    for s in range(NUM_SPLITS):                   # pass 1: global max, fixed order
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + s))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # an empty sequence: all splits empty
+    total = tl.zeros([BLOCK_DV], tl.float32)
+    l_sum = 0.0
+    for s in range(NUM_SPLITS):                   # pass 2: rescale and add, fixed order
+        w = tl.exp(tl.load(m_ptr + base + s) - m_safe)
+        l_sum += w * tl.load(l_ptr + base + s)
+        total += w * tl.load(acc_ptr + (base + s) * DV + dv, mask=dv < DV, other=0.0)
+    out = tl.where(l_sum > 0, total / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(x))
+
+
+def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                     *, split_tokens: int | None = None) -> torch.Tensor:
+    """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
+    whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU)."""
+    q = q.contiguous()
+    b, hq, d = q.shape
+    nb, bs, hkv, _ = cache.k.shape
+    dv = cache.v.shape[-1]
+    if hq % hkv:
+        raise ConfigError(f"paged decode: {hq} query heads are not a multiple of {hkv} kv heads")
+    if bs < 16 or bs & (bs - 1):
+        raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
+    fmt = cache.fmt
+    kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    pages_per_split = max(1, -(-(split_tokens or 256) // bs))
+    num_splits = max(1, -(-block_tables.shape[1] // pages_per_split))
+    g = hq // hkv
+    acc = torch.empty(b, hq, num_splits, dv, dtype=torch.float32, device=q.device)
+    m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    out = torch.empty(b, hq, dv, dtype=q.dtype, device=q.device)
+    ks = cache.k_scale if cache.k_scale is not None else m      # any pointer; never read
+    vs = cache.v_scale if cache.v_scale is not None else m
+    sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
+    sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
+    _gqa_decode_split_kernel[(b, hkv, num_splits)](
+        q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_,
+        q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
+        *sk[:3], *sv[:3], block_tables.stride(0), float(scale),
+        G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
+        PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=num_splits, WINDOW=sliding_window or 0,
+        SCALE_KIND=kind, GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv))
+    _merge_splits_kernel[(b, hq)](acc, m, l_, out, out.stride(0), out.stride(1), HQ=hq, DV=dv,
+                                  BLOCK_DV=_pow2(dv), NUM_SPLITS=num_splits)
+    return out
+
+
+def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     *, split_tokens: int | None = None) -> torch.Tensor:
+    """As attention_reference.paged_decode_mla."""
+    q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
+    b, h, r = q_latent.shape
+    p = q_rope.shape[-1]
+    bs = cache.block_size
+    if bs < 16 or bs & (bs - 1):
+        raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
+    fmt = cache.fmt
+    kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    pages_per_split = max(1, -(-(split_tokens or 256) // bs))
+    num_splits = max(1, -(-block_tables.shape[1] // pages_per_split))
+    # 16 heads per program: at R=512 the fp32 accumulator of 64 heads spills (8k STL on sm_90
+    # AOT, tests/kernels/aot_compile.py); 16 compiles without spills
+    block_h = 16
+    acc = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_latent.device)
+    m = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_latent.device)
+    l_ = torch.empty_like(m)
+    out = torch.empty(b, h, r, dtype=q_latent.dtype, device=q_latent.device)
+    ls = cache.latent_scale if cache.latent_scale is not None else m
+    ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
+    _mla_decode_split_kernel[(b, triton.cdiv(h, block_h), num_splits)](
+        q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, seq_lens, acc, m, l_,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale),
+        H=h, BLOCK_H=block_h, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_SIZE=bs,
+        PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=num_splits, SCALE_KIND=kind, GROUP=min(fmt.group, r))
+    _merge_splits_kernel[(b, h)](acc, m, l_, out, out.stride(0), out.stride(1), HQ=h, DV=r,
+                                 BLOCK_DV=_pow2(r), NUM_SPLITS=num_splits)
+    return out

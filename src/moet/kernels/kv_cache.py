@@ -1,0 +1,268 @@
+"""The paged KV cache: layout as plain tensors, slot mapping, and the KV write (torch reference).
+
+Pages ("blocks") of `block_size` tokens; a sequence owns a list of block ids (its row of the
+block table) and token i of the sequence lives in block `table[i // block_size]` at offset
+`i % block_size`. A write addresses tokens by slot, as vLLM does:
+    slot = block_id * block_size + offset        (int64; -1 = skip this token, e.g. padding)
+
+Per layer, by attention kind (byte layouts: docs/kv-cache.md):
+    GQA  k [num_blocks, block_size, kv_heads, head_dim], v [..., kv_heads, v_head_dim]
+    MLA  one row per token: latent (kv_lora_rank, after kv_a_layernorm) then the rotated key
+         slice (rope_dim) -- the weight-absorbed decode reads nothing else.
+Formats (`KVFormat.name`):
+    "auto"      the model dtype (bf16 when serving; fp32 in exactness tests), as vLLM's "auto"
+    "fp8_e4m3"  e4m3fn data + fp32 scales, scale="tensor" (one static scale per layer and K/V,
+                default 1.0, a calibrated checkpoint k_scale/v_scale can be loaded into it) or
+                scale="block" (one dynamic scale per token per `group` elements: amax / 448).
+                MLA with block scales is DeepSeek's fp8_ds_mla row, 656 B/token at R=512, P=64.
+    "nvfp4"     reserved (SPEC 3: 352 B/token for MLA); it becomes one more byte layout of the
+                MLA row buffer below and one more branch in write/read -- callers only ever
+                hand the layer object to write_*/paged_* and never touch its fields.
+Why block scales are per token, not per page: a page fills one token at a time; a page scale
+would have to grow (re-quantizing the page) whenever a later token's amax exceeds it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moet.errors import ConfigError
+from moet.formats.fp8 import E4M3_MAX, to_e4m3
+
+KV_FORMATS = ("auto", "fp8_e4m3")          # + "nvfp4" later
+SCALE_KINDS = ("tensor", "block")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str = "auto"
+    scale: str = "tensor"                  # fp8 only: "tensor" | "block"
+    group: int = 128                       # fp8 "block": elements per scale (clipped to head_dim)
+    dtype: torch.dtype = torch.bfloat16    # "auto" data; MLA fp8-block rope; the dequantized dtype
+
+    def __post_init__(self):
+        if self.name not in KV_FORMATS:
+            raise ConfigError(f"kv cache format {self.name!r} is not supported (choose from {KV_FORMATS})")
+        if self.name == "fp8_e4m3" and self.scale not in SCALE_KINDS:
+            raise ConfigError(f"fp8 kv cache scale {self.scale!r}: choose from {SCALE_KINDS}")
+        if self.group <= 0:
+            raise ConfigError(f"fp8 kv cache scale group must be positive, got {self.group}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.name == "fp8_e4m3"
+
+    @property
+    def block_scaled(self) -> bool:
+        return self.is_fp8 and self.scale == "block"
+
+
+def _groups(dim: int, fmt: KVFormat) -> int:
+    g = min(fmt.group, dim)
+    if dim % g:
+        raise ConfigError(f"fp8 kv cache: dim {dim} is not a multiple of the scale group {g}")
+    return dim // g
+
+
+@dataclass(slots=True)
+class GQALayerKV:
+    fmt: KVFormat
+    k: torch.Tensor                  # [NB, BS, Hkv, D]   fmt.dtype or float8_e4m3fn
+    v: torch.Tensor                  # [NB, BS, Hkv, Dv]
+    k_scale: torch.Tensor | None     # fp8: fp32 [1] (tensor) or [NB, BS, Hkv, D/group] (block)
+    v_scale: torch.Tensor | None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0]
+
+
+@dataclass(slots=True)
+class MLALayerKV:
+    """`buffer` owns the bytes; latent/rope/latent_scale are views into it, so a token's whole
+    row is contiguous (fp8 block: the fp8_ds_mla row, latent | fp32 scales | rope)."""
+    fmt: KVFormat
+    buffer: torch.Tensor             # [NB, BS, row] (auto: fmt.dtype; fp8 tensor: e4m3; fp8 block: uint8)
+    latent: torch.Tensor             # [NB, BS, R]
+    rope: torch.Tensor               # [NB, BS, P]
+    latent_scale: torch.Tensor | None  # fp8 tensor: fp32 [1] (latent and rope); block: [NB, BS, R/group]
+
+    @property
+    def block_size(self) -> int:
+        return self.buffer.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.buffer.shape[0]
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.latent.shape[-1]
+
+
+def gqa_bytes_per_token(kv_heads: int, head_dim: int, v_head_dim: int, fmt: KVFormat) -> int:
+    """Per layer. Used for capacity planning (blocks that fit in free memory)."""
+    if not fmt.is_fp8:
+        return kv_heads * (head_dim + v_head_dim) * fmt.dtype.itemsize
+    scales = 4 * kv_heads * (_groups(head_dim, fmt) + _groups(v_head_dim, fmt)) if fmt.block_scaled else 0
+    return kv_heads * (head_dim + v_head_dim) + scales
+
+
+def mla_bytes_per_token(kv_lora_rank: int, rope_dim: int, fmt: KVFormat) -> int:
+    if not fmt.is_fp8:
+        return (kv_lora_rank + rope_dim) * fmt.dtype.itemsize
+    if fmt.block_scaled:
+        return kv_lora_rank + 4 * _groups(kv_lora_rank, fmt) + rope_dim * fmt.dtype.itemsize
+    return kv_lora_rank + rope_dim
+
+
+def new_gqa_layer(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, v_head_dim: int,
+                  fmt: KVFormat, device: torch.device | str = "cpu") -> GQALayerKV:
+    data = torch.float8_e4m3fn if fmt.is_fp8 else fmt.dtype
+    k = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=data, device=device)
+    v = torch.zeros(num_blocks, block_size, kv_heads, v_head_dim, dtype=data, device=device)
+    ks = vs = None
+    if fmt.block_scaled:
+        ks = torch.ones(num_blocks, block_size, kv_heads, _groups(head_dim, fmt), dtype=torch.float32, device=device)
+        vs = torch.ones(num_blocks, block_size, kv_heads, _groups(v_head_dim, fmt), dtype=torch.float32, device=device)
+    elif fmt.is_fp8:
+        ks = torch.ones(1, dtype=torch.float32, device=device)
+        vs = torch.ones(1, dtype=torch.float32, device=device)
+    return GQALayerKV(fmt, k, v, ks, vs)
+
+
+def new_mla_layer(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, fmt: KVFormat,
+                  device: torch.device | str = "cpu") -> MLALayerKV:
+    r, p = kv_lora_rank, rope_dim
+    if not fmt.is_fp8 or not fmt.block_scaled:
+        data = torch.float8_e4m3fn if fmt.is_fp8 else fmt.dtype
+        buf = torch.zeros(num_blocks, block_size, r + p, dtype=data, device=device)
+        scale = torch.ones(1, dtype=torch.float32, device=device) if fmt.is_fp8 else None
+        return MLALayerKV(fmt, buf, buf[..., :r], buf[..., r:], scale)
+    # fp8_ds_mla row: r e4m3 bytes | 4 * r/group fp32 scale bytes | p rope values in fmt.dtype.
+    # Views need each part's byte offset and the row length to be multiples of its itemsize.
+    ng, isz = _groups(r, fmt), fmt.dtype.itemsize
+    row = mla_bytes_per_token(r, p, fmt)
+    if r % 4 or row % 4:
+        raise ConfigError(f"fp8 block-scaled MLA cache needs kv_lora_rank and the row ({row} B) to be multiples of 4")
+    buf = torch.zeros(num_blocks, block_size, row, dtype=torch.uint8, device=device)
+    latent = buf[..., :r].view(torch.float8_e4m3fn)
+    scale = buf[..., r:r + 4 * ng].view(torch.float32)
+    rope = buf[..., r + 4 * ng:].view(fmt.dtype)
+    scale.fill_(1.0)
+    return MLALayerKV(fmt, buf, latent, rope, scale)
+
+
+# ---------------------------------------------------------------------------- quantization
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., D] -> (e4m3 [..., D], per-group fp32 scales [..., D/g]) when scale is None (block),
+    else (e4m3 of x / scale, None) with the given per-tensor scale. Saturates at +-448."""
+    xf = x.float()
+    if scale is not None:
+        return to_e4m3(xf / scale), None
+    d = xf.shape[-1]
+    g = min(group, d)
+    xg = xf.unflatten(-1, (d // g, g))
+    amax = xg.abs().amax(dim=-1)
+    # an all-zero group keeps scale 1 (any scale encodes it exactly; avoids 0/0)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return to_e4m3(xg / s[..., None]).flatten(-2), s
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [..., D] and fp32 scale ([1] or [..., D/g]) -> float32 [..., D]."""
+    qf = q.float()
+    if scale.numel() == 1:
+        return qf * scale.reshape(())
+    d, ng = qf.shape[-1], scale.shape[-1]
+    return (qf.unflatten(-1, (ng, d // ng)) * scale[..., None]).flatten(-2)
+
+
+# ---------------------------------------------------------------------------- writes
+
+def _valid(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = slot_mapping >= 0
+    return keep, slot_mapping[keep].long()
+
+
+def _store(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    # dst [NB, BS, ...] viewed as [NB * BS, ...]; one index_put per tensor. Slots must be
+    # distinct (the block manager's contract); duplicates would make the winner unspecified.
+    dst.flatten(0, 1)[slots] = src.to(dst.dtype)
+
+
+def write_gqa_kv(cache: GQALayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k [T, Hkv, D], v [T, Hkv, Dv] (rotated, normed: exactly what attention reads), slot_mapping
+    int [T] -> stored in place; slot -1 is skipped."""
+    keep, slots = _valid(slot_mapping)
+    k, v = k[keep], v[keep]
+    fmt = cache.fmt
+    if not fmt.is_fp8:
+        _store(cache.k, slots, k)
+        _store(cache.v, slots, v)
+        return
+    if fmt.block_scaled:
+        qk, sk = quantize_fp8(k, None, fmt.group)
+        qv, sv = quantize_fp8(v, None, fmt.group)
+        _store(cache.k_scale, slots, sk)
+        _store(cache.v_scale, slots, sv)
+    else:
+        qk, _ = quantize_fp8(k, cache.k_scale, fmt.group)
+        qv, _ = quantize_fp8(v, cache.v_scale, fmt.group)
+    _store(cache.k, slots, qk)
+    _store(cache.v, slots, qv)
+
+
+def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent [T, R] (after kv_a_layernorm), k_rope [T, P] (rotated), slot_mapping int [T]."""
+    keep, slots = _valid(slot_mapping)
+    latent, k_rope = latent[keep], k_rope[keep]
+    fmt = cache.fmt
+    if not fmt.is_fp8:
+        _store(cache.latent, slots, latent)
+        _store(cache.rope, slots, k_rope)
+    elif fmt.block_scaled:
+        q, s = quantize_fp8(latent, None, fmt.group)
+        _store(cache.latent, slots, q)
+        _store(cache.latent_scale, slots, s)
+        _store(cache.rope, slots, k_rope)          # rope stays in fmt.dtype (fp8_ds_mla)
+    else:
+        _store(cache.latent, slots, quantize_fp8(latent, cache.latent_scale, fmt.group)[0])
+        _store(cache.rope, slots, quantize_fp8(k_rope, cache.latent_scale, fmt.group)[0])
+
+
+# ---------------------------------------------------------------------------- reads (reference)
+
+def _gather(t: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n tokens of a sequence whose pages are `blocks`: t [NB, BS, ...] -> [n, ...]."""
+    bs = t.shape[1]
+    need = math.ceil(n / bs)
+    return t[blocks[:need].long()].flatten(0, 1)[:n]
+
+
+def read_gqa_kv(cache: GQALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first n tokens, dequantized to float32: ([n, Hkv, D], [n, Hkv, Dv])."""
+    k, v = _gather(cache.k, blocks, n), _gather(cache.v, blocks, n)
+    if not cache.fmt.is_fp8:
+        return k.float(), v.float()
+    if cache.fmt.block_scaled:
+        return (dequantize_fp8(k, _gather(cache.k_scale, blocks, n)),
+                dequantize_fp8(v, _gather(cache.v_scale, blocks, n)))
+    return dequantize_fp8(k, cache.k_scale), dequantize_fp8(v, cache.v_scale)
+
+
+def read_mla_kv(cache: MLALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first n tokens, dequantized to float32: (latent [n, R], rope [n, P])."""
+    lat, rope = _gather(cache.latent, blocks, n), _gather(cache.rope, blocks, n)
+    if not cache.fmt.is_fp8:
+        return lat.float(), rope.float()
+    if cache.fmt.block_scaled:
+        return dequantize_fp8(lat, _gather(cache.latent_scale, blocks, n)), rope.float()
+    return dequantize_fp8(lat, cache.latent_scale), dequantize_fp8(rope, cache.latent_scale)

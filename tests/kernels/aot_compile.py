@@ -1,0 +1,52 @@
+"""Compile the paged attention kernels for sm_90 without a GPU (Triton AOT, ptxas shipped with
+triton). The interpreter runs kernels as numpy and accepts things the compiler rejects (types
+of loop-carried values, dot shapes, fp8 casts); this catches those on a CPU machine.
+
+    python -m tests.kernels.aot_compile      (TRITON_INTERPRET must be unset)
+Run by test_attention_triton_compiles.py in a subprocess; prints one line per kernel.
+"""
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moet.kernels import attention_triton as at
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, types: dict, const: dict):
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+    # pointers 16-byte aligned, as the JIT specialises them at run time
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TARGET)
+
+
+def main() -> None:
+    i64 = {n: "i64" for n in ("s_kb", "s_vb", "ss_kb", "ss_vb", "s_lb", "s_rb", "ss_b")}
+    for kv, kind in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
+        # GLM-4.5-like: 96 q heads / 8 kv heads, head_dim 128, pages of 16, sliding window on the bf16 one
+        const = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
+                     PAGES_PER_SPLIT=16, NUM_SPLITS=8, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
+                     GROUP_K=128, GROUP_V=128)
+        types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
+                     lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
+        c = _compile(at._gqa_decode_split_kernel, types, const)
+        print("gqa split", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        # DeepSeek-V3: R 512, P 64, 16 heads per program
+        lat = "*bf16" if kind == 0 else "*fp8e4nv"
+        rope = "*fp8e4nv" if kind == 1 else "*bf16"
+        const = dict(H=128, BLOCK_H=16, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_SIZE=16,
+                     PAGES_PER_SPLIT=16, NUM_SPLITS=8, SCALE_KIND=kind, GROUP=128)
+        types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
+                     bt_ptr="*i32", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
+        c = _compile(at._mla_decode_split_kernel, types, const)
+        print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+    c = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*bf16"),
+                 dict(HQ=96, DV=128, BLOCK_DV=128, NUM_SPLITS=8))
+    print("merge", "cubin bytes", len(c.asm["cubin"]))
+
+
+if __name__ == "__main__":
+    main()

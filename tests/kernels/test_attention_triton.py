@@ -1,0 +1,117 @@
+"""The Triton paged decode against the torch reference (float32), under TRITON_INTERPRET=1 when
+there is no GPU: ragged lengths across page and split boundaries, random block tables, GQA
+groups, fp8 caches, sliding window, bit-identical reruns."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+
+if HAVE_TRITON and not torch.cuda.is_available():
+    # must be set before triton is first imported: triton.language's own helpers (tl.zeros ...)
+    # are decorated then, and a late switch leaves them compiled-mode ("outside of a kernel")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/kernels/test_attention_triton.py could set "
+                           "TRITON_INTERPRET=1; set it for the run or keep triton imports out of earlier tests")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from moet.kernels import attention_reference as ref  # noqa: E402
+from moet.kernels.kv_cache import KVFormat, new_gqa_layer, new_mla_layer, write_gqa_kv, write_mla_kv  # noqa: E402
+from tests.kernels.paged import random_block_tables, slots_for  # noqa: E402
+
+BS = 16
+NUM_BLOCKS = 24
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tri():
+    from moet.kernels import attention_triton
+    return attention_triton
+
+
+def _setup(fmt: KVFormat, lens: list[int], hq: int, hkv: int, d: int, g: torch.Generator):
+    cache = new_gqa_layer(NUM_BLOCKS, BS, hkv, d, d, fmt, device=DEVICE)
+    if fmt.is_fp8 and not fmt.block_scaled:
+        cache.k_scale.fill_(0.02)               # a calibrated-looking scale, so a dropped one fails
+        cache.v_scale.fill_(0.03)
+    table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
+    for b, n in enumerate(lens):
+        write_gqa_kv(cache, torch.randn(n, hkv, d, generator=g).to(DEVICE),
+                     torch.randn(n, hkv, d, generator=g).to(DEVICE), slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    q = torch.randn(len(lens), hq, d, generator=g).to(DEVICE)
+    return cache, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE), q
+
+
+CASES = [
+    # fmt, lens, hq, hkv, d, window, split_tokens
+    (KVFormat("auto", dtype=torch.float32), [1, BS - 1, BS, BS + 1, 3 * BS + 5], 4, 2, 16, None, 32),
+    (KVFormat("auto", dtype=torch.float32), [2 * BS + 3, 5 * BS], 8, 1, 32, None, 16),    # MQA-like group 8
+    (KVFormat("auto", dtype=torch.float32), [5 * BS + 7, 9], 4, 4, 16, 20, 32),          # window crosses splits
+    (KVFormat("fp8_e4m3", "tensor"), [BS + 1, 4 * BS + 2], 4, 2, 16, None, 32),
+    (KVFormat("fp8_e4m3", "block", group=8), [3, 3 * BS - 1], 6, 2, 24, None, 16),       # d not a power of 2
+]
+
+
+@pytest.mark.parametrize("fmt,lens,hq,hkv,d,window,split", CASES)
+def test_triton_paged_decode_matches_reference(fmt, lens, hq, hkv, d, window, split):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
+    want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
+    got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    again = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split)
+    assert torch.equal(got, again)              # bit-identical run to run
+
+
+def test_split_size_changes_rounding_only_and_empty_sequences_give_zero():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    fmt = KVFormat("auto", dtype=torch.float32)
+    cache, table, seq_lens, q = _setup(fmt, [6 * BS + 1, 0, 2], 4, 2, 16, g)
+    one = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=8 * BS)   # one split
+    many = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=BS)      # seven splits
+    torch.testing.assert_close(many, one, rtol=2e-5, atol=2e-5)
+    assert (one[1] == 0).all()                  # padding row of a graph batch: no NaN
+    assert torch.isfinite(many).all()
+
+
+def _to_cpu(cache):
+    from dataclasses import replace
+    return replace(cache, k=cache.k.cpu(), v=cache.v.cpu(),
+                   k_scale=None if cache.k_scale is None else cache.k_scale.cpu(),
+                   v_scale=None if cache.v_scale is None else cache.v_scale.cpu())
+
+
+MLA_CASES = [
+    (KVFormat("auto", dtype=torch.float32), [1, BS - 1, BS + 1, 4 * BS + 3], 4, 32),
+    (KVFormat("fp8_e4m3", "tensor"), [2 * BS + 5, 3], 20, 32),                        # two head blocks of 16
+    (KVFormat("fp8_e4m3", "block", group=16), [BS, 3 * BS + 1], 4, 48),     # fp8_ds_mla row, bf16 rope
+]
+
+
+@pytest.mark.parametrize("fmt,lens,h,split", MLA_CASES)
+def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    r, p = 32, 16
+    cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
+    if fmt.is_fp8 and not fmt.block_scaled:
+        cache.latent_scale.fill_(0.02)
+    table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
+    for b, n in enumerate(lens):
+        write_mla_kv(cache, torch.randn(n, r, generator=g).to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
+                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    ql, qr = torch.randn(len(lens), h, r, generator=g).to(DEVICE), torch.randn(len(lens), h, p, generator=g).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    cpu = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt)
+    cpu.buffer.copy_(cache.buffer.cpu())
+    if fmt.is_fp8 and not fmt.block_scaled:
+        cpu.latent_scale.copy_(cache.latent_scale.cpu())
+    want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), cpu, table.cpu(), seq_lens.cpu(), 0.2)
+    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split))

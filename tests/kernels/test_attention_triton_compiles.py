@@ -1,0 +1,32 @@
+"""The Triton paged attention kernels compile for sm_90 (H200) on this CPU machine: runs
+tests/kernels/aot_compile.py in a subprocess, since the interpreter tests set TRITON_INTERPRET
+for this process and an interpreted kernel cannot be compiled."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ptxas() -> bool:
+    spec = importlib.util.find_spec("triton")
+    return bool(spec and spec.origin and (Path(spec.origin).parent / "backends/nvidia/bin/ptxas").exists())
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+@pytest.mark.skipif(HAVE_TRITON and not _ptxas(), reason="triton has no bundled ptxas to compile with")
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "tests.kernels.aot_compile"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    assert sum(line.startswith(("gqa split", "mla split", "merge")) for line in lines) == 7, r.stdout
