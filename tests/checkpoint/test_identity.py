@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from moet.checkpoint.identity import identity

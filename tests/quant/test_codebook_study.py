@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from moet.errors import CheckpointError
-from moet.formats import e2m1
 from moet.quant import codebook_study as cs
 from moet.quant.expert_tensors import ExpertTensorReader
 from tests.quant.conftest import write_expert_checkpoint

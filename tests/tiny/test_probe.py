@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
-import torch
 
 from moet.probe.run import BUDGETS, code_probe, facts_probe, run_all, tools_probe
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +155,7 @@ def run(r: Recipe, out: Path, *, device: str | None, workers: int, bench: bool, 
     config["quantization_config"] = qc
     gen_cfg = {"bos_token_id": ids[chat_format.BOS], "eos_token_id": [ids[chat_format.EOS]],
                "pad_token_id": ids[chat_format.PAD], "do_sample": False, "max_new_tokens": 256}
-    files = export.write(ckpt, q, config, shard_bytes=SHARD_BYTES, generation_config=gen_cfg, hf_quant_config=hq)
+    export.write(ckpt, q, config, shard_bytes=SHARD_BYTES, generation_config=gen_cfg, hf_quant_config=hq)
     timings["export_s"] = round(time.time() - t, 1)
     sizes = {p.name: p.stat().st_size for p in sorted(ckpt.iterdir())}
     timings["to_checkpoint_s"] = round(time.time() - t_start, 1)

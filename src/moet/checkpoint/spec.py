@@ -237,7 +237,6 @@ def _common(cfg: dict, family: str) -> dict:
 
 def deepseek_v3_spec(cfg: dict) -> ModelSpec:
     base = _common(cfg, "deepseek_v3")
-    n = base["num_layers"]
     heads = int(_get(cfg, "num_attention_heads", required=True))
     nope, rope_d = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     rope = _rope(cfg, rope_d, interleave=bool(cfg.get("rope_interleave", True)))
@@ -252,34 +251,12 @@ def deepseek_v3_spec(cfg: dict) -> ModelSpec:
         q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope_d,
     )
-    n_experts = int(_first(cfg, "n_routed_experts", "num_local_experts"))
-    router = RouterSpec(
-        num_experts=n_experts, top_k=int(cfg["num_experts_per_tok"]), scoring="sigmoid",
-        norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
-        routed_scaling_factor=float(_get(cfg, "routed_scaling_factor", 1.0)),
-        n_group=int(_get(cfg, "n_group", 1)), topk_group=int(_get(cfg, "topk_group", 1)),
-        correction_bias=True, fp32_weight=True,
-    )
-    moe_i = int(cfg["moe_intermediate_size"])
-    return ModelSpec(
-        **base, layer_kinds=_first_k_dense_kinds(cfg, n), intermediate_size=int(cfg["intermediate_size"]),
-        moe_intermediate_size=moe_i, shared_intermediate_size=moe_i * int(_get(cfg, "n_shared_experts", 0)),
-        attention=attn, rope=rope, router=router,
-        num_mtp_layers=int(_get(cfg, "num_nextn_predict_layers", _get(cfg, "num_mtp_layers", 0))),
-    )
+    return _sigmoid_routed_moe_spec(cfg, base, attn, rope)
 
 
-def glm4_moe_spec(cfg: dict) -> ModelSpec:
-    base = _common(cfg, "glm4_moe")
-    n = base["num_layers"]
-    heads = int(_get(cfg, "num_attention_heads", required=True))
-    head_dim = int(_get(cfg, "head_dim", base["hidden_size"] // heads))
-    attn = AttentionSpec(
-        kind="gqa", num_heads=heads, num_kv_heads=int(_get(cfg, "num_key_value_heads", heads)),
-        head_dim=head_dim, v_head_dim=head_dim, qkv_bias=bool(cfg.get("attention_bias", False)),
-        qk_norm=bool(cfg.get("use_qk_norm", False)), scale=head_dim ** -0.5,
-    )
-    rope = _rope(cfg, int(head_dim * _partial_rotary({"partial_rotary_factor": 0.5, **cfg})))
+def _sigmoid_routed_moe_spec(cfg: dict, base: dict, attn: "AttentionSpec", rope) -> ModelSpec:
+    """The MoE half shared by DeepSeek-V3 and GLM-4.5: sigmoid scores + e_score_correction_bias,
+    group-limited top-k, routed_scaling_factor, shared experts, first_k_dense_replace, MTP."""
     router = RouterSpec(
         num_experts=int(_first(cfg, "n_routed_experts", "num_local_experts")), top_k=int(cfg["num_experts_per_tok"]),
         scoring="sigmoid", norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
@@ -289,11 +266,24 @@ def glm4_moe_spec(cfg: dict) -> ModelSpec:
     )
     moe_i = int(cfg["moe_intermediate_size"])
     return ModelSpec(
-        **base, layer_kinds=_first_k_dense_kinds(cfg, n), intermediate_size=int(cfg["intermediate_size"]),
+        **base, layer_kinds=_first_k_dense_kinds(cfg, base["num_layers"]), intermediate_size=int(cfg["intermediate_size"]),
         moe_intermediate_size=moe_i, shared_intermediate_size=moe_i * int(_get(cfg, "n_shared_experts", 0)),
         attention=attn, rope=rope, router=router,
         num_mtp_layers=int(_get(cfg, "num_nextn_predict_layers", _get(cfg, "num_mtp_layers", 0))),
     )
+
+
+def glm4_moe_spec(cfg: dict) -> ModelSpec:
+    base = _common(cfg, "glm4_moe")
+    heads = int(_get(cfg, "num_attention_heads", required=True))
+    head_dim = int(_get(cfg, "head_dim", base["hidden_size"] // heads))
+    attn = AttentionSpec(
+        kind="gqa", num_heads=heads, num_kv_heads=int(_get(cfg, "num_key_value_heads", heads)),
+        head_dim=head_dim, v_head_dim=head_dim, qkv_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=bool(cfg.get("use_qk_norm", False)), scale=head_dim ** -0.5,
+    )
+    rope = _rope(cfg, int(head_dim * _partial_rotary({"partial_rotary_factor": 0.5, **cfg})))
+    return _sigmoid_routed_moe_spec(cfg, base, attn, rope)
 
 
 def qwen3_moe_spec(cfg: dict) -> ModelSpec:

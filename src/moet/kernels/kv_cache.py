@@ -147,7 +147,7 @@ def new_mla_layer(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim:
         return MLALayerKV(fmt, buf, buf[..., :r], buf[..., r:], scale)
     # fp8_ds_mla row: r e4m3 bytes | 4 * r/group fp32 scale bytes | p rope values in fmt.dtype.
     # Views need each part's byte offset and the row length to be multiples of its itemsize.
-    ng, isz = _groups(r, fmt), fmt.dtype.itemsize
+    ng = _groups(r, fmt)
     row = mla_bytes_per_token(r, p, fmt)
     if r % 4 or row % 4:
         raise ConfigError(f"fp8 block-scaled MLA cache needs kv_lora_rank and the row ({row} B) to be multiples of 4")

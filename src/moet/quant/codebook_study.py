@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from moet.formats import e2m1, fp8_block, mxfp4, nvfp4, w2
+from moet.formats import e2m1, fp8_block, w2
 from moet.formats._checks import require_finite
 from moet.quant.expert_tensors import ExpertMatrix
 
