@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moet.kernels import attention_triton as at
+from moet.kernels import prefill_triton as pt
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -34,6 +35,13 @@ def main() -> None:
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const)
         print("gqa split", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        # the prefill/extend kernel, same model: 4 query tokens x 16 (12 used) heads = 64 rows per program
+        const = dict(G=12, BLOCK_G=16, BLOCK_M=4, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
+                     WINDOW=0 if kind else 4096, SCALE_KIND=kind, GROUP_K=128, GROUP_V=128, INTERPRET=False)
+        types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
+                     cu_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", scale="fp32")
+        c = _compile(pt._gqa_prefill_kernel, types, const)
+        print("gqa prefill", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
         # DeepSeek-V3: R 512, P 64, 16 heads per program
         lat = "*bf16" if kind == 0 else "*fp8e4nv"
         rope = "*fp8e4nv" if kind == 1 else "*bf16"

@@ -1,0 +1,180 @@
+"""Triton paged prefill/extend attention for GQA; signature equal to
+attention_reference.paged_prefill_gqa (plus keyword-only tuning knobs). Importing this module
+needs triton (an optional dependency: moet.kernels never imports it on its own).
+
+paged_prefill_gqa: causal, variable length (cu_seqlens_q), every key read from the paged cache
+  (prior context and this step's own tokens alike, which the caller has written first).
+  Grid (B, Hkv, ceil(max_q_len / BLOCK_M)): one program = one sequence, one KV head, a tile of
+  BLOCK_M query tokens times all G query heads of that KV head, packed as BLOCK_M * BLOCK_G rows
+  (row r = token r // BLOCK_G, head r % BLOCK_G), so each K/V page is read once per group and tile.
+  The program walks the pages from the first key any of its queries can see (sliding window) to
+  its last query's position, online softmax in fp32, and writes the normalised output directly
+  (no split-K: a prefill tile already has enough parallelism). No atomics and a fixed page order:
+  bit-identical run to run. Formats: auto, fp8_e4m3 per-tensor and per-token-group scales (the
+  same dequantizing load as the decode kernel).
+
+Status: matches the torch reference under TRITON_INTERPRET=1 at small shapes
+(tests/kernels/test_prefill_triton.py) and compiles for sm_90 (tests/kernels/aot_compile.py);
+NOT yet run or timed on a GPU. Known costs to revisit there: fp32 operands with
+input_precision="ieee" (FFMA, not tensor cores); K/V pages are re-read by every query tile of a
+sequence; the tile size (BLOCK_M * BLOCK_G ~ 64 rows) is a guess; the grid's third axis comes from
+max_seqlen_q, which costs a host sync when the caller does not pass it. sm_90 AOT, GLM-4.5 shape
+(G 12, D 128, 64 rows, 4 warps): bf16 184 registers and fp8 per-tensor 168, no spills; fp8 block
+scales (group 128) hit 255 registers and ~400 spill stores (the per-element scale gather in
+_load_dequant); smaller tiles or 8 warps did not remove them, scaling the dot's columns instead
+made it worse (ptxas chose 32 registers and a 4 kB stack).
+Under TRITON_INTERPRET=1 the page loop is a while loop (see INTERPRET in the kernel): the tests
+run that form; the compiled form is the range() loop with the same bounds and the same body.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from moet.errors import ConfigError
+from moet.kernels.attention_triton import _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _load_dequant, _pow2
+from moet.kernels.kv_cache import GQALayerKV
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
+
+
+@triton.jit
+def _prefill_page(q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, h, d, dv, tok,
+                  s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
+                  SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr):
+    """One page of keys for all rows of the tile: the online-softmax update."""
+    blk = tl.load(bt_row_ptr + page).to(tl.int64)
+    kpos = page * BLOCK_SIZE + tok
+    tmask = kpos <= last
+    k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
+                      D, SCALE_KIND, GROUP_K)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale            # [rows, BLOCK_SIZE]
+    vis = kpos[None, :] <= qpos[:, None]
+    if WINDOW > 0:
+        vis = vis & (kpos[None, :] > qpos[:, None] - WINDOW)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row that has seen no visible key yet (window, padding rows) keeps m = -inf: shift by 0
+    # instead, so exp gives 0 rather than NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
+                      DV, SCALE_KIND, GROUP_V)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _gqa_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+        s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+        ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, s_ot, s_oh, scale,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
+        SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, INTERPRET: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mt = tl.program_id(2)
+    q_lo = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_lo
+    n = tl.load(lens_ptr + b)
+    ctx = n - q_len                                   # tokens cached before this step's queries
+    t0 = mt * BLOCK_M                                 # first query token (within the sequence's q) of the tile
+    if t0 < q_len:
+        r = tl.arange(0, BLOCK_M * BLOCK_G)
+        t = t0 + r // BLOCK_G                         # query token index within this sequence's rows
+        g = r % BLOCK_G
+        rmask = (t < q_len) & (g < G)
+        qpos = ctx + t                                # its position in the sequence
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        tok = tl.arange(0, BLOCK_SIZE)
+        qh = h * G + g
+        q_row = (q_lo + t).to(tl.int64)
+        q = tl.load(q_ptr + q_row[:, None] * s_qt + qh[:, None] * s_qh + d[None, :],
+                    mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+
+        m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_DV], tl.float32)
+        last = tl.minimum(ctx + t0 + BLOCK_M, n) - 1  # the tile's last query position = its last key
+        lo_key = 0
+        if WINDOW > 0:
+            lo_key = tl.maximum(ctx + t0 - WINDOW + 1, 0)   # first key the tile's first query sees
+        lo_page = lo_key // BLOCK_SIZE
+        hi_page = last // BLOCK_SIZE + 1
+        if INTERPRET:
+            # TRITON_INTERPRET=1 (triton 3.6, numpy 2.4) holds a loaded scalar as a shape-[1] array,
+            # and range() bounds made from it fail int() ("only 0-dimensional arrays can be
+            # converted to Python scalars"); a while loop runs the same pages. Compiled builds use
+            # range(): the while form compiles for sm_90 with 32 registers and a 5 kB spill stack.
+            page = lo_page
+            while page < hi_page:
+                m_i, l_i, acc = _prefill_page(
+                    q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
+                    tok, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
+                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V)
+                page += 1
+        else:
+            for page in range(lo_page, hi_page):
+                m_i, l_i, acc = _prefill_page(
+                    q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
+                    tok, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
+                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_row[:, None] * s_ot + qh[:, None] * s_oh + dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
+
+
+def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                      sliding_window: int | None = None, *, max_seqlen_q: int | None = None,
+                      block_m: int | None = None) -> torch.Tensor:
+    """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype.
+    max_seqlen_q: an upper bound on any sequence's query count (grid size; computed from
+    cu_seqlens_q with a host sync when None). block_m: query tokens per program (a power of two;
+    default: 64 rows of (token, head) per program, at least one token)."""
+    q = q.contiguous()
+    tq, hq, d = q.shape
+    nb, bs, hkv, _ = cache.k.shape
+    dv = cache.v.shape[-1]
+    if hq % hkv:
+        raise ConfigError(f"paged prefill: {hq} query heads are not a multiple of {hkv} kv heads")
+    if bs < 16 or bs & (bs - 1):
+        raise ConfigError(f"paged prefill (triton): block_size must be a power of two >= 16, got {bs}")
+    g = hq // hkv
+    block_g = triton.next_power_of_2(g)
+    if block_m is None:
+        block_m = max(1, 64 // block_g)
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ConfigError(f"paged prefill (triton): block_m must be a power of two, got {block_m}")
+    block_m = max(block_m, 16 // block_g if block_g < 16 else 1)     # tl.dot needs >= 16 rows
+    out = torch.empty(tq, hq, dv, dtype=q.dtype, device=q.device)
+    b = block_tables.shape[0]
+    if tq == 0 or b == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seqlen_q <= 0:
+        return out.zero_()
+    fmt = cache.fmt
+    kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    ks = cache.k_scale if cache.k_scale is not None else out     # any pointer; never read
+    vs = cache.v_scale if cache.v_scale is not None else out
+    sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
+    sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
+    _gqa_prefill_kernel[(b, hkv, triton.cdiv(max_seqlen_q, block_m))](
+        q, cache.k, cache.v, ks, vs, block_tables, cu_seqlens_q, seq_lens, out,
+        q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
+        *sk[:3], *sv[:3], block_tables.stride(0), out.stride(0), out.stride(1), float(scale),
+        G=g, BLOCK_G=block_g, BLOCK_M=block_m, D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv),
+        BLOCK_SIZE=bs, WINDOW=sliding_window or 0, SCALE_KIND=kind,
+        GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET)
+    return out

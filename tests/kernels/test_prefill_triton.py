@@ -1,0 +1,129 @@
+"""The Triton paged prefill/extend (GQA) against the torch reference (float32), under
+TRITON_INTERPRET=1 when there is no GPU: fresh random inputs every run, ragged query lengths,
+random block tables, query chunks starting and ending inside pages and crossing page boundaries,
+sequences with prior cached context plus new tokens, several query tiles per sequence, GQA
+groups, fp8 caches, sliding window, bit-identical reruns."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from moet.errors import ConfigError
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+
+if HAVE_TRITON and not torch.cuda.is_available():
+    # must be set before triton is first imported (see test_attention_triton.py)
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/kernels/test_prefill_triton.py could set "
+                           "TRITON_INTERPRET=1; set it for the run or keep triton imports out of earlier tests")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from moet.kernels import attention_reference as ref  # noqa: E402
+from moet.kernels.kv_cache import KVFormat, new_gqa_layer, write_gqa_kv  # noqa: E402
+from tests.kernels.paged import random_block_tables, slots_for  # noqa: E402
+
+BS = 16
+NUM_BLOCKS = 24
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F32 = KVFormat("auto", dtype=torch.float32)
+
+
+def _tri():
+    from moet.kernels import prefill_triton
+    return prefill_triton
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(torch.seed() % 2**31)   # fresh inputs every run
+
+
+def _setup(fmt: KVFormat, seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, g: torch.Generator):
+    """seqs: (tokens in the cache including this step's, this step's query count) per sequence.
+    All tokens' K/V are written first (the step's own too), as the engine does."""
+    lens = [n for n, _ in seqs]
+    cache = new_gqa_layer(NUM_BLOCKS, BS, hkv, d, d, fmt, device=DEVICE)
+    if fmt.is_fp8 and not fmt.block_scaled:
+        cache.k_scale.fill_(0.02)               # a calibrated-looking scale, so a dropped one fails
+        cache.v_scale.fill_(0.03)
+    table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
+    for b, n in enumerate(lens):
+        write_gqa_kv(cache, torch.randn(n, hkv, d, generator=g).to(DEVICE),
+                     torch.randn(n, hkv, d, generator=g).to(DEVICE), slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    cu = torch.tensor([0] + [q for _, q in seqs], dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(DEVICE)
+    return cache, table, cu.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), q
+
+
+def _to_cpu(cache):
+    from dataclasses import replace
+    return replace(cache, k=cache.k.cpu(), v=cache.v.cpu(),
+                   k_scale=None if cache.k_scale is None else cache.k_scale.cpu(),
+                   v_scale=None if cache.v_scale is None else cache.v_scale.cpu())
+
+
+CASES = [
+    # fmt, seqs (cached incl. new, new), hq, hkv, d, window, block_m
+    # plain prefills inside one page / across a page; context + new chunk starting and ending
+    # mid-page across two page boundaries; extend by one token; a sequence with no queries
+    (F32, [(5, 5), (BS + 3, BS + 3), (2 * BS + 5, BS + 7), (BS, 1), (BS + 2, 0)], 4, 2, 16, None, 8),
+    (F32, [(3 * BS + 1, 2 * BS + 9), (7, 7)], 8, 1, 32, None, None),                 # MQA-like group 8
+    (F32, [(4 * BS + 6, 2 * BS + 1), (BS - 1, BS - 1)], 4, 4, 16, 20, 16),           # window over pages
+    (KVFormat("fp8_e4m3", "tensor"), [(2 * BS + 2, BS + 5), (9, 9)], 4, 2, 16, None, 8),
+    (KVFormat("fp8_e4m3", "block", group=8), [(3, 3), (3 * BS - 1, 2 * BS)], 6, 2, 24, None, 8),  # d not pow2
+]
+
+
+@pytest.mark.parametrize("fmt,seqs,hq,hkv,d,window,block_m", CASES)
+def test_triton_paged_prefill_matches_reference(fmt, seqs, hq, hkv, d, window, block_m):
+    g = _gen()
+    cache, table, cu, seq_lens, q = _setup(fmt, seqs, hq, hkv, d, g)
+    want = ref.paged_prefill_gqa(q.cpu(), _to_cpu(cache), table.cpu(), cu.cpu(), seq_lens.cpu(), 0.3, window)
+    got = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, window, block_m=block_m)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    again = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, window, block_m=block_m)
+    assert torch.equal(got, again)              # bit-identical run to run
+
+
+def test_chunked_prefill_equals_one_shot_and_last_token_equals_decode():
+    """The same prompt attended in one step or in two chunks (prefix cached first) gives the same
+    rows (keys come from the cache either way); a one-query extend equals the Triton decode."""
+    g = _gen()
+    n, split = 3 * BS + 4, BS + 5
+    cache, table, _, _, _ = _setup(F32, [(n, n)], 4, 2, 16, g)
+    q = torch.randn(n, 4, 16, generator=g).to(DEVICE)
+    lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    tri = _tri()
+    whole = tri.paged_prefill_gqa(q, cache, table, torch.tensor([0, n], dtype=torch.int32, device=DEVICE), lens, 0.3)
+    first = tri.paged_prefill_gqa(q[:split], cache, table, torch.tensor([0, split], dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([split], dtype=torch.int32, device=DEVICE), 0.3)
+    second = tri.paged_prefill_gqa(q[split:], cache, table, torch.tensor([0, n - split], dtype=torch.int32,
+                                                                          device=DEVICE), lens, 0.3)
+    torch.testing.assert_close(torch.cat([first, second]), whole, rtol=2e-5, atol=2e-5)
+    from moet.kernels import attention_triton
+    dec = attention_triton.paged_decode_gqa(q[-1:], cache, table, lens, 0.3, split_tokens=BS)
+    torch.testing.assert_close(whole[-1:], dec, rtol=2e-5, atol=2e-5)
+    assert torch.isfinite(whole).all()
+
+
+def test_padding_queries_and_empty_batches():
+    """A sequence with zero queries writes nothing into its neighbours' rows; a batch with no
+    queries at all returns an empty tensor; bad shapes raise ConfigError."""
+    g = _gen()
+    cache, table, cu, seq_lens, q = _setup(F32, [(BS + 1, 0), (6, 6), (2, 0)], 4, 2, 16, g)
+    got = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, max_seqlen_q=6)
+    want = ref.paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    empty = _tri().paged_prefill_gqa(q[:0], cache, table, torch.zeros(4, dtype=torch.int32, device=DEVICE),
+                                     seq_lens, 0.3)
+    assert empty.shape == (0, 4, 16)
+    with pytest.raises(ConfigError, match="multiple"):
+        _tri().paged_prefill_gqa(torch.zeros(6, 3, 16, device=DEVICE), cache, table, cu, seq_lens, 0.3)
+    with pytest.raises(ConfigError, match="block_m"):
+        _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, block_m=3)
