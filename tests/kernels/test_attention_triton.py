@@ -3,23 +3,14 @@ there is no GPU: ragged lengths across page and split boundaries, random block t
 groups, fp8 caches, sliding window, bit-identical reruns."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+from tests.kernels.triton_support import requires_triton
 
-if HAVE_TRITON and not torch.cuda.is_available():
-    # must be set before triton is first imported: triton.language's own helpers (tl.zeros ...)
-    # are decorated then, and a late switch leaves them compiled-mode ("outside of a kernel")
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before tests/kernels/test_attention_triton.py could set "
-                           "TRITON_INTERPRET=1; set it for the run or keep triton imports out of earlier tests")
-    os.environ["TRITON_INTERPRET"] = "1"
+pytestmark = requires_triton
+
 
 from moet.kernels import attention_reference as ref  # noqa: E402
 from moet.kernels.kv_cache import KVFormat, new_gqa_layer, new_mla_layer, write_gqa_kv, write_mla_kv  # noqa: E402

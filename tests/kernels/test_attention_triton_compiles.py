@@ -3,25 +3,18 @@ tests/kernels/aot_compile.py in a subprocess, since the interpreter tests set TR
 for this process and an interpreted kernel cannot be compiled."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+from tests.kernels.triton_support import requires_ptxas, requires_triton
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ptxas() -> bool:
-    spec = importlib.util.find_spec("triton")
-    return bool(spec and spec.origin and (Path(spec.origin).parent / "backends/nvidia/bin/ptxas").exists())
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
-@pytest.mark.skipif(HAVE_TRITON and not _ptxas(), reason="triton has no bundled ptxas to compile with")
+@requires_triton
+@requires_ptxas
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")])

@@ -5,22 +5,16 @@ with non-resident experts, SwiGLU clamp on and off, workspaces poisoned with NaN
 bit-identical reruns."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import pytest
 import torch
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+from tests.kernels.triton_support import requires_ptxas, requires_triton
 
-if HAVE_TRITON and not torch.cuda.is_available():
-    # must be set before triton is first imported (see tests/kernels/test_attention_triton.py)
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before tests/kernels/test_moe_w2_triton.py could set "
-                           "TRITON_INTERPRET=1; set it for the run or keep triton imports out of earlier tests")
-    os.environ["TRITON_INTERPRET"] = "1"
+pytestmark = requires_triton
+
 
 from moet.kernels.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
 from moet.kernels.pools import DensePool, W2Pool  # noqa: E402
@@ -262,13 +256,7 @@ print("down", n)
 '''
 
 
-def _ptxas() -> bool:
-    from pathlib import Path
-    spec = importlib.util.find_spec("triton")
-    return bool(spec and spec.origin and (Path(spec.origin).parent / "backends/nvidia/bin/ptxas").exists())
-
-
-@pytest.mark.skipif(HAVE_TRITON and not _ptxas(), reason="triton has no bundled ptxas to compile with")
+@requires_ptxas
 def test_kernels_compile_for_sm90():
     """The interpreter accepts things the compiler rejects; compile both kernels for sm_90 in a
     subprocess without TRITON_INTERPRET (an interpreted kernel cannot be compiled)."""
