@@ -1,0 +1,105 @@
+"""AttentionBatch: what one forward step over a paged KV cache needs to know about its tokens.
+
+The engine flattens every scheduled sequence's new tokens into one token-major batch
+(no padding, vLLM's "varlen" shape): sequence b owns rows cu_seqlens_q[b]..cu_seqlens_q[b+1]
+of the step's input_ids / hidden states. Decode steps have one row per sequence; prefill and
+chunked-prefill steps have several; a mixed step has both (decodes first, by convention of the
+scheduler, so `num_decode_seqs` rows at the front are one-token sequences).
+
+This is the only contract between the engine (which builds it: model_runner) and the model's
+attention layers (which read it). The KV cache itself is a list with one layer object per
+attention layer (kernels/kv_cache.GQALayerKV / MLALayerKV); layers never see sequences.
+
+Shapes (B sequences, N = total new tokens this step):
+  positions     int64 [N]         absolute position of each new token (rope)
+  slot_mapping  int64 [N]         KV slot each new token's K/V (latent) is written to;
+                                  slot = block * block_size + offset, -1 = do not write
+  block_tables  int32 [B, M]      pages of each sequence in order (entries past its last page:
+                                  any value, never read)
+  seq_lens      int32 [B]         tokens in the cache for each sequence AFTER this step's writes
+  cu_seqlens_q  int32 [B + 1]     row offsets of each sequence's new tokens
+  max_seqlen_q  int               max new tokens of any sequence (a host int: grid sizes, no sync)
+  num_decode_seqs int             leading sequences with exactly one new token
+  logits_indices int64 [L]        rows whose logits the step needs (each sequence's last row,
+                                  only for sequences that sample this step)
+Host copies (`seq_lens_host`, `cu_seqlens_q_host`) let the CPU references loop without a sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seqlen_q: int
+    num_decode_seqs: int
+    logits_indices: torch.Tensor
+    seq_lens_host: list[int]
+    cu_seqlens_q_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens_q_host[-1]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.num_decode_seqs == self.num_seqs
+
+    @classmethod
+    def build(cls, *, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+              block_size: int, device: torch.device | str, sample: list[bool] | None = None,
+              pad_blocks_to: int | None = None) -> "AttentionBatch":
+        """From per-sequence host lists: sequence b already has context_lens[b] tokens in the
+        cache and adds query_lens[b] new ones (positions context..context+q-1). `sample[b]`
+        (default all True) says whether its last row needs logits (False for a prefill chunk
+        that does not reach the end of its prompt)."""
+        b = len(query_lens)
+        if not (len(block_tables) == len(context_lens) == b):
+            raise ValueError("block_tables, context_lens and query_lens must have one entry per sequence")
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        for tbl, n in zip(block_tables, seq_lens):
+            if len(tbl) * block_size < n:
+                raise ValueError(f"a sequence of {n} tokens needs {-(-n // block_size)} blocks, has {len(tbl)}")
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        positions, slots = [], []
+        for tbl, c, q in zip(block_tables, context_lens, query_lens):
+            for p in range(c, c + q):
+                positions.append(p)
+                slots.append(tbl[p // block_size] * block_size + p % block_size)
+        width = max([len(t) for t in block_tables] + [1, pad_blocks_to or 0])
+        table = torch.zeros(b, width, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        sample = [True] * b if sample is None else sample
+        logits_rows = [cu[i + 1] - 1 for i in range(b) if sample[i] and query_lens[i] > 0]
+        num_decode = 0
+        for q in query_lens:
+            if q != 1:
+                break
+            num_decode += 1
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(
+            positions=torch.tensor(positions, **i64),
+            slot_mapping=torch.tensor(slots, **i64),
+            block_tables=table.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_seqlen_q=max(query_lens, default=0),
+            num_decode_seqs=num_decode,
+            logits_indices=torch.tensor(logits_rows, **i64),
+            seq_lens_host=seq_lens,
+            cu_seqlens_q_host=cu,
+        )
