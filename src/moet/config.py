@@ -17,6 +17,9 @@ EXPERT_FORMATS = ("w2", "fp4", "bf16")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 W2_ZERO_MODES = ("auto", "sign", "alt")
 W2_SCALE_RULES = ("published", "mse")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+EXPERT_CACHE_POLICIES = ("decayed", "lru")
+PACK_VERIFY_MODES = ("lazy", "full")
 
 
 def _knob(default, help: str, choices: tuple | None = None):
@@ -49,6 +52,51 @@ class EngineConfig:
                                            "tiktoken tokenizer); model code is never run, moet has its own")
     load_mtp: bool = _knob(True, "load the checkpoint's MTP layers (kept for speculative decoding); "
                                  "false saves their memory")
+    # ---- serving engine (moet/engine): paged KV cache and scheduler
+    block_size: int = _knob(16, "tokens per KV cache block (page); a power of two")
+    kv_cache_dtype: str = _knob(
+        "auto", "KV cache element type: auto (the model dtype), bf16, or fp8 (e4m3 with one dynamic scale "
+                "per token and 128-element group: half of bf16's bytes)", KV_CACHE_DTYPES)
+    gpu_memory_utilization: float = _knob(
+        0.9, "fraction of the GPU's memory moet may use in all (weights, activations, KV cache); the KV "
+             "cache gets what is left after the weights and a profiled forward of max_num_batched_tokens")
+    kv_cache_memory_gb: float | None = _knob(
+        None, "KV cache size in GiB, overriding gpu_memory_utilization; on CPU the default is what "
+              "max_num_seqs sequences of max_model_len tokens need, at most 4 GiB")
+    num_kv_blocks: int | None = _knob(None, "exact number of KV cache blocks, overriding every memory "
+                                            "budget (tests, reproducing a run)")
+    max_num_seqs: int = _knob(64, "most sequences running at once (decode batch size); CUDA graphs are "
+                                  "captured for decode batches of 1, 2, 4, ... up to this")
+    max_num_batched_tokens: int = _knob(
+        8192, "most tokens one engine step computes (prefill chunks + decodes); with chunked prefill off "
+              "it must be at least max_model_len")
+    enable_prefix_caching: bool = _knob(True, "reuse the KV blocks of identical prompt prefixes "
+                                              "(chained hashes of full blocks)")
+    enable_chunked_prefill: bool = _knob(True, "split long prompts across steps so they share steps with "
+                                               "running decodes (bounds inter-token latency)")
+    enforce_eager: bool = _knob(False, "never capture CUDA graphs for decode (slower; for debugging)")
+    # ---- expert residency (moet/store): pack file on disk -> host arena -> device expert cache
+    pack_dir: str = _knob("~/.cache/moet/packs", "where pack files live (routed experts converted to "
+                                                 "expert_format once, keyed by checkpoint identity and "
+                                                 "quantizer options: the persistent quantization cache)")
+    expert_cache_slots: int | None = _knob(
+        None, "device slots for routed experts (one slot = one expert in expert_format); unset with "
+              "expert_cache_gb unset: every expert resident when they fit, else all that fits after weights and KV")
+    expert_cache_gb: float | None = _knob(None, "device expert cache size in GiB (instead of expert_cache_slots)")
+    expert_cache_policy: str = _knob(
+        "decayed", "device cache eviction: decayed (recency-decayed use frequency) or lru", EXPERT_CACHE_POLICIES)
+    host_arena_gb: float | None = _knob(
+        None, "host memory for pack rows between disk and GPU (pinned when CUDA is available); 0 = read every "
+              "miss from the pack; unset = the whole pack if it fits in half the available memory, else that half")
+    miss_tolerance: int = _knob(
+        0, "expert-cache misses (token, expert pairs) a step may keep instead of being replayed; 0 = strict: "
+           "outputs bit-identical to every expert resident")
+    pack_verify: str = _knob(
+        "lazy", "pack checksums: lazy (each row when read from disk) or full (also every row at boot; damaged "
+                "layers are rebuilt)", PACK_VERIFY_MODES)
+    rebuild_pack: bool = _knob(False, "discard the pack and convert the checkpoint's experts again")
+    o_direct: bool = _knob(False, "read pack rows with O_DIRECT (bypasses the page cache; the pack's "
+                                  "file system must allow it)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +113,36 @@ class EngineConfig:
             raise ConfigError(f"device={self.device!r} is not supported; use auto, cpu, cuda or cuda:N")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be a positive integer")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a power of two (16 is usual)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                              f"{self.max_num_seqs} (every running sequence decodes one token per step)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ConfigError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be positive (or unset)")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ConfigError(f"num_kv_blocks={self.num_kv_blocks!r} must be a positive integer (or unset)")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(f"without chunked prefill max_num_batched_tokens={self.max_num_batched_tokens} must be "
+                              f">= max_model_len={self.max_model_len}; raise it or enable chunked prefill")
+        if self.expert_cache_slots is not None and self.expert_cache_gb is not None:
+            raise ConfigError("set expert_cache_slots or expert_cache_gb, not both")
+        if self.expert_cache_slots is not None and (not isinstance(self.expert_cache_slots, int)
+                                                    or self.expert_cache_slots < 1):
+            raise ConfigError(f"expert_cache_slots={self.expert_cache_slots!r} must be a positive integer (or unset)")
+        for name in ("expert_cache_gb", "host_arena_gb"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise ConfigError(f"{name}={v!r} must be >= 0 (or unset)")
+        if not isinstance(self.miss_tolerance, int) or self.miss_tolerance < 0:
+            raise ConfigError(f"miss_tolerance={self.miss_tolerance!r} must be an integer >= 0")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -90,7 +168,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser, *, positional_model: bool
             continue
         default = None if f.default is MISSING else f.default
         t = str(f.type)  # annotations are strings here: "int | None", "bool", "str"
-        kind = int if t.startswith("int") else _parse_bool if t == "bool" else str
+        kind = int if t.startswith("int") else float if t.startswith("float") else _parse_bool if t == "bool" else str
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
                             choices=f.metadata.get("choices"), metavar=None if f.metadata.get("choices") else "X",
                             help=f"{help_text} (default: {default})")

@@ -20,3 +20,8 @@ class CheckpointError(MoetError):
 
 class ConfigError(MoetError):
     """An EngineConfig / CLI value is invalid or the machine cannot satisfy it."""
+
+
+class PackError(MoetError):
+    """A pack file (moet.store) is corrupt, truncated or incomplete; the message names the flag
+    that verifies or rebuilds it."""

@@ -12,6 +12,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moet.kernels import attention_triton as at
+from moet.kernels import kv_write_triton as kw
+from moet.kernels import mla_prefill_triton as mp
 from moet.kernels import prefill_triton as pt
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -29,15 +31,16 @@ def main() -> None:
     for kv, kind in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
         # GLM-4.5-like: 96 q heads / 8 kv heads, head_dim 128, pages of 16, sliding window on the bf16 one
         const = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
-                     PAGES_PER_SPLIT=16, NUM_SPLITS=8, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
-                     GROUP_K=128, GROUP_V=128)
+                     PAGES_PER_SPLIT=16, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
+                     GROUP_K=128, GROUP_V=128, BF16_DOT=True)
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const)
         print("gqa split", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
         # the prefill/extend kernel, same model: 4 query tokens x 16 (12 used) heads = 64 rows per program
         const = dict(G=12, BLOCK_G=16, BLOCK_M=4, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
-                     WINDOW=0 if kind else 4096, SCALE_KIND=kind, GROUP_K=128, GROUP_V=128, INTERPRET=False)
+                     WINDOW=0 if kind else 4096, SCALE_KIND=kind, GROUP_K=128, GROUP_V=128, INTERPRET=False,
+                     BF16_DOT=True)
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      cu_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", scale="fp32")
         c = _compile(pt._gqa_prefill_kernel, types, const)
@@ -46,11 +49,25 @@ def main() -> None:
         lat = "*bf16" if kind == 0 else "*fp8e4nv"
         rope = "*fp8e4nv" if kind == 1 else "*bf16"
         const = dict(H=128, BLOCK_H=16, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_SIZE=16,
-                     PAGES_PER_SPLIT=16, NUM_SPLITS=8, SCALE_KIND=kind, GROUP=128)
+                     PAGES_PER_SPLIT=16, SCALE_KIND=kind, GROUP=128, BF16_DOT=True)
         types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
                      bt_ptr="*i32", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._mla_decode_split_kernel, types, const)
         print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        # MLA prefill/extend, same shapes: 16 heads x 1 query token per program
+        const = dict(H=128, BLOCK_H=16, BLOCK_M=1, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_SIZE=16,
+                     SCALE_KIND=kind, GROUP=128, INTERPRET=False, BF16_DOT=True)
+        types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
+                     bt_ptr="*i32", cu_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", scale="fp32")
+        c = _compile(mp._mla_prefill_kernel, types, const)
+        print("mla prefill", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        # KV write of one part (a GQA head row of 128 / the MLA latent of 512), bf16 source
+        dst = "*bf16" if kind == 0 else "*fp8e4nv"
+        const = dict(C=128, CHUNK=128, BLOCK=128, KIND=kind, OUT=1 if kind == 0 else 0)
+        types = dict(src_ptr="*bf16", slot_ptr="*i64", dst_ptr=dst, scale_ptr="*fp32", s_dst_slot="i64",
+                     s_sc_slot="i64")
+        c = _compile(kw._store_rows_kernel, types, const)
+        print("kv write", dst, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
     c = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*bf16"),
                  dict(HQ=96, DV=128, BLOCK_DV=128, NUM_SPLITS=8))
     print("merge", "cubin bytes", len(c.asm["cubin"]))

@@ -24,3 +24,5 @@ def test_kernels_compile_for_sm90():
     lines = r.stdout.splitlines()
     assert sum(line.startswith(("gqa split", "mla split", "merge")) for line in lines) == 7, r.stdout
     assert sum(line.startswith("gqa prefill") for line in lines) == 3, r.stdout
+    assert sum(line.startswith("mla prefill") for line in lines) == 3, r.stdout
+    assert sum(line.startswith("kv write") for line in lines) == 3, r.stdout

@@ -114,11 +114,15 @@ def test_every_engine_config_field_is_an_llm_keyword(path):
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     assert set(fields) >= {"model", "expert_format", "dtype", "device", "max_model_len"}
     kwargs = dict(tokenizer=path, expert_format="fp4", dtype="float32", device="cpu", max_model_len=64,
-                  seed=3, w2_zero_mode="sign", w2_scale_rule="mse", load_mtp=False, trust_remote_code=False)
+                  seed=3, w2_zero_mode="sign", w2_scale_rule="mse", load_mtp=False, trust_remote_code=False,
+                  block_size=8, kv_cache_dtype="bf16", gpu_memory_utilization=0.5, kv_cache_memory_gb=0.01,
+                  num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                  enable_chunked_prefill=False, enforce_eager=True)
     assert set(kwargs) == set(fields) - {"model"}  # a new field must be added here too
     llm = LLM(path, **kwargs)
     assert llm.config == EngineConfig(model=path, **kwargs)
     assert len(llm.model.mtp) == 0 and llm.max_model_len == 64
+    assert llm.engine.runner.num_blocks == 20 and llm.engine.block_manager.block_size == 8
     out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=2))[0]
     assert len(out.outputs[0].token_ids) >= 1
 

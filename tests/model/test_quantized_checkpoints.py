@@ -96,6 +96,7 @@ def test_w2_scale_rule_mse_is_used_when_asked():
     b = load_model(ckpt, expert_format="w2", dtype=torch.float32, scale_rule="mse")
     w = ckpt.reader.get("model.layers.0.block_sparse_moe.experts.1.w3.weight")
     want = w2.quantize(w, scale_rule="mse")
-    assert torch.equal(b.model.layers[0].mlp.pool.gate_up_codes[1, 32:], want.codes)
+    assert b.model.layers[0].mlp.pool.layout == "nb8"          # the kernels' code layout (formats.md)
+    assert torch.equal(w2.from_nb8(b.model.layers[0].mlp.pool.gate_up_codes[1, 32:]), want.codes)
     assert torch.equal(b.model.layers[0].mlp.pool.gate_up_scales[1, 32:], want.scales)
     assert not torch.equal(a.model.layers[0].mlp.pool.gate_up_codes, b.model.layers[0].mlp.pool.gate_up_codes)

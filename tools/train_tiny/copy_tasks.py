@@ -8,9 +8,14 @@ reported to appear after billions of tokens); these short tasks make every answe
 copy of an arbitrary earlier token, across the whole vocabulary, so the circuit gets a dense
 gradient from the start. The needle, tool names (random namespaces) and tool arguments then
 reuse it.
+
+Recipe full-v3 adds `lookup_sample`: records whose first field (a name) must be returned when a
+later field (a description) is quoted: the backward lookup a tool call needs, since a schema
+line names the function before it describes it (see tool_tasks.py).
 """
 from __future__ import annotations
 
+import json
 import random
 
 from moet.probe.chat_format import Conversation
@@ -57,3 +62,30 @@ def recall_sample(rng: random.Random) -> Conversation:
     return Conversation([{"role": "user", "content": f"{table}\n\n{q}"},
                          {"role": "assistant", "content": values[i]}],
                         enable_thinking=rng.random() < 0.8)
+
+
+def _identifier(rng: random.Random) -> str:
+    words = [_pseudo(rng) if rng.random() < 0.6 else rng.choice(ADJECTIVES + NOUNS) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.3:
+        return words[0] + "".join(w.title() for w in words[1:])
+    return "_".join(words)
+
+
+def lookup_sample(rng: random.Random) -> Conversation:
+    """3-12 records `{"name": ..., "description": ...}` (or `name - description` lines), then
+    1-4 questions that quote a description and want the record's name."""
+    n = rng.randint(3, 12)
+    names = list(dict.fromkeys(_identifier(rng) for _ in range(n)))
+    descs = list(dict.fromkeys(" ".join(_item(rng) for _ in range(rng.randint(2, 6))) for _ in names))
+    names = names[:len(descs)]
+    if rng.random() < 0.7:
+        table = "\n".join(json.dumps({"name": a, "description": b}) for a, b in zip(names, descs))
+    else:
+        table = "\n".join(f"{a} - {b}" for a, b in zip(names, descs))
+    msgs = []
+    for j, i in enumerate(rng.sample(range(len(names)), k=min(len(names), rng.randint(1, 4)))):
+        q = rng.choice(["Which name has the description \"{d}\"?", "Which entry is described as: {d}?",
+                        "Name the item whose description is {d}.", "{d} -> which name?"]).format(d=descs[i])
+        msgs += [{"role": "user", "content": f"{table}\n\n{q}" if j == 0 else q},
+                 {"role": "assistant", "content": names[i]}]
+    return Conversation(msgs, enable_thinking=rng.random() < 0.8)

@@ -185,8 +185,10 @@ def run(r: Recipe, out: Path, *, device: str | None, workers: int, bench: bool, 
             m = Loaded(hfm, mtp, AutoTokenizer.from_pretrained(str(ckpt)), "bf16", dev, dtype)
         else:
             m = load(ckpt, fmt, dev, tensors=tensors)
-        probes[fmt] = run_all(m, r.probe_budget, log=log, should_stop=stop)
-        _write_summary(out, summary)
+        probes[fmt] = {}
+        for name in r.probe_order:  # one at a time, in the recipe's order; saved after each
+            probes[fmt] |= run_all(m, r.probe_budget, only=(name,), log=log, should_stop=stop)
+            _write_summary(out, summary)
         del m
     timings["probes_s"] = round(time.time() - t, 1)
     timings["total_s"] = round(time.time() - t_start, 1)

@@ -10,6 +10,10 @@ from tools.train_tiny.data import Mix
 from tools.train_tiny.model import Shape
 
 
+V3_TASKS = (("tools_v3", 0.40), ("arithmetic", 0.22), ("facts", 0.10), ("lookup", 0.12), ("recall", 0.09),
+            ("repeat", 0.07))
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -37,6 +41,8 @@ class Recipe:
     log_every: int = 20
     # probes after training
     probe_budget: str = "full"                 # full | quick
+    # Probe order after training (the run's --deadline cuts the tail): v3 measures tools first.
+    probe_order: tuple[str, ...] = ("code", "facts", "arithmetic", "needle", "tools")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +56,13 @@ RECIPES = {
     # namespaces on 90% of training tool names so that names must be copied, not recalled.
     "full-v2": Recipe("full-v2", mix=Mix(chat_share=0.36, task_share=(
         ("tools_ns", 0.36), ("arithmetic", 0.26), ("facts", 0.11), ("recall", 0.15), ("repeat", 0.12)))),
+    # Tool calls (issue 8): v2 picked tools at chance and recalled names instead of copying them
+    # (diagnosis in tool_tasks.py). v3 = v2 + tool conversations with random function/argument
+    # names, 1-3 requests per tool list and 22% declines (tools_v3), the backward-lookup drill
+    # (lookup), a larger chat share, and 2300 steps (about 80 s of H200 more than v2's 1900 steps
+    # with its data: ~7.5 minutes from start to checkpoint).
+    "full-v3": Recipe("full-v3", steps=2300, mix=Mix(chat_share=0.42, task_share=V3_TASKS),
+                      probe_order=("tools", "code", "facts", "needle", "arithmetic")),
     "smoke": Recipe("smoke", code_bytes=30_000_000, text_bytes=3_000_000, tokenizer_sample_bytes=12_000_000,
                     steps=30, warmup_steps=10, log_every=5, compile="none", probe_budget="tiny"),
     "micro": Recipe(
@@ -61,6 +74,11 @@ RECIPES = {
         code_bytes=1_500_000, text_bytes=200_000, tokenizer_sample_bytes=1_000_000,
         steps=6, batch_rows=4, warmup_steps=2, log_every=2, compile="none", probe_budget="tiny"),
 }
+# `micro` with full-v3's task mix: v3's generators through the whole pipeline on a CPU (~3 min on
+# 2 busy cores; tests/tiny runs its data stage). Rows of 1024: tool conversations reach ~900 tokens.
+RECIPES["micro-v3"] = replace(
+    RECIPES["micro"], name="micro-v3", shape=replace(RECIPES["micro"].shape, max_position_embeddings=1024),
+    mix=replace(RECIPES["micro"].mix, seq_len=1024, needle_max_chars=2800, chat_share=0.42, task_share=V3_TASKS))
 
 
 def get(name: str, **overrides) -> Recipe:

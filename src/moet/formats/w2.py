@@ -98,6 +98,46 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 3).flatten(-2)
 
 
+# ----------------------------------------------------------------------------- kernel layout nb8
+# The layout the Triton MoE kernels read (docs/formats.md, "Kernel layout nb8"): codes as
+# little-endian 16-bit units, unit u of a row = elements 8u .. 8u+7 (slot p = element 8u + p),
+# each element as two bits neg (1 = negative) and big (1 = |level| 4): slot p < 7 at bits
+# (big 8 - p, neg 15 - p), slot 7 at (big 0, neg 1). Same size as v1; scales unchanged. A
+# 32-bit pair of units then decodes to the bf16 pair of slot p as ((w & M_p) << p) + scale
+# term: one LOP3 + one IMAD per two weights (tools/kernel_lab/RESULTS.md).
+NB8_BIG_BIT = (8, 7, 6, 5, 4, 3, 2, 0)
+NB8_NEG_BIT = (15, 14, 13, 12, 11, 10, 9, 1)
+
+
+def to_nb8(codes: torch.Tensor) -> torch.Tensor:
+    """v1 codes uint8 [..., K/4] -> nb8 codes uint8 [..., K/4] (bit-exact, invertible; K % 8 == 0)."""
+    if codes.dtype != torch.uint8 or codes.shape[-1] % 2:
+        raise FormatError(f"to_nb8 needs uint8 codes with an even last dimension, got {codes.dtype} {tuple(codes.shape)}")
+    b = codes.to(torch.int32)
+    v = b[..., 0::2] | (b[..., 1::2] << 8)               # 8 codes per 16-bit unit, element 8u+p at bits 2p
+    out = torch.zeros_like(v)
+    for p in range(8):
+        c = (v >> (2 * p)) & 3
+        neg = 1 - (c >> 1)                                # codes 0, 1 are negative
+        big = 1 - ((c ^ (c >> 1)) & 1)                    # codes 0, 3 are |4|
+        out |= (big << NB8_BIG_BIT[p]) | (neg << NB8_NEG_BIT[p])
+    return torch.stack((out & 0xFF, out >> 8), dim=-1).flatten(-2).to(torch.uint8)
+
+
+def from_nb8(nb: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_nb8: nb8 codes uint8 [..., K/4] -> v1 codes uint8 [..., K/4]."""
+    if nb.dtype != torch.uint8 or nb.shape[-1] % 2:
+        raise FormatError(f"from_nb8 needs uint8 codes with an even last dimension, got {nb.dtype} {tuple(nb.shape)}")
+    b = nb.to(torch.int32)
+    u = b[..., 0::2] | (b[..., 1::2] << 8)
+    v = torch.zeros_like(u)
+    for p in range(8):
+        big = (u >> NB8_BIG_BIT[p]) & 1
+        neg = (u >> NB8_NEG_BIT[p]) & 1
+        v |= ((1 - neg) * 2 + (big ^ neg)) << (2 * p)     # -4: 0, -1: 1, +1: 2, +4: 3
+    return torch.stack((v & 0xFF, v >> 8), dim=-1).flatten(-2).to(torch.uint8)
+
+
 def dequantize(t: W2Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W2Tensor -> [N, K] values (exact in float32: +-1/+-4 times a power of two >= 2**-127)."""
     n, k = t.shape

@@ -18,12 +18,18 @@ paged_decode_mla: the same split-K over the latent rows (weight-absorbed MQA: on
   fp8 per-tensor (one scale for latent and rope), fp8 block (fp8_ds_mla: per-group latent
   scales, rope in the model dtype).
 
-Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); NOT yet compiled or
-measured on a GPU. Scores and P@V use fp32 operands with input_precision="ieee" so the CPU
-interpreter and the GPU agree with the fp32 reference; whether bf16 operands are worth it for
-decode (memory bound) is for the GPU session to measure.
+Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); compiles for sm_90;
+NOT yet measured on a GPU. Dot operands (`_dot`): fp32 queries -> fp32 operands with
+input_precision="ieee" (FFMA; equal to the fp32 reference, what the exactness tests use); bf16
+queries (serving) -> bf16 operands on the tensor cores with fp32 accumulation, P cast to bf16
+for P@V as FlashAttention does. Why not fp32 everywhere: absorbed MLA does ~2 * (576 + 512)
+FLOPs per head per cached token, ~240 FLOP per KV byte at 128 heads, far above what FFMA
+sustains per byte of HBM bandwidth (~14 on an H200); decode would be compute bound at a few
+percent of bandwidth.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -33,6 +39,31 @@ from moet.errors import ConfigError
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 
 _SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
+
+
+# TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 tiles as their uint16 bit patterns in tl.dot;
+# there the bf16 dot is emulated (operands rounded to bf16, fp32 dot), so interpreter tests check
+# everything around it and the GPU tests check the tensor-core dot itself
+_EMULATE_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _dot(a, b, BF16: tl.constexpr):
+    """a @ b of fp32 tiles: bf16 tensor-core operands with fp32 accumulation when BF16, else
+    exact fp32 ("ieee": no TF32)."""
+    if BF16:
+        if _EMULATE_BF16_DOT:
+            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+                          input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+def _bf16_dots(q: torch.Tensor) -> bool:
+    """Tensor-core dots for bf16 queries (serving); exact fp32 dots otherwise (tests)."""
+    return q.dtype == torch.bfloat16
 
 
 @triton.jit
@@ -56,8 +87,8 @@ def _gqa_decode_split_kernel(
         ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-        SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr):
+        PAGES_PER_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+        SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -88,7 +119,7 @@ def _gqa_decode_split_kernel(
             tmask = (pos < n) & (pos >= lo_tok)
             k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
                               D, SCALE_KIND, GROUP_K)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale          # [BLOCK_G, BLOCK_SIZE]
+            s = _dot(q, tl.trans(k), BF16_DOT) * scale                         # [BLOCK_G, BLOCK_SIZE]
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -96,9 +127,10 @@ def _gqa_decode_split_kernel(
             v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
                               DV, SCALE_KIND, GROUP_V)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + _dot(p, v, BF16_DOT)
             m_i = m_new
-    row = (b * (tl.num_programs(1) * G) + qh) * NUM_SPLITS + sp                  # [B, Hq, S] index
+    # [B, Hq, S] index; S from the grid, not a constexpr: one compiled kernel for every table width
+    row = (b * (tl.num_programs(1) * G) + qh) * tl.num_programs(2) + sp
     gmask = g < G
     tl.store(m_ptr + row, m_i, mask=gmask)
     tl.store(l_ptr + row, l_i, mask=gmask)
@@ -111,8 +143,8 @@ def _mla_decode_split_kernel(
         s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-        GROUP: tl.constexpr):
+        PAGES_PER_SPLIT: tl.constexpr, SCALE_KIND: tl.constexpr,
+        GROUP: tl.constexpr, BF16_DOT: tl.constexpr):
     b = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -146,16 +178,15 @@ def _mla_decode_split_kernel(
                 rope = rope * sc
             if SCALE_KIND == 2:
                 lat = lat * tl.load(ls_ptr + blk * ss_b + tok[:, None] * ss_t + r[None, :] // GROUP, mask=lm, other=0.0)
-            s = (tl.dot(ql, tl.trans(lat), input_precision="ieee")
-                 + tl.dot(qr, tl.trans(rope), input_precision="ieee")) * scale
+            s = (_dot(ql, tl.trans(lat), BF16_DOT) + _dot(qr, tl.trans(rope), BF16_DOT)) * scale
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             pr = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(pr, lat, input_precision="ieee")
+            acc = acc * alpha[:, None] + _dot(pr, lat, BF16_DOT)
             m_i = m_new
-    row = (b * H + hh) * NUM_SPLITS + sp
+    row = (b * H + hh) * tl.num_programs(2) + sp
     tl.store(m_ptr + row, m_i, mask=hmask)
     tl.store(l_ptr + row, l_i, mask=hmask)
     tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
@@ -188,9 +219,10 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     *, split_tokens: int | None = None) -> torch.Tensor:
+                     *, split_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
-    whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU)."""
+    whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU).
+    out: optional [B, Hq, Dv] tensor to write into (CUDA graphs; the benchmark poisons it)."""
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -207,7 +239,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     acc = torch.empty(b, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
-    out = torch.empty(b, hq, dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, hq, dv, dtype=q.dtype, device=q.device) if out is None else out
     ks = cache.k_scale if cache.k_scale is not None else m      # any pointer; never read
     vs = cache.v_scale if cache.v_scale is not None else m
     sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
@@ -217,8 +249,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
         *sk[:3], *sv[:3], block_tables.stride(0), float(scale),
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
-        PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=num_splits, WINDOW=sliding_window or 0,
-        SCALE_KIND=kind, GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv))
+        PAGES_PER_SPLIT=pages_per_split, WINDOW=sliding_window or 0,
+        SCALE_KIND=kind, GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q))
     _merge_splits_kernel[(b, hq)](acc, m, l_, out, out.stride(0), out.stride(1), HQ=hq, DV=dv,
                                   BLOCK_DV=_pow2(dv), NUM_SPLITS=num_splits)
     return out
@@ -226,8 +258,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
 
 def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     *, split_tokens: int | None = None) -> torch.Tensor:
-    """As attention_reference.paged_decode_mla."""
+                     *, split_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """As attention_reference.paged_decode_mla (out: as paged_decode_gqa)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     b, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -244,7 +276,7 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     acc = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_latent.device)
     m = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_latent.device)
     l_ = torch.empty_like(m)
-    out = torch.empty(b, h, r, dtype=q_latent.dtype, device=q_latent.device)
+    out = torch.empty(b, h, r, dtype=q_latent.dtype, device=q_latent.device) if out is None else out
     ls = cache.latent_scale if cache.latent_scale is not None else m
     ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
     _mla_decode_split_kernel[(b, triton.cdiv(h, block_h), num_splits)](
@@ -252,7 +284,8 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale),
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_SIZE=bs,
-        PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=num_splits, SCALE_KIND=kind, GROUP=min(fmt.group, r))
+        PAGES_PER_SPLIT=pages_per_split, SCALE_KIND=kind, GROUP=min(fmt.group, r),
+        BF16_DOT=_bf16_dots(q_latent))
     _merge_splits_kernel[(b, h)](acc, m, l_, out, out.stride(0), out.stride(1), HQ=h, DV=r,
                                  BLOCK_DV=_pow2(r), NUM_SPLITS=num_splits)
     return out

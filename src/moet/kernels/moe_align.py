@@ -1,6 +1,6 @@
 """moe_align_block_size over pool SLOTS (vLLM's fused_moe layout, addressed through the slot table).
 
-The grouped-GEMM kernels (moe_w2_triton.py) want every (token, expert) pair of one resident
+The grouped-GEMM kernels (moe_triton.py, prefill regime) want every (token, expert) pair of one resident
 expert in consecutive rows, padded so that each BLOCK_M-row tile belongs to exactly one slot.
 This module builds that layout in torch, with no host synchronisation (fixed output sizes, so
 it is CUDA-graph friendly) and deterministically:
@@ -53,7 +53,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, slot_table: torch.Tensor, num_s
     missed = slots < 0
     key = torch.where(missed, torch.full_like(slots, num_slots), slots)          # misses sort last
     order = torch.sort(key, stable=True).indices                                 # ascending p within a slot
-    counts = torch.bincount(key, minlength=num_slots + 1)[:num_slots]            # [S]
+    # scatter_add, not bincount: bincount sizes its output from key.max() (a host sync, which
+    # CUDA-graph capture refuses); integer adds give the same counts in any order
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, key, torch.ones_like(key))[:num_slots]                                 # [S]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)                                         # inclusive
     padded_start = padded_end - padded
@@ -71,7 +74,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, slot_table: torch.Tensor, num_s
         pos = torch.where(valid, pos, torch.full_like(pos, size))
         buf = torch.full((size + 1,), p, dtype=torch.int32, device=dev)
         buf.scatter_(0, pos, order.to(torch.int32))      # positions are distinct for valid pairs
-        buf[size] = p
         sorted_ids = buf[:size].contiguous()
 
     num_blocks = size // block_m

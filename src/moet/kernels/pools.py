@@ -11,11 +11,14 @@ import torch
 
 @dataclass(slots=True)
 class W2Pool:
-    """moet's 2-bit code (moet.formats.w2): 2.25 bits per weight."""
+    """moet's 2-bit code (moet.formats.w2): 2.25 bits per weight. `layout` names the code
+    byte layout: "v1" (files, moet.formats.w2) or "nb8" (what the Triton kernels read; the
+    model's pools, converted at fill time with moet.formats.w2.to_nb8). Scales are the same."""
     gate_up_codes: torch.Tensor    # uint8 [S, 2I, H/4]
     gate_up_scales: torch.Tensor   # uint8 [S, 2I, H/32]  UE8M0
     down_codes: torch.Tensor       # uint8 [S, H, I/4]
     down_scales: torch.Tensor      # uint8 [S, H, I/32]
+    layout: str = "v1"
 
     @property
     def num_slots(self) -> int:
@@ -49,4 +52,4 @@ class DensePool:
 
 
 def pool_nbytes(pool) -> int:
-    return sum(getattr(pool, f).nbytes for f in pool.__slots__)
+    return sum(v.nbytes for v in (getattr(pool, f) for f in pool.__slots__) if isinstance(v, torch.Tensor))

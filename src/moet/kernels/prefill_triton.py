@@ -15,8 +15,8 @@ paged_prefill_gqa: causal, variable length (cu_seqlens_q), every key read from t
 
 Status: matches the torch reference under TRITON_INTERPRET=1 at small shapes
 (tests/kernels/test_prefill_triton.py) and compiles for sm_90 (tests/kernels/aot_compile.py);
-NOT yet run or timed on a GPU. Known costs to revisit there: fp32 operands with
-input_precision="ieee" (FFMA, not tensor cores); K/V pages are re-read by every query tile of a
+NOT yet run or timed on a GPU. Dots as attention_triton._dot: bf16 tensor cores for bf16
+queries, exact fp32 for fp32 queries. Known costs to revisit there: K/V pages are re-read by every query tile of a
 sequence; the tile size (BLOCK_M * BLOCK_G ~ 64 rows) is a guess; the grid's third axis comes from
 max_seqlen_q, which costs a host sync when the caller does not pass it. sm_90 AOT, GLM-4.5 shape
 (G 12, D 128, 64 rows, 4 warps): bf16 184 registers and fp8 per-tensor 168, no spills; fp8 block
@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _load_dequant, _pow2
+from moet.kernels.attention_triton import (_SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _dot,
+                                           _load_dequant, _pow2)
 from moet.kernels.kv_cache import GQALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -45,14 +46,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, 
 def _prefill_page(q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, h, d, dv, tok,
                   s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
-                  SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr):
+                  SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
     """One page of keys for all rows of the tile: the online-softmax update."""
     blk = tl.load(bt_row_ptr + page).to(tl.int64)
     kpos = page * BLOCK_SIZE + tok
     tmask = kpos <= last
     k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
                       D, SCALE_KIND, GROUP_K)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale            # [rows, BLOCK_SIZE]
+    s = _dot(q, tl.trans(k), BF16_DOT) * scale                            # [rows, BLOCK_SIZE]
     vis = kpos[None, :] <= qpos[:, None]
     if WINDOW > 0:
         vis = vis & (kpos[None, :] > qpos[:, None] - WINDOW)
@@ -66,7 +67,7 @@ def _prefill_page(q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_p
     v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
                       DV, SCALE_KIND, GROUP_V)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    acc = acc * alpha[:, None] + _dot(p, v, BF16_DOT)
     return m_new, l_i, acc
 
 
@@ -78,7 +79,8 @@ def _gqa_prefill_kernel(
         G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
-        SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, INTERPRET: tl.constexpr):
+        SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, INTERPRET: tl.constexpr,
+        BF16_DOT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -120,14 +122,14 @@ def _gqa_prefill_kernel(
                 m_i, l_i, acc = _prefill_page(
                     q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
                     tok, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
-                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V)
+                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
                 page += 1
         else:
             for page in range(lo_page, hi_page):
                 m_i, l_i, acc = _prefill_page(
                     q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
                     tok, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
-                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V)
+                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_row[:, None] * s_ot + qh[:, None] * s_oh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
@@ -136,11 +138,12 @@ def _gqa_prefill_kernel(
 def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       sliding_window: int | None = None, *, max_seqlen_q: int | None = None,
-                      block_m: int | None = None) -> torch.Tensor:
+                      block_m: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype.
     max_seqlen_q: an upper bound on any sequence's query count (grid size; computed from
     cu_seqlens_q with a host sync when None). block_m: query tokens per program (a power of two;
-    default: 64 rows of (token, head) per program, at least one token)."""
+    default: 64 rows of (token, head) per program, at least one token). out: optional
+    [Tq, Hq, Dv] tensor to write into."""
     q = q.contiguous()
     tq, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -156,7 +159,7 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
     if block_m < 1 or block_m & (block_m - 1):
         raise ConfigError(f"paged prefill (triton): block_m must be a power of two, got {block_m}")
     block_m = max(block_m, 16 // block_g if block_g < 16 else 1)     # tl.dot needs >= 16 rows
-    out = torch.empty(tq, hq, dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(tq, hq, dv, dtype=q.dtype, device=q.device) if out is None else out
     b = block_tables.shape[0]
     if tq == 0 or b == 0:
         return out
@@ -176,5 +179,5 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         *sk[:3], *sv[:3], block_tables.stride(0), out.stride(0), out.stride(1), float(scale),
         G=g, BLOCK_G=block_g, BLOCK_M=block_m, D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv),
         BLOCK_SIZE=bs, WINDOW=sliding_window or 0, SCALE_KIND=kind,
-        GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET)
+        GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q))
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moet.formats import w2
 from moet.kernels.pools import DensePool, FP4Pool, W2Pool
 
 W2_LEVELS = (-4.0, -1.0, 1.0, 4.0)
@@ -53,8 +54,12 @@ def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
     if isinstance(pool, DensePool):
         return pool.gate_up[slot], pool.down[slot]
     if isinstance(pool, W2Pool):
-        return (decode_w2(pool.gate_up_codes[slot], pool.gate_up_scales[slot]),
-                decode_w2(pool.down_codes[slot], pool.down_scales[slot]))
+        gu, dn = pool.gate_up_codes[slot], pool.down_codes[slot]
+        if pool.layout == "nb8":          # the kernels' layout: back to v1 (bit-exact)
+            gu, dn = w2.from_nb8(gu), w2.from_nb8(dn)
+        elif pool.layout != "v1":
+            raise ValueError(f"unknown W2 pool layout {pool.layout!r}")
+        return decode_w2(gu, pool.gate_up_scales[slot]), decode_w2(dn, pool.down_scales[slot])
     if isinstance(pool, FP4Pool):
         two_i = pool.gate_up_weight.shape[1]
         # gate rows use scale_2[slot, 0], up rows scale_2[slot, 1]: checkpoints quantize gate

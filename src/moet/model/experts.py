@@ -25,30 +25,37 @@ from moet.model.weights import decode
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> None:
-    spec = moe.spec
-    e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
+def new_pool(spec, expert_format: str, num_slots: int, dtype: torch.dtype, device) -> W2Pool | FP4Pool | DensePool:
+    """An all-zero pool of `num_slots` slots for `spec`'s routed experts (the store builds its
+    layer buffers and device caches with this, so every pool has one shape per format)."""
+    s, h, i = num_slots, spec.hidden_size, spec.moe_intermediate_size
     u8 = dict(dtype=torch.uint8, device=device)
     if expert_format == "w2":
         if h % 32 or i % 32:
             raise ConfigError(f"expert_format=w2 needs hidden_size ({h}) and moe_intermediate_size ({i}) "
                               "divisible by 32; use --expert-format fp4 or bf16")
-        moe.pool = W2Pool(torch.zeros(e, 2 * i, h // 4, **u8), torch.zeros(e, 2 * i, h // 32, **u8),
-                          torch.zeros(e, h, i // 4, **u8), torch.zeros(e, h, i // 32, **u8))
-    elif expert_format == "fp4":
+        # codes in the kernels' nb8 layout (moet.formats.w2.to_nb8; files keep v1)
+        return W2Pool(torch.zeros(s, 2 * i, h // 4, **u8), torch.zeros(s, 2 * i, h // 32, **u8),
+                      torch.zeros(s, h, i // 4, **u8), torch.zeros(s, h, i // 32, **u8), layout="nb8")
+    if expert_format == "fp4":
         if h % 16 or i % 16:
             raise ConfigError(f"expert_format=fp4 needs hidden_size ({h}) and moe_intermediate_size ({i}) "
                               "divisible by 16; use --expert-format bf16")
         f8 = dict(dtype=torch.float8_e4m3fn, device=device)
-        moe.pool = FP4Pool(torch.zeros(e, 2 * i, h // 2, **u8), torch.zeros(e, 2 * i, h // 16, **f8),
-                           torch.zeros(e, 2, dtype=torch.float32, device=device),
-                           torch.zeros(e, h, i // 2, **u8), torch.zeros(e, h, i // 16, **f8),
-                           torch.zeros(e, dtype=torch.float32, device=device))
-    elif expert_format == "bf16":
-        moe.pool = DensePool(torch.zeros(e, 2 * i, h, dtype=dtype, device=device),
-                             torch.zeros(e, h, i, dtype=dtype, device=device))
-    else:
-        raise ConfigError(f"unknown expert_format {expert_format!r}")
+        return FP4Pool(torch.zeros(s, 2 * i, h // 2, **u8), torch.zeros(s, 2 * i, h // 16, **f8),
+                       torch.zeros(s, 2, dtype=torch.float32, device=device),
+                       torch.zeros(s, h, i // 2, **u8), torch.zeros(s, h, i // 16, **f8),
+                       torch.zeros(s, dtype=torch.float32, device=device))
+    if expert_format == "bf16":
+        return DensePool(torch.zeros(s, 2 * i, h, dtype=dtype, device=device),
+                         torch.zeros(s, h, i, dtype=dtype, device=device))
+    raise ConfigError(f"unknown expert_format {expert_format!r}")
+
+
+def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> None:
+    """Every expert resident: slot = expert id."""
+    e = moe.spec.router.num_experts
+    moe.pool = new_pool(moe.spec, expert_format, e, dtype, device)
     moe.slot_table = torch.arange(e, dtype=torch.int32, device=device)
     moe.miss_counter = moe.miss_counter.to(device)
 
@@ -74,37 +81,48 @@ def _to_fp4(fmt: str, parts: dict[str, torch.Tensor], name: str) -> nvfp4.NVFP4T
 
 def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
                 w2_opts: dict, where: str) -> None:
-    """Convert one projection of one expert into its rows of the pool. w2_opts: keyword
-    arguments of moet.formats.w2.quantize (zero_mode, scale_rule)."""
+    """Convert one projection of one expert into its rows of the layer's pool (slot = expert).
+    w2_opts: keyword arguments of moet.formats.w2.quantize (zero_mode, scale_rule)."""
     spec = moe.spec
-    i = spec.moe_intermediate_size
     if not 0 <= expert < spec.router.num_experts:
         raise CheckpointError(f"{where}: expert {expert} is out of range (config says {spec.router.num_experts} experts)")
+    convert_into(moe.pool, expert, spec, proj, fmt, parts, w2_opts, where)
+
+
+def convert_into(pool, slot: int, spec, proj: str, fmt: str, parts: dict[str, torch.Tensor],
+                 w2_opts: dict, where: str) -> None:
+    """Convert one projection of one expert (its on-disk tensors `parts` in checkpoint format
+    `fmt`) into slot `slot` of `pool`, on the pool's device: gate -> gate_up rows [0, I),
+    up -> [I, 2I), down -> down."""
+    i = spec.moe_intermediate_size
     rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[proj]
     fused = "down" if proj == "down_proj" else "gate_up"
-    pool = moe.pool
-    device = moe.slot_table.device
+    device = getattr(pool, pool.__slots__[0]).device
     if device.type != "cpu":  # re-encode where the pool lives: the GPU converts far faster
         parts = {k: v.to(device) for k, v in parts.items()}
     if isinstance(pool, DensePool):
-        getattr(pool, fused)[expert, rows] = decode(fmt, parts, pool.gate_up.dtype, where)
+        getattr(pool, fused)[slot, rows] = decode(fmt, parts, pool.gate_up.dtype, where)
     elif isinstance(pool, W2Pool):
         t = _to_w2(fmt, parts, w2_opts, where)
-        getattr(pool, f"{fused}_codes")[expert, rows] = t.codes
-        getattr(pool, f"{fused}_scales")[expert, rows] = t.scales
+        codes = w2.to_nb8(t.codes) if pool.layout == "nb8" else t.codes    # bit-exact, invertible
+        getattr(pool, f"{fused}_codes")[slot, rows] = codes
+        getattr(pool, f"{fused}_scales")[slot, rows] = t.scales
     else:
         t = _to_fp4(fmt, parts, where)
-        getattr(pool, f"{fused}_weight")[expert, rows] = t.weight
-        getattr(pool, f"{fused}_scale")[expert, rows] = t.weight_scale
+        getattr(pool, f"{fused}_weight")[slot, rows] = t.weight
+        getattr(pool, f"{fused}_scale")[slot, rows] = t.weight_scale
         if proj == "down_proj":
-            pool.down_scale_2[expert] = t.weight_scale_2
+            pool.down_scale_2[slot] = t.weight_scale_2
         else:
-            pool.gate_up_scale_2[expert, 0 if proj == "gate_proj" else 1] = t.weight_scale_2
+            pool.gate_up_scale_2[slot, 0 if proj == "gate_proj" else 1] = t.weight_scale_2
 
 
 def check_complete(moe: MoE, loaded: set[tuple[int, str]], where: str) -> None:
     """Every (expert, projection) of the layer arrived exactly once."""
-    n = moe.spec.router.num_experts
+    check_all_arrived(moe.spec.router.num_experts, loaded, where)
+
+
+def check_all_arrived(n: int, loaded: set[tuple[int, str]], where: str) -> None:
     missing = [(e, p) for e in range(n) for p in PROJS if (e, p) not in loaded]
     if missing:
         e, p = missing[0]

@@ -17,7 +17,7 @@ from moet.checkpoint import Checkpoint
 from moet.checkpoint import weight_format as wf
 from moet.checkpoint.spec import ExpertRef, expert_ref
 from moet.errors import CheckpointError
-from moet.model import experts
+from moet.model import experts, fp8_dense
 from moet.model.layers.moe import MoE
 from moet.model.model import CausalLM
 from moet.model.weights import default_weight_loader
@@ -47,10 +47,16 @@ def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
 
 
 def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_mode: str = "auto",
-                 scale_rule: str = "published", device: torch.device | str = "cpu", progress: bool = False) -> None:
-    """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr."""
+                 scale_rule: str = "published", device: torch.device | str = "cpu", progress: bool = False,
+                 keep_fp8: bool | None = None, routed_experts: bool = True) -> None:
+    """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr.
+    keep_fp8: FP8 block-128 dense weights stay e4m3 (model/fp8_dense.py); None = where the
+    device can run the FP8 kernel. routed_experts=False skips routed-expert tensors and leaves
+    MoE pools unset: the store (moet.store: pack -> arena -> device cache) provides them."""
     spec, reader = ckpt.spec, ckpt.reader
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if keep_fp8 if keep_fp8 is not None else (ckpt.weight_format == "fp8_block" and fp8_dense.available(device)):
+        fp8_dense.use_fp8_linears(model, fp8_dense.fp8_linear_names(ckpt))
+    moes = [m for m in model.modules() if isinstance(m, MoE)] if routed_experts else []
     for moe in moes:
         experts.allocate_pool(moe, expert_format, model.dtype, device)
     params = dict(model.named_parameters())
@@ -92,6 +98,8 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
             shape = logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
 
             ref = expert_ref(name)
+            if ref is not None and not routed_experts:
+                continue
             if ref is not None and ref.expert is not None:
                 moe = _moe_of(model, ref, where)
                 want = ((spec.hidden_size, spec.moe_intermediate_size) if ref.proj == "down_proj"

@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from moet.checkpoint.spec import ModelSpec
+from moet.kernels.attention_ops import DEFAULT_SPLIT_TOKENS
+from moet.kernels.kv_cache import KVFormat, gqa_bytes_per_token, mla_bytes_per_token, new_gqa_layer, new_mla_layer
+from moet.model.attention_batch import AttentionBatch
 from moet.model.layers.attention import GQAttention
 from moet.model.layers.linear import MLP, Linear
 from moet.model.layers.mla import MLAttention
@@ -34,6 +37,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, start):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_paged(self, x, cos, sin, batch: AttentionBatch, kv, split_tokens: int):
+        x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, batch, kv, split_tokens)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,6 +86,9 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype)
         n_mtp = spec.num_mtp_layers if load_mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(spec, self.rotary, dtype) for _ in range(n_mtp))
+        # decode split-K partition of the Triton kernels: fixed per model, never per batch
+        # (kernels/attention_ops.py says why)
+        self.split_tokens = DEFAULT_SPLIT_TOKENS
 
     # ------------------------------------------------------------------ caches
 
@@ -91,7 +101,57 @@ class CausalLM(nn.Module):
             out.append((torch.zeros(a, dtype=self.dtype, device=device), torch.zeros(b, dtype=self.dtype, device=device)))
         return out
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ paged KV cache
+
+    def _attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.layers] + [m.layer.self_attn for m in self.mtp]
+
+    def kv_bytes_per_token(self, kv_format: KVFormat) -> int:
+        """KV cache bytes one token occupies across every attention layer (MTP layers included)."""
+        a = self.spec.attention
+        if a.kind == "mla":
+            per_layer = mla_bytes_per_token(a.kv_lora_rank, a.qk_rope_head_dim, kv_format)
+        else:
+            per_layer = gqa_bytes_per_token(a.num_kv_heads, a.head_dim, a.v_head_dim, kv_format)
+        return per_layer * len(self._attention_layers())
+
+    def new_kv_cache(self, num_blocks: int, block_size: int, kv_format: KVFormat,
+                     device: torch.device | str) -> list:
+        """One paged cache layer object (kernels/kv_cache) per attention layer: main layers, then
+        MTP layers. `kv_format.dtype` is the "auto" data dtype (pass the model dtype)."""
+        a = self.spec.attention
+        if a.kind == "mla":
+            make = lambda: new_mla_layer(num_blocks, block_size, a.kv_lora_rank, a.qk_rope_head_dim, kv_format, device)
+        else:
+            make = lambda: new_gqa_layer(num_blocks, block_size, a.num_kv_heads, a.head_dim, a.v_head_dim,
+                                         kv_format, device)
+        return [make() for _ in self._attention_layers()]
+
+    def forward_paged(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: list) -> torch.Tensor:
+        """input_ids [N]: a flat varlen batch of several sequences' new tokens (AttentionBatch)
+        -> final hidden states [N, H] before the final norm (as hidden_states). Every layer writes
+        the new tokens' K/V into `kv` (from new_kv_cache) first, then attends over the paged cache.
+        Logits: self.logits(hidden[batch.logits_indices])."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_paged(x, cos, sin, batch, kv[i], self.split_tokens)
+        return x
+
+    def mtp_forward_paged(self, j: int, next_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch,
+                          kv: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """mtp_forward over the paged cache: MTP layer j's own cache is kv[num_layers + j]; hidden
+        [N, H] is final-normed, next_ids [N] the token after each row -> (output hidden [N, H],
+        draft logits [N, V]), for every row (select logits_indices as needed)."""
+        m = self.mtp[j]
+        embed = m.embed_tokens if m.has_own_embed else self.model.embed_tokens
+        head = m.shared_head.head if m.has_own_head else self.lm_head
+        x = m.eh_proj(torch.cat([m.enorm(embed(next_ids)), m.hnorm(hidden)], dim=-1))
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        x = m.layer.forward_paged(x, cos, sin, batch, kv[len(self.model.layers) + j], self.split_tokens)
+        return x, head(m.shared_head.norm(x))
+
+    # ------------------------------------------------------------------ forward (contiguous, one sequence)
 
     def hidden_states(self, input_ids: torch.Tensor, start: int, cache) -> torch.Tensor:
         """input_ids [T] at positions start..start+T-1 -> final hidden states [T, H] (pre-norm)."""

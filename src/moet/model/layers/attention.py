@@ -3,6 +3,7 @@ cache, plus the masked-softmax core shared with MLA.
 
 Shapes are token-major without a batch dimension (one sequence per call): x [T, H]. `start` is
 the number of tokens already in the cache; the T new tokens sit at positions start..start+T-1.
+`forward_paged` is the batched form over the paged cache (several sequences, AttentionBatch).
 """
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch
 from torch import nn
 
 from moet.checkpoint.spec import AttentionSpec
+from moet.kernels import attention_ops as ops
+from moet.kernels.kv_cache import GQALayerKV
+from moet.model.attention_batch import AttentionBatch
 from moet.model.layers.linear import Linear
 from moet.model.layers.norm import RMSNorm
+from moet.model.layers.paged_attention import attend_gqa
 from moet.model.layers.rope import Rotary
 
 
@@ -54,17 +59,31 @@ class GQAttention(nn.Module):
         s = self.spec
         return (max_len, s.num_kv_heads, s.head_dim), (max_len, s.num_kv_heads, s.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> rotated q [T, Hq, d], rotated k [T, Hkv, d], v [T, Hkv, d]: what both caches store."""
         s, t = self.spec, x.shape[0]
         q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
         k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
         v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        s, t = self.spec, x.shape[0]
+        q, k, v = self._project(x, cos, sin)
         k_cache, v_cache = cache
         k_cache[start:start + t] = k
         v_cache[start:start + t] = v
         out = attend(q, k_cache[:start + t], v_cache[:start + t], start, s.scale, s.sliding_window)
         return self.o_proj(out)
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                      kv: GQALayerKV, split_tokens: int) -> torch.Tensor:
+        """x [N, H]: a flat varlen batch of several sequences' new tokens (AttentionBatch).
+        Writes their K/V into the paged cache, then attends reading every key from it."""
+        q, k, v = self._project(x, cos, sin)
+        ops.write_gqa_kv(kv, k, v, batch.slot_mapping)
+        out = attend_gqa(q, kv, batch, self.spec.scale, self.spec.sliding_window, split_tokens)
+        return self.o_proj(out.reshape(x.shape[0], -1))

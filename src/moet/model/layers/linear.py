@@ -1,16 +1,22 @@
 """Dense linear layers in the model dtype.
 
-Checkpoint precision is kept where the dtype allows: BF16 weights load as is; FP8 block-128 and
-NVFP4 weights are decoded once at load (moet.model.weights.decode).
-SEAM for the FP8 GPU path: a `Fp8BlockLinear` keeps `weight` (e4m3) + `weight_scale_inv` and
-runs a block-scaled GEMM; it needs only its own weight_loader (receiving the raw parts) and
-forward. The loader already hands every parameter its on-disk parts and format.
+Checkpoint precision is kept where the dtype allows: BF16 weights load as is; NVFP4 weights,
+and FP8 block-128 weights on CPU, are decoded once at load (moet.model.weights.decode).
+On a GPU (sm_89+) FP8 block-128 weights stay e4m3 + block scales in an `Fp8BlockLinear`
+(model/fp8_dense.py decides which Linears are swapped for one before loading) and run
+moet.kernels.fp8_gemm_triton: half the bytes of bf16 per decode step.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moet.errors import CheckpointError
+from moet.formats._checks import require_finite
+from moet.kernels.fp8_gemm_reference import MODES as FP8_MODES
+
+FP8_BLOCK = 128
 
 
 class Linear(nn.Module):
@@ -21,6 +27,50 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class Fp8BlockLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W kept as the checkpoint stores it: weight e4m3 [N, K] and
+    weight_scale_inv fp32 [ceil(N/128), ceil(K/128)] (a buffer, loaded with the weight).
+    mode: "w8a8" (activations quantized per token per 128-group, as DeepSeek-V3 runs) or
+    "w8a16" (activations as they are); see moet.kernels.fp8_gemm_reference for the numerics.
+    backend: "triton" (the GPU kernel; on CPU only under TRITON_INTERPRET, for tests) or
+    "reference" (the torch reference of the same math)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, *,
+                 mode: str = "w8a8", backend: str = "triton"):
+        super().__init__()
+        if mode not in FP8_MODES or backend not in ("triton", "reference"):
+            raise ValueError(f"Fp8BlockLinear mode {mode!r} / backend {backend!r}")
+        self.mode, self.backend = mode, backend
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
+        self.weight.weight_loader = self._load
+        nb, kb = -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK)
+        self.register_buffer("weight_scale_inv", torch.empty(nb, kb, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def _load(self, param: nn.Parameter, fmt: str, parts: dict[str, torch.Tensor], where: str) -> None:
+        """The loader's weight_loader hook: copy the e4m3 bytes and the scales as they are."""
+        if fmt != "fp8_block":
+            raise CheckpointError(f"{where}: stored as {fmt}, but this layer was set up for FP8 block-128 "
+                                  "(the checkpoint mixes formats for one parameter?)")
+        w, s = parts["weight"], parts["weight_scale_inv"]
+        if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != tuple(param.shape) \
+                or s.dtype != torch.float32 or tuple(s.shape) != tuple(self.weight_scale_inv.shape):
+            raise CheckpointError(f"{where}: FP8 weight {w.dtype} {list(w.shape)} / scales {s.dtype} "
+                                  f"{list(s.shape)} do not match e4m3 {list(param.shape)} / float32 "
+                                  f"{list(self.weight_scale_inv.shape)}")
+        require_finite(s, f"{where} weight_scale_inv")
+        param.data.copy_(w)
+        self.weight_scale_inv.copy_(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from moet.kernels.fp8_gemm_triton import fp8_block_gemm_triton as gemm
+        else:
+            from moet.kernels.fp8_gemm_reference import fp8_block_gemm_reference as gemm
+        return gemm(x, self.weight, self.weight_scale_inv, mode=self.mode, bias=self.bias)
 
 
 class MLP(nn.Module):

@@ -2,8 +2,9 @@
 
 The cache holds the compressed latent (kv_lora_rank, after kv_a_layernorm) and the shared
 rotated key slice (qk_rope_head_dim) per token: 576 values per token for DeepSeek-V3 instead of
-128 heads x 320. Keys/values are re-expanded through kv_b_proj at every step (the naive form;
-the absorbed form for decode is a kernel concern, kernels/mla.py).
+128 heads x 320. `forward` (contiguous, one sequence) re-expands keys/values through kv_b_proj at
+every step, as transformers does; `forward_paged` (the serving path) uses the weight-absorbed
+form over the paged latent cache (kernels/attention_reference.py explains the algebra).
 """
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import torch
 from torch import nn
 
 from moet.checkpoint.spec import AttentionSpec
+from moet.kernels import attention_ops as ops
+from moet.kernels.kv_cache import MLALayerKV
+from moet.model.attention_batch import AttentionBatch
 from moet.model.layers.attention import attend
 from moet.model.layers.linear import Linear
 from moet.model.layers.norm import RMSNorm
+from moet.model.layers.paged_attention import attend_mla
 from moet.model.layers.rope import Rotary
 
 
@@ -37,8 +42,9 @@ class MLAttention(nn.Module):
     def cache_shapes(self, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (max_len, self.spec.kv_lora_rank), (max_len, self.spec.qk_rope_head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> q_nope [T, H, nope], rotated q_rope [T, H, P], latent [T, R] (after kv_a_layernorm),
+        rotated k_rope [T, P]: the last two are what both caches store."""
         s, t = self.spec, x.shape[0]
         nope, rope_d, nh = s.qk_nope_head_dim, s.qk_rope_head_dim, s.num_heads
         q = self.q_proj(x) if s.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -48,6 +54,13 @@ class MLAttention(nn.Module):
         kv_nope = self.kv_a_layernorm(kv_nope)
         q_rot = self.rotary.apply(q_rot, cos, sin)
         k_rot = self.rotary.apply(k_rot.view(t, 1, rope_d), cos, sin).view(t, rope_d)
+        return q_pass, q_rot, kv_nope, k_rot
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        s, t = self.spec, x.shape[0]
+        nope, rope_d, nh = s.qk_nope_head_dim, s.qk_rope_head_dim, s.num_heads
+        q_pass, q_rot, kv_nope, k_rot = self._project(x, cos, sin)
         lat_cache, rot_cache = cache
         lat_cache[start:start + t] = kv_nope
         rot_cache[start:start + t] = k_rot
@@ -57,3 +70,18 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, rot_cache[:n, None, :].expand(n, nh, rope_d)], dim=-1)
         q = torch.cat([q_pass, q_rot], dim=-1)
         return self.o_proj(attend(q, k, v, start, s.scale))
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                      kv: MLALayerKV, split_tokens: int) -> torch.Tensor:
+        """x [N, H]: a flat varlen batch (AttentionBatch). Writes the new tokens' latent + rope
+        rows, then attends in the weight-absorbed form for decode and prefill alike: queries are
+        mapped into the latent space (W_UK), attention is MQA over the cached rows, and W_UV maps
+        the latent-space output back to the heads' values."""
+        s = self.spec
+        q_pass, q_rot, latent, k_rot = self._project(x, cos, sin)
+        ops.write_mla_kv(kv, latent, k_rot, batch.slot_mapping)
+        w = self.kv_b_proj.weight
+        q_latent = ops.mla_absorb_q(q_pass, w, s.qk_nope_head_dim)
+        out = attend_mla(q_latent, q_rot, kv, batch, s.scale, split_tokens)
+        out = ops.mla_output(out, w, s.qk_nope_head_dim).to(x.dtype)
+        return self.o_proj(out.reshape(x.shape[0], -1))

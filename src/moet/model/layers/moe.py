@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moet.checkpoint.spec import ModelSpec
-from moet.kernels.reference import moe_experts_reference
+from moet.kernels.moe_dispatch import moe_experts
 from moet.model.layers.linear import MLP
 from moet.model.layers.router import route
 
@@ -39,11 +39,18 @@ class MoE(nn.Module):
         self.slot_table = torch.full((spec.router.num_experts,), -1, dtype=torch.int32)
         self.pool = None                               # set by the loader
         self.miss_counter = torch.zeros(1, dtype=torch.int64)
+        # The store's route log (int32 [num_experts] or None): how many tokens chose each expert
+        # this pass, so the runner knows which experts a missed step needs (moet.store).
+        self.route_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.spec.router, self.gate.e_score_correction_bias)
-        out = moe_experts_reference(x, ids, weights, self.slot_table, self.pool, self.miss_counter,
-                                    swiglu_limit=self.spec.swiglu_limit)
+        if self.route_counts is not None:  # integer adds: exact in any order (graph-capturable)
+            flat = ids.reshape(-1)
+            self.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.route_counts.dtype))
+        # Triton grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
+        out = moe_experts(x, ids, weights, self.slot_table, self.pool, self.miss_counter,
+                          swiglu_limit=self.spec.swiglu_limit)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -1,0 +1,595 @@
+"""Paged attention on the GPU: correctness at real shapes first, then decode and prefill speed.
+
+    python -m moet.bench.attention_bench --out $OUT --budget-s 200
+
+1. Checks (every Triton kernel against its torch reference, on the GPU, at real shapes): GQA as
+   Qwen3-30B-A3B (32 q heads / 4 kv heads, d 128), MLA as DeepSeek-V3 (128 heads, R 512, P 64, the
+   softmax scale from its spec: YaRN mscale included); random block tables, ragged lengths across
+   page and split boundaries, bf16 / fp8 per-tensor / fp8 per-token-group caches, fp32 and bf16
+   queries; outputs poisoned with NaN before each run (the `out` tensor and the allocator's free
+   memory), bit-identical run to run; the KV writes byte-equal to the torch writes.
+2. Decode at context 1K / 8K / 32K / 128K, batch 1 and 32, bf16 and fp8 KV: GB/s of KV bytes read
+   vs a device copy measured in the same run (torch copy of a 1 GiB tensor, read + write bytes),
+   split_tokens swept; torch SDPA on the same shapes (contiguous, non-paged) side by side.
+3. Prefill at 8K (one sequence, causal): TFLOP/s vs a bf16 torch.matmul GEMM measured in the same
+   run; SDPA (flash / efficient / cuDNN, never the math fallback) side by side.
+Timing: each op is captured in a CUDA graph (no Python launch overhead) and replayed under
+triton.testing.do_bench, which flushes L2 before every run; median. Combos that do not fit in
+free memory or the remaining budget are skipped (listed). Writes attention_bench.json and
+attention_bench.md under --out and prints as it goes. Exit code 1 if any check failed.
+`--smoke` runs the same code on CPU (TRITON_INTERPRET=1) at toy shapes: a test of this script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                 "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "use_sliding_window": False, "sliding_window": None}
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+               "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+               "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+               "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+               "norm_topk_prob": True, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+               "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                     "type": "yarn"}}
+BS = 16                                    # tokens per page (vLLM's default)
+SPLITS = (64, 128, 256, 512, 1024, 2048)   # decode split_tokens swept
+
+
+class Bench:
+    def __init__(self, args):
+        self.smoke = args.smoke
+        self.dev = torch.device("cpu" if self.smoke else "cuda")
+        self.t0 = time.monotonic()
+        self.budget = args.budget_s
+        self.records: list[dict] = []
+        self.skipped: list[str] = []
+        self.failures: list[str] = []
+        from moet.checkpoint.spec import spec_from_config
+        self.gqa = spec_from_config(QWEN3_30B_A3B).attention
+        self.mla = spec_from_config(DEEPSEEK_V3).attention
+        if self.smoke:                    # toy shapes with the same structure
+            from dataclasses import replace
+            self.gqa = replace(self.gqa, num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
+            self.mla = replace(self.mla, num_heads=4, kv_lora_rank=32, qk_rope_head_dim=16)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.t0)
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
+
+    def time_ms(self, fn) -> tuple[float, bool]:
+        """Median ms of fn; (time, whether a CUDA graph was used)."""
+        fn()
+        if self.smoke:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3, False
+        import triton
+        torch.cuda.synchronize()
+        run, graphed = fn, False
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run, graphed = graph.replay, True
+        except Exception as e:             # noqa: BLE001 -- time it without a graph, say so
+            self.log(f"  (no CUDA graph: {type(e).__name__}: {e})")
+        ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+        return float(ms), graphed
+
+    def poison_allocator(self) -> None:
+        """Fill the caching allocator's free memory with NaN: a kernel reading a workspace it did
+        not write then shows NaN instead of a plausible stale value."""
+        if self.smoke:
+            return
+        free, _ = torch.cuda.mem_get_info()
+        n = min(1 << 30, free // 4) // 4
+        torch.full((n,), float("nan"), device=self.dev)
+        for k in (1 << 10, 1 << 14, 1 << 18):          # small-pool sizes too
+            [torch.full((k,), float("nan"), device=self.dev) for _ in range(8)]
+
+    def check(self, name: str, got: torch.Tensor, want: torch.Tensor, tol: float, again: torch.Tensor) -> None:
+        finite = bool(torch.isfinite(got).all())
+        err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+        same = bool(torch.equal(got, again))
+        ok = finite and err < tol and same
+        self.records.append(dict(kind="check", name=name, rel_err=err, tol=tol, finite=finite, bit_identical=same,
+                                 ok=ok))
+        self.log(f"check {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {tol:g}), finite {finite}, "
+                 f"bit-identical {same}")
+        if not ok:
+            self.failures.append(name)
+
+    # ------------------------------------------------------------------ caches
+
+    def formats(self, model_dtype=torch.bfloat16) -> list:
+        from moet.kernels.kv_cache import KVFormat
+        return [("bf16", KVFormat("auto", dtype=model_dtype)), ("fp8", KVFormat("fp8_e4m3", "tensor")),
+                ("fp8-block", KVFormat("fp8_e4m3", "block", group=128, dtype=model_dtype))]
+
+    def table(self, lens: list[int], num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+        need = [-(-n // BS) for n in lens]
+        perm = torch.randperm(num_blocks, generator=gen)
+        width = max(need + [1]) + 2
+        t = torch.randint(0, num_blocks, (len(lens), width), generator=gen, dtype=torch.int32)
+        at = 0
+        for b, k in enumerate(need):
+            t[b, :k] = perm[at:at + k].to(torch.int32)
+            at += k
+        return t.to(self.dev)
+
+    def fill_gqa(self, fmt, lens, gen):
+        """A GQA cache holding random K/V for sequences of `lens` tokens (written through the
+        torch reference write, so checks compare against exactly what is stored)."""
+        from moet.kernels.kv_cache import new_gqa_layer, write_gqa_kv
+        a = self.gqa
+        nb = sum(-(-n // BS) for n in lens) + 4
+        cache = new_gqa_layer(nb, BS, a.num_kv_heads, a.head_dim, a.v_head_dim, fmt, device=self.dev)
+        if fmt.is_fp8 and not fmt.block_scaled:
+            cache.k_scale.fill_(0.02)
+            cache.v_scale.fill_(0.03)
+        table = self.table(lens, nb, gen)
+        for b, n in enumerate(lens):
+            pos = torch.arange(n)
+            slots = (table[b].cpu()[pos // BS].long() * BS + pos % BS).to(self.dev)
+            k = torch.randn(n, a.num_kv_heads, a.head_dim, generator=gen).to(self.dev)
+            write_gqa_kv(cache, k, torch.randn(n, a.num_kv_heads, a.v_head_dim, generator=gen).to(self.dev), slots)
+        return cache, table
+
+    def fill_mla(self, fmt, lens, gen):
+        from moet.kernels.kv_cache import new_mla_layer, write_mla_kv
+        a = self.mla
+        nb = sum(-(-n // BS) for n in lens) + 4
+        cache = new_mla_layer(nb, BS, a.kv_lora_rank, a.qk_rope_head_dim, fmt, device=self.dev)
+        if fmt.is_fp8 and not fmt.block_scaled:
+            cache.latent_scale.fill_(0.02)
+        table = self.table(lens, nb, gen)
+        for b, n in enumerate(lens):
+            pos = torch.arange(n)
+            slots = (table[b].cpu()[pos // BS].long() * BS + pos % BS).to(self.dev)
+            write_mla_kv(cache, torch.randn(n, a.kv_lora_rank, generator=gen).to(self.dev),
+                         torch.randn(n, a.qk_rope_head_dim, generator=gen).to(self.dev), slots)
+        return cache, table
+
+    # ------------------------------------------------------------------ 1. checks
+
+    def checks(self) -> None:
+        from moet.kernels import attention_reference as ref
+        from moet.kernels import attention_triton, kv_cache, kv_write_triton, mla_prefill_triton, prefill_triton
+        gen = torch.Generator().manual_seed(int(time.time()) % 2**31)     # fresh inputs every run
+        dec_lens = [1, 15, 16, 17, 255, 1000, 3001, 4103] if not self.smoke else [1, 15, 17, 40]
+        pre = ([(1000, 1000), (3000, 517), (17, 1), (300, 0), (2053, 2053)] if not self.smoke
+               else [(20, 20), (40, 9), (5, 1), (17, 0)])
+        mla_pre = ([(700, 700), (1500, 300), (33, 1), (64, 0)] if not self.smoke else [(20, 20), (40, 9), (17, 0)])
+        tol = {torch.float32: 2e-4, torch.bfloat16: 1e-2}
+        g, m = self.gqa, self.mla
+        i32 = dict(dtype=torch.int32, device=self.dev)
+        for fname, fmt in self.formats():
+            # fp32 queries (tight tolerance) on the bf16 cache, bf16 queries (as served) on all:
+            # every query dtype is one more compile per kernel
+            qdtypes = (torch.float32, torch.bfloat16) if fname == "bf16" else (torch.bfloat16,)
+            # GQA decode, two split sizes
+            cache, table = self.fill_gqa(fmt, dec_lens, gen)
+            lens = torch.tensor(dec_lens, **i32)
+            for qd in qdtypes:
+                q = torch.randn(len(dec_lens), g.num_heads, g.head_dim, generator=gen).to(self.dev, qd)
+                want = ref.paged_decode_gqa(q, cache, table, lens, g.scale)
+                for split in (64, 512):
+                    runs = []
+                    for _ in range(2):
+                        self.poison_allocator()
+                        out = torch.full_like(want, float("nan"))
+                        attention_triton.paged_decode_gqa(q, cache, table, lens, g.scale, split_tokens=split, out=out)
+                        runs.append(out)
+                    self.check(f"gqa decode {fname} q {str(qd)[6:]} split {split}", runs[0], want, tol[qd], runs[1])
+            # GQA prefill / extend
+            cache, table = self.fill_gqa(fmt, [n for n, _ in pre], gen)
+            cu = torch.tensor([0] + [q for _, q in pre], dtype=torch.int32).cumsum(0).to(**i32)
+            lens = torch.tensor([n for n, _ in pre], **i32)
+            for qd in qdtypes:
+                q = torch.randn(int(cu[-1]), g.num_heads, g.head_dim, generator=gen).to(self.dev, qd)
+                want = ref.paged_prefill_gqa(q, cache, table, cu, lens, g.scale)
+                runs = []
+                for _ in range(2):
+                    self.poison_allocator()
+                    out = torch.full_like(want, float("nan"))
+                    prefill_triton.paged_prefill_gqa(q, cache, table, cu, lens, g.scale,
+                                                     max_seqlen_q=max(q for _, q in pre), out=out)
+                    runs.append(out)
+                self.check(f"gqa prefill {fname} q {str(qd)[6:]}", runs[0], want, tol[qd], runs[1])
+            del cache
+            # MLA decode
+            cache, table = self.fill_mla(fmt, dec_lens, gen)
+            lens = torch.tensor(dec_lens, **i32)
+            for qd in qdtypes:
+                ql = torch.randn(len(dec_lens), m.num_heads, m.kv_lora_rank, generator=gen).to(self.dev, qd)
+                qr = torch.randn(len(dec_lens), m.num_heads, m.qk_rope_head_dim, generator=gen).to(self.dev, qd)
+                want = ref.paged_decode_mla(ql, qr, cache, table, lens, m.scale)
+                for split in (64, 512):
+                    runs = []
+                    for _ in range(2):
+                        self.poison_allocator()
+                        out = torch.full_like(want, float("nan"))
+                        attention_triton.paged_decode_mla(ql, qr, cache, table, lens, m.scale, split_tokens=split,
+                                                          out=out)
+                        runs.append(out)
+                    self.check(f"mla decode {fname} q {str(qd)[6:]} split {split}", runs[0], want, tol[qd], runs[1])
+            # MLA prefill / extend
+            cache, table = self.fill_mla(fmt, [n for n, _ in mla_pre], gen)
+            cu = torch.tensor([0] + [q for _, q in mla_pre], dtype=torch.int32).cumsum(0).to(**i32)
+            lens = torch.tensor([n for n, _ in mla_pre], **i32)
+            for qd in qdtypes:
+                ql = torch.randn(int(cu[-1]), m.num_heads, m.kv_lora_rank, generator=gen).to(self.dev, qd)
+                qr = torch.randn(int(cu[-1]), m.num_heads, m.qk_rope_head_dim, generator=gen).to(self.dev, qd)
+                want = ref.paged_prefill_mla(ql, qr, cache, table, cu, lens, m.scale)
+                runs = []
+                for _ in range(2):
+                    self.poison_allocator()
+                    out = torch.full_like(want, float("nan"))
+                    mla_prefill_triton.paged_prefill_mla(ql, qr, cache, table, cu, lens, m.scale,
+                                                         max_seqlen_q=max(q for _, q in mla_pre), out=out)
+                    runs.append(out)
+                self.check(f"mla prefill {fname} q {str(qd)[6:]}", runs[0], want, tol[qd], runs[1])
+            del cache
+            # KV writes: bytes equal to the torch write (bf16 source; 2 skipped slots)
+            t = 4096 if not self.smoke else 40
+            slots = torch.randperm(2 * t, generator=gen)[:t].to(self.dev)
+            slots[:2] = -1
+            nb = 2 * t // BS
+            k = torch.randn(t, g.num_kv_heads, g.head_dim, generator=gen).to(self.dev, torch.bfloat16)
+            v = torch.randn(t, g.num_kv_heads, g.v_head_dim, generator=gen).to(self.dev, torch.bfloat16)
+            caches = [kv_cache.new_gqa_layer(nb, BS, g.num_kv_heads, g.head_dim, g.v_head_dim, fmt, device=self.dev)
+                      for _ in range(2)]
+            kv_cache.write_gqa_kv(caches[0], k, v, slots)
+            kv_write_triton.write_gqa_kv(caches[1], k, v, slots)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
+                       ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)))
+            if fmt.block_scaled:
+                same = same and torch.equal(caches[0].k_scale, caches[1].k_scale)
+            self._byte_check(f"kv write gqa {fname}", same)
+            lat = torch.randn(t, m.kv_lora_rank, generator=gen).to(self.dev, torch.bfloat16)
+            rope = torch.randn(t, m.qk_rope_head_dim, generator=gen).to(self.dev, torch.bfloat16)
+            caches = [kv_cache.new_mla_layer(nb, BS, m.kv_lora_rank, m.qk_rope_head_dim, fmt, device=self.dev)
+                      for _ in range(2)]
+            kv_cache.write_mla_kv(caches[0], lat, rope, slots)
+            kv_write_triton.write_mla_kv(caches[1], lat, rope, slots)
+            self._byte_check(f"kv write mla {fname}", torch.equal(caches[0].buffer.view(torch.uint8),
+                                                                  caches[1].buffer.view(torch.uint8)))
+
+    def _byte_check(self, name: str, same: bool) -> None:
+        self.records.append(dict(kind="check", name=name, bytes_equal=same, ok=same))
+        self.log(f"check {'ok  ' if same else 'FAIL'} {name}: bytes equal to the torch write {same}")
+        if not same:
+            self.failures.append(name)
+
+    # ------------------------------------------------------------------ 2. decode
+
+    def copy_bandwidth(self) -> float:
+        n = (1 << 30) if not self.smoke else (1 << 20)
+        src = torch.empty(n, dtype=torch.uint8, device=self.dev).random_()
+        dst = torch.empty_like(src)
+        ms, _ = self.time_ms(lambda: dst.copy_(src))
+        gbps = 2 * n / ms / 1e6
+        self.records.append(dict(kind="copy", bytes=n, ms=ms, gbps=gbps))
+        self.log(f"device copy of {n / 2**30:.2f} GiB: {gbps:.0f} GB/s (read + write)")
+        return gbps
+
+    def random_cache(self, arch: str, fmt, tokens: int):
+        """A cache of `tokens` tokens of random bytes-valid data, filled block-chunk by chunk."""
+        from moet.kernels.kv_cache import new_gqa_layer, new_mla_layer
+        nb = -(-tokens // BS) + 1
+        if arch == "gqa":
+            a = self.gqa
+            cache = new_gqa_layer(nb, BS, a.num_kv_heads, a.head_dim, a.v_head_dim, fmt, device=self.dev)
+            parts = [cache.k, cache.v]
+        else:
+            a = self.mla
+            cache = new_mla_layer(nb, BS, a.kv_lora_rank, a.qk_rope_head_dim, fmt, device=self.dev)
+            parts = [cache.latent, cache.rope]
+        step = max(1, (1 << 26) // max(1, parts[0][0].numel()))
+        for t in parts:
+            for i in range(0, nb, step):
+                t[i:i + step] = torch.randn(t[i:i + step].shape, device=self.dev).to(t.dtype)
+        for s in (getattr(cache, n, None) for n in ("k_scale", "v_scale", "latent_scale")):
+            if s is not None:
+                s.fill_(0.05)
+        return cache
+
+    def kv_bytes(self, arch: str, fmt) -> int:
+        from moet.kernels.kv_cache import gqa_bytes_per_token, mla_bytes_per_token
+        if arch == "gqa":
+            a = self.gqa
+            return gqa_bytes_per_token(a.num_kv_heads, a.head_dim, a.v_head_dim, fmt)
+        return mla_bytes_per_token(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim, fmt)
+
+    def decode(self, copy_gbps: float) -> None:
+        from moet.kernels import attention_triton
+        ctxs = (1024, 8192, 32768, 131072) if not self.smoke else (40,)
+        batches = (1, 32) if not self.smoke else (1, 2)
+        splits = SPLITS if not self.smoke else (16, 32)
+        # fp8 as deployed: GQA per-tensor scales, MLA the fp8_ds_mla row (656 B at R 512)
+        fmts = {"gqa": [f for f in self.formats() if f[0] != "fp8-block"],
+                "mla": [f for f in self.formats() if f[0] != "fp8"]}
+        for arch in ("gqa", "mla"):
+            heads, width = ((self.gqa.num_heads, self.gqa.v_head_dim) if arch == "gqa"
+                            else (self.mla.num_heads, self.mla.kv_lora_rank))
+            for ctx in ctxs:
+                for batch in batches:
+                    for fname, fmt in fmts[arch]:
+                        label = f"decode {arch} ctx {ctx} batch {batch} {fname}"
+                        need = self.kv_bytes(arch, fmt) * ctx * batch
+                        if not self.smoke and need * 1.3 > torch.cuda.mem_get_info()[0]:
+                            self.skipped.append(f"{label}: {need / 2**30:.1f} GiB does not fit")
+                            continue
+                        if self.left() < 15:
+                            self.skipped.append(f"{label}: budget")
+                            continue
+                        cache = self.random_cache(arch, fmt, ctx * batch)
+                        nb = cache.num_blocks - 1
+                        perm = torch.randperm(nb, device=self.dev)[: batch * (ctx // BS)]
+                        table = perm.view(batch, ctx // BS).to(torch.int32)
+                        lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.dev)
+                        if arch == "gqa":
+                            a = self.gqa
+                            q = torch.randn(batch, a.num_heads, a.head_dim, device=self.dev, dtype=torch.bfloat16)
+                            out = torch.empty(batch, a.num_heads, a.v_head_dim, device=self.dev, dtype=q.dtype)
+                            run = lambda s: attention_triton.paged_decode_gqa(q, cache, table, lens, a.scale,
+                                                                              split_tokens=s, out=out)
+                        else:
+                            a = self.mla
+                            ql = torch.randn(batch, a.num_heads, a.kv_lora_rank, device=self.dev, dtype=torch.bfloat16)
+                            qr = torch.randn(batch, a.num_heads, a.qk_rope_head_dim, device=self.dev,
+                                             dtype=torch.bfloat16)
+                            out = torch.empty_like(ql)
+                            run = lambda s: attention_triton.paged_decode_mla(ql, qr, cache, table, lens, a.scale,
+                                                                              split_tokens=s, out=out)
+                        by_split = {}
+                        for s in splits:
+                            if self.left() < 10:
+                                break
+                            workspace = batch * heads * -(-ctx // (-(-s // BS) * BS)) * (width + 2) * 4
+                            if workspace > (2 << 30):      # split-K partials of tiny splits at 128K x 32
+                                self.skipped.append(f"{label} split {s}: {workspace / 2**30:.0f} GiB workspace")
+                                continue
+                            ms, graphed = self.time_ms(lambda: run(s))
+                            gbps = need / ms / 1e6
+                            by_split[s] = gbps
+                            self.records.append(dict(kind="decode", arch=arch, ctx=ctx, batch=batch, fmt=fname,
+                                                     split_tokens=s, ms=ms, kv_bytes=need, gbps=gbps,
+                                                     frac_of_copy=gbps / copy_gbps, graph=graphed))
+                        if by_split:
+                            best = max(by_split, key=by_split.get)
+                            self.log(f"{label}: best split {best}: {by_split[best]:.0f} GB/s = "
+                                     f"{by_split[best] / copy_gbps:.0%} of copy  (all: "
+                                     + ", ".join(f"{s}:{v:.0f}" for s, v in by_split.items()) + ")")
+                        if fname == "bf16":
+                            self.sdpa_decode(arch, ctx, batch, need, copy_gbps)
+                        del cache
+                        if not self.smoke:
+                            torch.cuda.empty_cache()
+
+    def sdpa_decode(self, arch: str, ctx: int, batch: int, need: int, copy_gbps: float) -> None:
+        """torch SDPA on the same shapes, contiguous K/V (what a non-paged engine would read)."""
+        import torch.nn.functional as F
+        bf = dict(device=self.dev, dtype=torch.bfloat16)
+        try:
+            if arch == "gqa":
+                a = self.gqa
+                q = torch.randn(batch, a.num_heads, 1, a.head_dim, **bf)
+                k = torch.randn(batch, a.num_kv_heads, ctx, a.head_dim, **bf)
+                v = torch.randn(batch, a.num_kv_heads, ctx, a.v_head_dim, **bf)
+            else:
+                # absorbed MLA decode is MQA with no mask: the heads fold into the query length
+                # (one key head), so no backend expands K/V 128 times
+                a = self.mla
+                d = a.kv_lora_rank + a.qk_rope_head_dim
+                q = torch.randn(batch, 1, a.num_heads, d, **bf)
+                k = torch.randn(batch, 1, ctx, d, **bf)
+                v = k[..., :a.kv_lora_rank]
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            # GQA: fused backends only (the math fallback would repeat K/V per query head);
+            # folded MLA: any (its score matrix is [B, 1, H, ctx])
+            if arch == "gqa":
+                fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+                with sdpa_kernel([SDPBackend.MATH] if self.smoke else fused):
+                    ms, graphed = self.time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=a.scale,
+                                                                                      enable_gqa=True))
+            else:
+                ms, graphed = self.time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=a.scale))
+        except Exception as e:            # noqa: BLE001 -- record why, keep going
+            self.records.append(dict(kind="sdpa_decode", arch=arch, ctx=ctx, batch=batch, error=str(e)[:300]))
+            self.log(f"  sdpa decode {arch} ctx {ctx} batch {batch}: {type(e).__name__}: {str(e)[:120]}")
+            return
+        gbps = need / ms / 1e6
+        self.records.append(dict(kind="sdpa_decode", arch=arch, ctx=ctx, batch=batch, ms=ms, kv_bytes=need,
+                                 gbps=gbps, frac_of_copy=gbps / copy_gbps, graph=graphed))
+        self.log(f"  sdpa decode {arch} ctx {ctx} batch {batch} (contiguous bf16): {gbps:.0f} GB/s")
+
+    # ------------------------------------------------------------------ 3. prefill
+
+    def prefill(self) -> None:
+        import torch.nn.functional as F
+        from moet.kernels import mla_prefill_triton, prefill_triton
+        n = 8192 if not self.smoke else 32
+        gemm_n = 8192 if not self.smoke else 64
+        a_ = torch.randn(gemm_n, gemm_n, device=self.dev, dtype=torch.bfloat16)
+        b_ = torch.randn(gemm_n, gemm_n, device=self.dev, dtype=torch.bfloat16)
+        ms, _ = self.time_ms(lambda: torch.matmul(a_, b_))
+        gemm = 2 * gemm_n ** 3 / ms / 1e9
+        self.records.append(dict(kind="gemm", n=gemm_n, ms=ms, tflops=gemm))
+        self.log(f"bf16 GEMM {gemm_n}^3: {gemm:.0f} TFLOP/s")
+        del a_, b_
+        pairs = n * (n + 1) // 2                                  # causal (query, key) pairs
+        cu = torch.tensor([0, n], dtype=torch.int32, device=self.dev)
+        lens = torch.tensor([n], dtype=torch.int32, device=self.dev)
+        table = torch.randperm(n // BS + 1, device=self.dev)[: n // BS].view(1, -1).to(torch.int32)
+        bf = dict(device=self.dev, dtype=torch.bfloat16)
+        for arch in ("gqa", "mla"):
+            for fname, fmt in self.formats():
+                if fname == ("fp8-block" if arch == "gqa" else "fp8"):      # fp8 as deployed (see decode)
+                    continue
+                if self.left() < 20:
+                    self.skipped.append(f"prefill {arch} {fname}: budget")
+                    continue
+                cache = self.random_cache(arch, fmt, n)
+                if arch == "gqa":
+                    a = self.gqa
+                    flops = 2 * pairs * a.num_heads * (a.head_dim + a.v_head_dim)
+                    q = torch.randn(n, a.num_heads, a.head_dim, **bf)
+                    out = torch.empty(n, a.num_heads, a.v_head_dim, **bf)
+                    fn = lambda: prefill_triton.paged_prefill_gqa(q, cache, table, cu, lens, a.scale, max_seqlen_q=n,
+                                                                  out=out)
+                else:
+                    a = self.mla
+                    r, p = a.kv_lora_rank, a.qk_rope_head_dim
+                    flops = 2 * pairs * a.num_heads * (r + p + r)
+                    ql, qr = torch.randn(n, a.num_heads, r, **bf), torch.randn(n, a.num_heads, p, **bf)
+                    out = torch.empty_like(ql)
+                    fn = lambda: mla_prefill_triton.paged_prefill_mla(ql, qr, cache, table, cu, lens, a.scale,
+                                                                      max_seqlen_q=n, out=out)
+                ms, graphed = self.time_ms(fn)
+                tf = flops / ms / 1e9
+                self.records.append(dict(kind="prefill", arch=arch, fmt=fname, tokens=n, ms=ms, tflops=tf,
+                                         frac_of_gemm=tf / gemm, graph=graphed))
+                self.log(f"prefill {arch} {n} {fname}: {ms:.2f} ms, {tf:.1f} TFLOP/s = {tf / gemm:.1%} of GEMM")
+                del cache
+            if self.left() < 20:
+                continue
+            try:                       # SDPA, contiguous, causal; never the math fallback (O(n^2) memory)
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                if arch == "gqa":
+                    a = self.gqa
+                    q = torch.randn(1, a.num_heads, n, a.head_dim, **bf)
+                    k = torch.randn(1, a.num_kv_heads, n, a.head_dim, **bf)
+                    v = torch.randn(1, a.num_kv_heads, n, a.v_head_dim, **bf)
+                    flops = 2 * pairs * a.num_heads * (a.head_dim + a.v_head_dim)
+                else:
+                    # the expanded (non-absorbed) form, what a non-paged engine runs for MLA prefill:
+                    # per head q/k of nope + rope = 192, v of 128; its own FLOPs
+                    a = self.mla
+                    dk = a.qk_nope_head_dim + a.qk_rope_head_dim
+                    q = torch.randn(1, a.num_heads, n, dk, **bf)
+                    k = torch.randn(1, a.num_heads, n, dk, **bf)
+                    v = torch.randn(1, a.num_heads, n, a.v_head_dim, **bf)
+                    flops = 2 * pairs * a.num_heads * (dk + a.v_head_dim)
+                backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+                if self.smoke:
+                    backends = [SDPBackend.MATH]
+                with sdpa_kernel(backends):
+                    ms, graphed = self.time_ms(lambda: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=a.scale, enable_gqa=True))
+                tf = flops / ms / 1e9
+                self.records.append(dict(kind="sdpa_prefill", arch=arch, tokens=n, ms=ms, tflops=tf,
+                                         frac_of_gemm=tf / gemm, graph=graphed))
+                self.log(f"  sdpa prefill {arch} {n} (contiguous bf16): {ms:.2f} ms, {tf:.1f} TFLOP/s")
+            except Exception as e:        # noqa: BLE001
+                self.records.append(dict(kind="sdpa_prefill", arch=arch, tokens=n, error=str(e)[:300]))
+                self.log(f"  sdpa prefill {arch}: {type(e).__name__}: {str(e)[:120]}")
+
+    # ------------------------------------------------------------------ report
+
+    def table_md(self) -> str:
+        lines = [f"# attention_bench ({'smoke, CPU' if self.smoke else torch.cuda.get_device_name()})", ""]
+        copy = [r for r in self.records if r["kind"] == "copy"]
+        if copy:
+            lines.append(f"device copy: {copy[0]['gbps']:.0f} GB/s")
+        checks = [r for r in self.records if r["kind"] == "check"]
+        lines.append(f"checks: {sum(r['ok'] for r in checks)}/{len(checks)} ok"
+                     + (f"; FAILED: {', '.join(self.failures)}" if self.failures else ""))
+        lines += ["", "## decode (best split per row; KV GB/s and fraction of copy)", "",
+                  "| arch | ctx | batch | kv | best split | ms | GB/s | of copy | sdpa bf16 GB/s |", "|" + "---|" * 9]
+        sdpa = {(r["arch"], r["ctx"], r["batch"]): r for r in self.records if r["kind"] == "sdpa_decode"}
+        best: dict[tuple, dict] = {}
+        for r in self.records:
+            if r["kind"] == "decode":
+                key = (r["arch"], r["ctx"], r["batch"], r["fmt"])
+                if key not in best or r["gbps"] > best[key]["gbps"]:
+                    best[key] = r
+        for (arch, ctx, batch, fmt), r in best.items():
+            s = sdpa.get((arch, ctx, batch), {})
+            lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {r['split_tokens']} | {r['ms']:.3f} | {r['gbps']:.0f} "
+                         f"| {r['frac_of_copy']:.0%} | {s.get('gbps', float('nan')):.0f} |")
+        splits = sorted({r["split_tokens"] for r in self.records if r["kind"] == "decode"})
+        if splits:
+            lines += ["", "geometric-mean GB/s over all decode rows, per split_tokens: " + ", ".join(
+                f"{s}: {self._geo(s):.0f}" for s in splits)]
+        lines += ["", "## prefill", "", "| arch | kv | tokens | ms | TFLOP/s | of GEMM |", "|" + "---|" * 6]
+        for r in self.records:
+            if r["kind"] in ("prefill", "sdpa_prefill") and "ms" in r:
+                lines.append(f"| {r['arch']} | {r.get('fmt', 'sdpa bf16')} | {r['tokens']} | {r['ms']:.2f} | "
+                             f"{r['tflops']:.1f} | {r['frac_of_gemm']:.1%} |")
+        gemm = [r for r in self.records if r["kind"] == "gemm"]
+        if gemm:
+            lines.append(f"\nbf16 GEMM {gemm[0]['n']}^3: {gemm[0]['tflops']:.0f} TFLOP/s")
+        if self.skipped:
+            lines += ["", "skipped: " + "; ".join(self.skipped)]
+        return "\n".join(lines) + "\n"
+
+    def _geo(self, s: int) -> float:
+        vals = [r["gbps"] for r in self.records if r["kind"] == "decode" and r["split_tokens"] == s]
+        return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for attention_bench.json / .md")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new measurements after this")
+    ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, toy shapes (tests the script)")
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("attention_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    if args.smoke and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+    bench = Bench(args)
+    bench.log(f"torch {torch.__version__}, triton {triton.__version__}, device "
+              f"{'cpu (smoke)' if args.smoke else torch.cuda.get_device_name()}; budget {args.budget_s:.0f}s")
+    bench.log(f"GQA {bench.gqa.num_heads}/{bench.gqa.num_kv_heads} heads d {bench.gqa.head_dim}; MLA "
+              f"{bench.mla.num_heads} heads R {bench.mla.kv_lora_rank} P {bench.mla.qk_rope_head_dim} "
+              f"scale {bench.mla.scale:.6f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if not args.skip_checks:
+            bench.checks()
+        copy = bench.copy_bandwidth()
+        bench.decode(copy)
+        bench.prefill()
+    finally:
+        meta = dict(torch=torch.__version__, triton=triton.__version__, smoke=args.smoke, block_size=BS,
+                    device="cpu" if args.smoke else torch.cuda.get_device_name(), elapsed_s=time.monotonic() - bench.t0)
+        (out / "attention_bench.json").write_text(json.dumps(
+            dict(meta=meta, records=bench.records, skipped=bench.skipped, failures=bench.failures), indent=1))
+        (out / "attention_bench.md").write_text(bench.table_md())
+        print(bench.table_md(), flush=True)
+    return 1 if bench.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

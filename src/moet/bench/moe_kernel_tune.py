@@ -1,0 +1,366 @@
+"""Check, time and tune the Triton grouped MoE kernels (moet.kernels.moe_triton) on a GPU, and
+write the launch-config table (moet/kernels/moe_configs.json format).
+
+One script, one device call: for every shape x format
+  1. correctness against moe_experts_reference on fresh random inputs, every buffer the
+     kernels write poisoned with NaN first, misses in the slot table (counted and zero),
+     bit-identical reruns, and the same experts in permuted slots give the same bits;
+  2. timing inside CUDA graphs of R calls, each call a different random routing, so weights
+     never sit in L2 (do_bench also flushes L2 between replays): achieved GB/s on the bytes
+     of the distinct experts touched, and % of a bf16 GEMV measured in the same run; prefill:
+     TFLOP/s and % of a bf16 GEMM of the same token count measured in the same run;
+  3. tuning: candidate configs per (shape, format, T bucket), the best written to the table.
+A time guard stops starting new work after --budget-s; JSON is rewritten after every step.
+
+    PYTHONUNBUFFERED=1 python -m moet.bench.moe_kernel_tune --out $OUT --budget-s 280
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from dataclasses import replace
+
+import torch
+
+SHAPES = {"deepseek": (7168, 2048, 256, 8), "glm": (4096, 1408, 128, 8), "qwen": (2048, 768, 128, 8)}
+DECODE_T = (1, 4, 8, 16, 32)
+PREFILL_T = (512, 2048, 8192)
+
+
+def make_pool(fmt: str, e: int, h: int, i: int, dev, gen):
+    from moet.kernels.pools import FP4Pool, W2Pool
+    u8 = dict(dtype=torch.uint8, device=dev, generator=gen)
+    if fmt == "w2":   # random bytes are random nb8 codes; scales as quantized weights have them
+        return W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8), torch.randint(115, 126, (e, 2 * i, h // 32), **u8),
+                      torch.randint(0, 256, (e, h, i // 4), **u8), torch.randint(115, 126, (e, h, i // 32), **u8),
+                      layout="nb8")
+    # e4m3 scale bytes 0x28..0x47 (0.25 .. 3.75, normals), scale_2 ~ 1e-2
+    def sc(*s):
+        return torch.randint(0x28, 0x48, s, **u8).view(torch.float8_e4m3fn)
+    return FP4Pool(torch.randint(0, 256, (e, 2 * i, h // 2), **u8), sc(e, 2 * i, h // 16),
+                   (torch.rand(e, 2, device=dev, generator=gen) + 0.5) * 1e-2,
+                   torch.randint(0, 256, (e, h, i // 2), **u8), sc(e, h, i // 16),
+                   (torch.rand(e, device=dev, generator=gen) + 0.5) * 1e-2)
+
+
+def expert_bytes(pool) -> int:
+    from moet.kernels.pools import pool_nbytes
+    return pool_nbytes(pool) // pool.num_slots
+
+
+def routing(t: int, e: int, k: int, dev, gen):
+    ids = torch.rand(t, e, device=dev, generator=gen).topk(k, dim=-1).indices
+    w = torch.rand(t, k, device=dev, generator=gen)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def graph_time_ms(fns, reps: int = 2) -> float:
+    """fns: callables, one per call in the graph; median ms per call."""
+    import triton
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns[:2]:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    return min(triton.testing.do_bench(g.replay, warmup=20, rep=120, return_mode="median") for _ in range(reps)) / len(fns)
+
+
+def bf16_gemv_gbps(dev) -> float:
+    n, k = 32768, 7168
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    outs = [torch.empty(1, n, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    fns = [lambda i=i: torch.matmul(x, ws[i].t(), out=outs[i]) for i in range(3)] * 2
+    ms = graph_time_ms(fns)
+    return n * k * 2 / ms / 1e6
+
+
+def bf16_gemm_tflops(dev, t: int, n: int, k: int) -> float:
+    a = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(t, n, device=dev, dtype=torch.bfloat16)
+    ms = graph_time_ms([lambda: torch.matmul(a, b.t(), out=out)] * 4)
+    return 2 * t * n * k / ms / 1e9
+
+
+def relerr(a: torch.Tensor, r: torch.Tensor) -> float:
+    return float((a.double() - r.double()).norm() / r.double().norm())
+
+
+def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn) -> dict:
+    """One correctness record: poisoned workspaces, misses, reruns, slot permutation."""
+    orig = mt._workspace
+
+    def poisoned(shape, dtype, device):
+        x = torch.empty(shape, dtype=dtype, device=device)
+        return x.fill_(float("nan")) if dtype.is_floating_point else x.fill_(-7)
+    mt._workspace = poisoned
+    try:
+        x = torch.randn(t, h, device=dev, generator=gen).bfloat16()
+        ids, w = routing(t, e, k, dev, gen)
+        table = torch.arange(e, dtype=torch.int32, device=dev)
+        table[torch.randperm(e, device=dev, generator=gen)[: e // 8]] = -1          # 1/8 not resident
+        m_ref = torch.zeros(1, dtype=torch.int64, device=dev)
+        m_tri = torch.zeros(1, dtype=torch.int64, device=dev)
+        ref = ref_fn(x, ids, w, table, pool, m_ref, swiglu_limit=limit)
+        out = mt.moe_experts_triton(x, ids, w, table, pool, m_tri, swiglu_limit=limit)
+        out2 = mt.moe_experts_triton(x, ids, w, table, pool, torch.zeros_like(m_tri), swiglu_limit=limit)
+        rec = {"T": t, "relerr": relerr(out, ref), "finite": bool(torch.isfinite(out).all()),
+               "misses": [int(m_tri.item()), int(m_ref.item())], "rerun_identical": bool(torch.equal(out, out2))}
+        if t <= 64:     # the same experts in other slots: same bits
+            perm = torch.randperm(e, device=dev, generator=gen)
+            ppool = type(pool)(*[getattr(pool, f)[perm] if isinstance(getattr(pool, f), torch.Tensor)
+                                 else getattr(pool, f) for f in pool.__slots__])
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(e, device=dev)
+            ptable = torch.where(table >= 0, inv[table.clamp(min=0).long()].to(torch.int32), table)
+            out3 = mt.moe_experts_triton(x, ids, w, ptable, ppool, torch.zeros_like(m_tri), swiglu_limit=limit)
+            rec["slot_invariant"] = bool(torch.equal(out, out3))
+        rec["ok"] = (rec["relerr"] < 1e-2 and rec["finite"] and rec["misses"][0] == rec["misses"][1]
+                     and rec["rerun_identical"] and rec.get("slot_invariant", True))
+        return rec
+    finally:
+        mt._workspace = orig
+
+
+def time_layer(mt, pool, h, e, k, t, dev, gen, config, ebytes, nsets: int = 8) -> dict:
+    x = torch.randn(t, h, device=dev, generator=gen).bfloat16()
+    table = torch.arange(e, dtype=torch.int32, device=dev)
+    miss = torch.zeros(1, dtype=torch.int64, device=dev)
+    sets = [routing(t, e, k, dev, gen) for _ in range(nsets)]
+    distinct = sum(int(torch.unique(ids).numel()) for ids, _ in sets) / nsets
+    fns = [lambda ids=ids, w=w: mt.moe_experts_triton(x, ids, w, table, pool, miss, config=config) for ids, w in sets]
+    ms = graph_time_ms(fns)
+    rec = {"us": ms * 1e3, "GBps": distinct * ebytes / ms / 1e6, "distinct_experts": distinct}
+    return rec
+
+
+def kernel_breakdown(mt, pool, h, e, k, t, dev, gen, config, nsets: int = 8) -> dict:
+    """Device time per kernel (us per layer call) from a profiled replay of the timing graph."""
+    from torch.profiler import ProfilerActivity, profile
+    x = torch.randn(t, h, device=dev, generator=gen).bfloat16()
+    table = torch.arange(e, dtype=torch.int32, device=dev)
+    miss = torch.zeros(1, dtype=torch.int64, device=dev)
+    sets = [routing(t, e, k, dev, gen) for _ in range(nsets)]
+    for ids, w in sets[:2]:
+        mt.moe_experts_triton(x, ids, w, table, pool, miss, config=config)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for ids, w in sets:
+            mt.moe_experts_triton(x, ids, w, table, pool, miss, config=config)
+    reps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dt and "Memcpy" not in ev.key and "Memset" not in ev.key:
+            out[ev.key[:60]] = out.get(ev.key[:60], 0.0) + dt / (reps * nsets)
+    return out
+
+
+def model_check(path: str, dev) -> dict:
+    """The wiring end to end: a checkpoint loaded on the GPU with expert_format w2 / fp4 runs its
+    MoE layers through the Triton kernels (counted); logits against the same model with the
+    dispatch forced to the torch reference (same pools)."""
+    from moet.checkpoint import open_checkpoint
+    from moet.kernels import moe_dispatch, moe_triton
+    from moet.model import load_model
+    res = {}
+    ids = torch.arange(3, 35, device=dev) * 37 % 8000
+    for fmt in ("w2", "fp4"):
+        model = load_model(open_checkpoint(path), expert_format=fmt, dtype=torch.bfloat16, device=dev)
+        calls = [0]
+        orig = moe_triton.moe_experts_triton
+
+        def counted(*a, **kw):
+            calls[0] += 1
+            return orig(*a, **kw)
+        moe_triton.moe_experts_triton = counted
+        try:
+            with torch.no_grad():
+                for t in (32, 1):                       # prefill-sized and decode-sized calls
+                    out = model.forward(ids[:t], 0, model.new_cache(64, dev)).float()
+                    saved = moe_dispatch.uses_triton
+                    moe_dispatch.uses_triton = lambda pool: False
+                    try:
+                        ref = model.forward(ids[:t], 0, model.new_cache(64, dev)).float()
+                    finally:
+                        moe_dispatch.uses_triton = saved
+                    res[f"{fmt}/T{t}"] = {"logits_relerr": relerr(out, ref), "triton_calls": calls[0],
+                                          "argmax_agree": float((out.argmax(-1) == ref.argmax(-1)).float().mean())}
+        finally:
+            moe_triton.moe_experts_triton = orig
+        del model
+    return res
+
+
+def candidates(regime: str, fmt: str):
+    from moet.kernels.moe_configs import GemmConfig, MoEConfig
+    if regime == "decode":
+        base = MoEConfig(16, GemmConfig(64, 32, 1, 4, 4), GemmConfig(128, 32, 1, 4, 4))
+        gu = [GemmConfig(64, 32, 1, 4, 4), GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 4, 4),
+              GemmConfig(64, 32, 1, 4, 3), GemmConfig(64, 32, 1, 8, 4), GemmConfig(32, 32, 1, 4, 4),
+              GemmConfig(64, 32, 2, 4, 4)]
+        dn = [GemmConfig(128, 32, 1, 8, 4), GemmConfig(256, 32, 1, 8, 4), GemmConfig(64, 32, 1, 4, 4),
+              GemmConfig(64, 32, 1, 2, 4), GemmConfig(128, 16, 1, 4, 5), GemmConfig(128, 32, 2, 4, 4)]
+        return base, gu, dn
+    base = MoEConfig(64, GemmConfig(64, 16, 1, 8, 3), GemmConfig(128, 16, 1, 8, 3))
+    gu = [GemmConfig(64, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(64, 32, 1, 8, 3),
+          GemmConfig(128, 16, 1, 8, 3)]
+    dn = [GemmConfig(128, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3),
+          GemmConfig(64, 32, 1, 4, 3)]
+    return base, gu, dn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=280.0)
+    ap.add_argument("--shapes", default="deepseek,glm,qwen")
+    ap.add_argument("--formats", default="w2,fp4")
+    ap.add_argument("--tune", default="deepseek:1,deepseek:8192,glm:1,qwen:1",
+                    help="shape:T points to tune (the rest run the table/default config)")
+    ap.add_argument("--tokens", default=",".join(map(str, DECODE_T + PREFILL_T)))
+    ap.add_argument("--model-check", default="", help="checkpoint dir: run its MoE layers through the kernels")
+    args = ap.parse_args()
+    t0 = time.time()
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    from moet.kernels import moe_triton as mt
+    from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, lookup, shape_key
+    from moet.kernels.reference import moe_experts_reference
+    import triton
+    name = torch.cuda.get_device_name(dev)
+    rep = {"device": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "triton": triton.__version__, "checks": {}, "timings": {}, "tuning": {}}
+    table = {"version": 1, "devices": {name: {}}}
+    os.makedirs(args.out, exist_ok=True)
+
+    def dump():
+        with open(os.path.join(args.out, "moe_kernel_tune.json"), "w") as f:
+            json.dump(rep, f, indent=1)
+        with open(os.path.join(args.out, "moe_configs.json"), "w") as f:
+            json.dump(table, f, indent=1)
+
+    def left() -> float:
+        return args.budget_s - (time.time() - t0)
+
+    if args.model_check:
+        try:
+            rep["model_check"] = model_check(args.model_check, dev)
+        except Exception as exc:
+            traceback.print_exc()
+            rep["model_check"] = {"error": repr(exc)[:2000]}
+        print(f"[{time.time() - t0:5.0f}s] model check: {rep['model_check']}", flush=True)
+    rep["bf16_gemv_GBps"] = bf16_gemv_gbps(dev)
+    print(f"[{time.time() - t0:5.0f}s] bf16 GEMV N32768 K7168: {rep['bf16_gemv_GBps']:.0f} GB/s", flush=True)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    tune = {(p.split(":")[0], int(p.split(":")[1])) for p in args.tune.split(",") if p}
+    tokens = [int(x) for x in args.tokens.split(",")]
+    for sname in args.shapes.split(","):
+        h, i, e, k = SHAPES[sname]
+        if 8192 in tokens:
+            rep.setdefault("bf16_gemm_TFLOPs", {})[sname] = {
+                "gate_up": bf16_gemm_tflops(dev, 8192, 2 * i, h), "down": bf16_gemm_tflops(dev, 8192, h, i)}
+            print(f"[{time.time() - t0:5.0f}s] bf16 GEMM T8192 {sname}: {rep['bf16_gemm_TFLOPs'][sname]}", flush=True)
+        for fmt in args.formats.split(","):
+            if left() < 0:
+                print(f"time guard: skipping {sname}/{fmt}", flush=True)
+                continue
+            pool = make_pool(fmt, e, h, i, dev, gen)
+            eb = expert_bytes(pool)
+            key = f"{sname}/{fmt}"
+            try:
+                for t in (1, 8, 600):
+                    rec = check(fmt, pool, h, e, k, t, 7.0 if t == 8 else None, dev, gen, mt, moe_experts_reference)
+                    rep["checks"][f"{key}/T{t}"] = rec
+                    print(f"[{time.time() - t0:5.0f}s] check {key} T{t}: {rec}", flush=True)
+            except Exception as exc:
+                traceback.print_exc()
+                rep["checks"][f"{key}/error"] = repr(exc)[:2000]
+                dump()
+                continue
+            dump()
+            entries = table["devices"][name].setdefault(shape_key(fmt, h, i), {})
+            for t in tokens:
+                if left() < 0:
+                    print(f"time guard: skipping {key} T{t}", flush=True)
+                    break
+                p = t * k
+                regime = "decode" if p <= SMALL_ALIGN_MAX_PAIRS else "prefill"
+                cfg = lookup(fmt, h, i, p, name)
+                try:
+                    if (sname, t) in tune:
+                        base, gus, dns = candidates(regime, fmt)
+                        best, best_us, tried = base, float("inf"), []
+                        for gu in gus:
+                            c = replace(best, gate_up=gu)
+                            r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
+                            tried.append({"cfg": c.to_json(), **r})
+                            if r["us"] < best_us:
+                                best, best_us = c, r["us"]
+                            print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us {r['GBps']:.0f} GB/s", flush=True)
+                        for dn in dns:
+                            c = replace(best, down=dn)
+                            if c == best:
+                                continue
+                            r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
+                            tried.append({"cfg": c.to_json(), **r})
+                            if r["us"] < best_us:
+                                best, best_us = c, r["us"]
+                            print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us {r['GBps']:.0f} GB/s", flush=True)
+                        if regime == "prefill":          # larger token tiles
+                            for bm in (16, 32, 128):
+                                c = replace(best, BM=bm)
+                                r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
+                                tried.append({"cfg": c.to_json(), **r})
+                                if r["us"] < best_us:
+                                    best, best_us = c, r["us"]
+                                print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us", flush=True)
+                        rep["tuning"][f"{key}/T{t}"] = tried
+                        cfg = best
+                        entries[str(p)] = best.to_json()
+                        if t == 1:
+                            rep.setdefault("breakdown_us", {})[key] = bd = kernel_breakdown(
+                                mt, pool, h, e, k, t, dev, gen, cfg)
+                            print(f"    breakdown {key} T1 (us per call): {bd}", flush=True)
+                    r = time_layer(mt, pool, h, e, k, t, dev, gen, cfg, eb)
+                    r["cfg"] = cfg.to_json()
+                    r["pct_bf16_gemv"] = 100 * r["GBps"] / rep["bf16_gemv_GBps"]
+                    if regime == "prefill":
+                        flops = 2 * p * 3 * h * i
+                        r["TFLOPs"] = flops / (r["us"] * 1e-6) / 1e12
+                        gemm = rep.get("bf16_gemm_TFLOPs", {}).get(sname)
+                        if gemm:
+                            r["pct_bf16_gemm"] = 100 * r["TFLOPs"] / min(gemm.values())
+                    rep["timings"][f"{key}/T{t}"] = r
+                    print(f"[{time.time() - t0:5.0f}s] {key} T{t}: {r['us']:.1f} us, {r['GBps']:.0f} GB/s "
+                          f"({r['pct_bf16_gemv']:.1f}% of bf16 GEMV)"
+                          + (f", {r['TFLOPs']:.0f} TFLOP/s ({r.get('pct_bf16_gemm', 0):.1f}% of bf16 GEMM)"
+                             if "TFLOPs" in r else ""), flush=True)
+                except Exception as exc:
+                    traceback.print_exc()
+                    rep["timings"][f"{key}/T{t}"] = {"error": repr(exc)[:2000]}
+                dump()
+            del pool
+            torch.cuda.empty_cache()
+    dump()
+    print(f"done in {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""LLMEngine: requests in, cumulative RequestOutputs out, one scheduled step at a time.
+
+    engine = LLMEngine.from_config(EngineConfig(model=path))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+A step: scheduler -> model runner (one forward over every scheduled token) -> sampler for the
+sequences whose last token was computed -> detokenizer / stop checks -> finished sequences
+free their blocks. Requests with n > 1 run n sequences; with prefix caching the siblings wait
+until the first one has prefilled the prompt, then take its full blocks from the cache.
+Not thread-safe: AsyncEngine drives it from one thread.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moet.config import EngineConfig
+from moet.engine.block_manager import BlockManager
+from moet.engine.detokenizer import IncrementalDetokenizer
+from moet.engine.model_runner import ModelRunner
+from moet.engine.sampler import Sampler, new_generator, position_logprobs
+from moet.engine.scheduler import Scheduler, SchedulerOutput
+from moet.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from moet.engine.stats import EngineStats
+from moet.errors import ConfigError, MoetError
+from moet.outputs import CompletionOutput, RequestOutput
+from moet.sampling_params import SamplingParams
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device} requested but no CUDA device is available; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str, weight_format: str) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if weight_format != "float":
+        return torch.bfloat16
+    return _DTYPES.get(checkpoint_dtype, torch.bfloat16)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool):
+    """None when the directory has no tokenizer files (token-id prompts still work)."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises many types here
+        raise MoetError(f"{path}: cannot load a tokenizer ({type(exc).__name__}: {exc}); "
+                        "pass tokenizer=DIR, trust_remote_code=True for a tokenizer that ships its own code "
+                        "(e.g. Kimi-K2), or prompt_token_ids prompts") from exc
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    pending: list[Sequence] = field(default_factory=list)   # n > 1 siblings not yet scheduled
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model, tokenizer, eos_token_ids: set[int], device: torch.device,
+                 max_model_len: int):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_model_len = max_model_len
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(f"without chunked prefill max_num_batched_tokens={config.max_num_batched_tokens} must "
+                              f"be >= max_model_len={max_model_len}; raise it or enable chunked prefill")
+        self.runner = ModelRunner(config, model, device, max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.sampler = Sampler(eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seed_stream = random.Random(config.seed)    # seeds of requests that bring none
+        self._next_seq_id = 0
+        self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.block_size)
+        self._token_str_cache: dict[int, str] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from moet.checkpoint import open_checkpoint
+        from moet.model import load_model
+
+        ckpt = open_checkpoint(config.model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, ckpt.spec.torch_dtype, ckpt.weight_format)
+        max_model_len = config.max_model_len or ckpt.spec.max_position_embeddings
+        model = load_model(ckpt, expert_format=config.expert_format, dtype=dtype, device=device,
+                           zero_mode=config.w2_zero_mode, scale_rule=config.w2_scale_rule,
+                           load_mtp=config.load_mtp, progress=True)
+        tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+        gen = ckpt.reader.generation_config
+        eos = gen.get("eos_token_id", None)
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set(ckpt.spec.eos_token_ids)
+        engine = cls(config, model, tokenizer, {int(e) for e in eos_ids if e is not None}, device, max_model_len)
+        engine.checkpoint = ckpt
+        return engine
+
+    def set_eos_token_ids(self, ids: set[int]) -> None:
+        self.eos_token_ids = set(ids)
+        self.sampler.eos_token_ids = set(ids)
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        """str | list[int] | {"prompt": str} | {"prompt_token_ids": [...], "prompt"?: str}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt["prompt"]
+        if isinstance(prompt, (list, tuple)):
+            return None, [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.config.tokenizer or self.config.model} has no tokenizer files: pass "
+                              "tokenizer=DIR or prompts as {'prompt_token_ids': [...]}")
+        return prompt, list(self.tokenizer(prompt).input_ids)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Validate and queue. Raises ConfigError for a request that can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already running; use a unique id")
+        text, ids = self.encode(prompt)
+        if not ids:
+            raise ConfigError("empty prompt")
+        vocab = self.model.spec.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len}; "
+                              "raise --max-model-len or shorten the prompt")
+        if params.stop_list and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer; pass tokenizer=DIR or use stop_token_ids")
+        budget = self.max_model_len - len(ids)
+        max_new = min(params.max_tokens, budget) if params.max_tokens is not None else budget
+        # (it always fits the KV cache: the runner refuses a cache smaller than max_model_len,
+        # so a request alone never needs preempting itself)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(self._next_seq_id, request_id, i, ids, params, max_new, arrival=self._next_seq_id)
+            self._next_seq_id += 1
+            seed = params.seed + i if params.seed is not None else self._seed_stream.getrandbits(63)
+            if params.temperature > 0:
+                seq.generator = new_generator(seed, self.device)
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, seq)
+            seqs.append(seq)
+        req = Request(request_id, text, ids, params, seqs)
+        # siblings share the prompt: let the first prefill it, the rest hit the prefix cache
+        wait_for_first = self.config.enable_prefix_caching and len(seqs) > 1 and len(ids) > self.config.block_size
+        req.pending = seqs[1:] if wait_for_first else []
+        for s in seqs:
+            if s not in req.pending:
+                self.scheduler.add(s)
+        self.requests[request_id] = req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish the request now and free its blocks; False if it was not running."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for s in req.pending:
+            s.status = SequenceStatus.FINISHED_ABORTED
+        req.pending = []
+        for s in req.seqs:
+            if not s.is_finished:
+                self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
+                s.finish_reason = "abort"
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (when no request runs): later requests recompute from scratch."""
+        return self.block_manager.reset_prefix_cache()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ one step
+
+    def _token_str(self, tid: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        s = self._token_str_cache.get(tid)
+        if s is None:
+            s = self._token_str_cache[tid] = self.tokenizer.decode([tid])
+        return s
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns the RequestOutputs (cumulative) of every request that
+        produced a token or finished in it."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        if not sched.is_empty:
+            self._run(sched, touched)
+        elif self.scheduler.waiting and not self.scheduler.running:
+            # cannot happen (a request alone always fits); fail loudly rather than spin
+            raise MoetError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and none running")
+        self._release_siblings()
+        outs = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        st = self._stats
+        st.last_step_time_s = time.perf_counter() - t0
+        st.last_step_num_tokens = sched.num_tokens
+        st.num_steps += 1
+        return outs
+
+    def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
+        ids, batch = self.runner.build_batch(sched)
+        hidden = self.runner.forward(ids, batch)
+        sampling = [s for s in sched.scheduled if s.samples]
+        logits = self.runner.logits(hidden[batch.logits_indices]) if sampling else None
+        # prompt logprobs: rows predicting prompt tokens not yet covered
+        for b, s in enumerate(sched.scheduled):
+            if s.seq.needs_prompt_logprobs:
+                self._prompt_logprobs(s.seq, hidden, batch.cu_seqlens_q_host[b], s.context_len, s.num_new_tokens)
+        prompt_tokens = 0
+        for s in sched.scheduled:
+            seq = s.seq
+            prompt_tokens += max(0, min(seq.num_prompt_tokens, s.context_len + s.num_new_tokens) - s.context_len)
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit_full_blocks(seq)
+        self._stats.prompt_tokens_total += prompt_tokens
+        if not sampling:
+            return
+        seqs = [s.seq for s in sampling]
+        result = self.sampler(logits, seqs, self._token_str)
+        self._stats.generation_tokens_total += len(seqs)
+        for seq, tok, lp, lps in zip(seqs, result.token_ids, result.token_logprobs, result.logprobs):
+            self._append(seq, tok, lp, lps)
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row0: int, ctx: int, n: int) -> None:
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        k = seq.params.prompt_logprobs
+        first = len(seq.prompt_logprobs) - 1          # position whose logits predict the next missing token
+        last = min(ctx + n, seq.num_prompt_tokens - 1)   # exclusive: position num_prompt-1 predicts output
+        if first < ctx or first >= last:
+            return
+        rows = hidden[row0 + first - ctx: row0 + last - ctx]
+        lp = self.runner.logits(rows).float().log_softmax(-1)
+        for j in range(last - first):
+            p = first + j
+            seq.prompt_logprobs.append(position_logprobs(lp[j], seq.token_ids[p + 1], k, self._token_str))
+
+    def _append(self, seq: Sequence, tok: int, lp: float, lps) -> None:
+        seq.append_token(tok)
+        seq.cumulative_logprob += lp
+        if seq.output_logprobs is not None:
+            seq.output_logprobs.append(lps)
+        sp = seq.params
+        status = None
+        if (not sp.ignore_eos and tok in self.eos_token_ids) or tok in (sp.stop_token_ids or ()):
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, (tok if tok in (sp.stop_token_ids or ()) else None)
+            if seq.detok is not None:
+                seq.detok.finish()
+        elif seq.detok is not None:
+            hit = seq.detok.update()
+            if hit is not None:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, hit
+        if status is None and seq.num_output_tokens >= seq.max_new_tokens:
+            status = SequenceStatus.FINISHED_LENGTH
+            if seq.detok is not None:
+                seq.detok.finish()
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            seq.finish_reason = FINISH_REASONS[status]
+
+    def _release_siblings(self) -> None:
+        for req in self.requests.values():
+            if req.pending:
+                first = req.seqs[0]
+                if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens - 1:
+                    for s in req.pending:
+                        self.scheduler.add(s)
+                    req.pending = []
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.finished
+        outs = []
+        for s in req.seqs:
+            text = s.detok.visible_text(s.is_finished) if s.detok is not None else ""
+            outs.append(CompletionOutput(s.index, text, s.output_token_ids, s.cumulative_logprob,
+                                         list(s.output_logprobs) if s.output_logprobs is not None else None,
+                                         s.finish_reason, s.stop_reason))
+        plp = req.seqs[0].prompt_logprobs if req.params.prompt_logprobs is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, finished=finished)
+
+    # ------------------------------------------------------------------ statistics
+
+    def stats(self) -> EngineStats:
+        st = self._stats
+        st.num_running = len(self.scheduler.running)
+        st.num_waiting = len(self.scheduler.waiting) + sum(len(r.pending) for r in self.requests.values())
+        st.kv_usage = self.block_manager.usage
+        st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
+        st.num_preemptions = self.scheduler.num_preemptions
+        st.extra["cuda_graphs"] = float(len(self.runner.graphs))
+        return EngineStats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(st).items()})
+
+    def generate_all(self, requests: list[tuple[str, Any, SamplingParams]], progress=None) -> dict[str, RequestOutput]:
+        """Add every request, step until all finish; the last RequestOutput of each."""
+        for rid, prompt, sp in requests:
+            self.add_request(rid, prompt, sp)
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        return done

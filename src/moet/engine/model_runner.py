@@ -1,0 +1,214 @@
+"""ModelRunner: owns the model and its paged KV cache, and runs one scheduled step.
+
+  * KV cache size: EngineConfig.num_kv_blocks, else kv_cache_memory_gb, else (CUDA) what
+    gpu_memory_utilization leaves after the weights and a profiled forward of
+    max_num_batched_tokens tokens, else (CPU) what max_num_seqs full-length sequences need,
+    at most 4 GiB. Bytes per token come from the model (all attention layers, MTP included).
+  * A step: the scheduler's sequences -> one flat varlen AttentionBatch -> model.forward_paged
+    -> logits of the rows that sample (and of prompt rows whose logprobs were asked for).
+  * CUDA graphs: pure-decode steps of up to max_num_seqs sequences replay a graph captured for
+    the next bucket (1, 2, 4, 8, ..., max_num_seqs); padding rows write nowhere (slot -1).
+    Everything a graph reads lives in static buffers; block tables are always max_model_len
+    wide on CUDA so eager and graph steps see the same table width (the decode kernels' split
+    count follows it). CPU always runs eager (the torch references).
+Everything is per instance (device from the config, no globals), so one process per GPU can
+each hold a runner later; a rank / world size joins the config when parallelism lands.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from moet.config import EngineConfig
+from moet.engine.scheduler import SchedulerOutput
+from moet.errors import ConfigError
+from moet.kernels.kv_cache import KVFormat
+from moet.model.attention_batch import AttentionBatch
+
+log = logging.getLogger("moet.engine")
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
+    if kv_cache_dtype == "auto":
+        return KVFormat("auto", dtype=model_dtype)
+    if kv_cache_dtype == "bf16":
+        return KVFormat("auto", dtype=torch.bfloat16)
+    if kv_cache_dtype == "fp8":
+        # dynamic per-token-group scales: correct without calibrated k/v scales
+        return KVFormat("fp8_e4m3", scale="block", dtype=model_dtype)
+    raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: choose auto, bf16 or fp8")
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model, device: torch.device, max_model_len: int):
+        self.config = config
+        self.model = model
+        self.device = device
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.kv_format = kv_format_for(config.kv_cache_dtype, model.dtype)
+        self.bytes_per_token = model.kv_bytes_per_token(self.kv_format)
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        # On CUDA block tables are padded to one fixed width (graphs need it; eager steps match it)
+        self.table_width = self.max_blocks_per_seq if device.type == "cuda" else None
+        self.num_blocks = self._plan_num_blocks()
+        if self.num_blocks * self.block_size < max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} tokens, less than one max_model_len={max_model_len} sequence; "
+                "raise gpu_memory_utilization / kv_cache_memory_gb / num_kv_blocks or lower max_model_len")
+        self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_error: str | None = None
+        if device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
+
+    # ------------------------------------------------------------------ sizing
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    def _plan_num_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.bytes_per_token * self.block_size
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_gb is not None:
+            return max(1, int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block)
+        if self.device.type != "cuda":
+            want = cfg.max_num_seqs * self.max_blocks_per_seq
+            return max(1, min(want, CPU_DEFAULT_KV_BYTES // per_block))
+        return self._profile_cuda_blocks(per_block)
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self, per_block: int) -> int:
+        """vLLM's rule: budget = total * utilization - memory in use - the activation peak of the
+        largest step (one prefill of max_num_batched_tokens tokens through a throwaway cache)."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        scratch = self.model.new_kv_cache(blocks, self.block_size, self.kv_format, dev)
+        batch = AttentionBatch.build(block_tables=[list(range(blocks))], context_lens=[0], query_lens=[n],
+                                     block_size=self.block_size, device=dev, pad_blocks_to=self.table_width)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        ids = torch.randint(0, self.model.spec.vocab_size, (n,), device=dev)
+        hidden = self.model.forward_paged(ids, batch, scratch)
+        self.model.logits(hidden[batch.logits_indices])
+        torch.cuda.synchronize(dev)
+        activation = torch.cuda.max_memory_allocated(dev) - base
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activation
+        if budget < per_block:
+            raise ConfigError(f"no GPU memory left for the KV cache (total {total / 2**30:.1f} GiB, in use "
+                              f"{(total - free) / 2**30:.1f} GiB, activations {activation / 2**30:.1f} GiB); raise "
+                              "gpu_memory_utilization, lower max_num_batched_tokens or use a smaller expert format")
+        return int(budget // per_block)
+
+    # ------------------------------------------------------------------ one step
+
+    def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionBatch]:
+        ids: list[int] = []
+        tables, ctx, q, sample = [], [], [], []
+        for s in sched.scheduled:
+            c, n = s.context_len, s.num_new_tokens
+            ids.extend(s.seq.token_ids[c:c + n])
+            tables.append(s.seq.block_table)
+            ctx.append(c)
+            q.append(n)
+            sample.append(s.samples)
+        batch = AttentionBatch.build(block_tables=tables, context_lens=ctx, query_lens=q, block_size=self.block_size,
+                                     device=self.device, sample=sample, pad_blocks_to=self.table_width)
+        return torch.tensor(ids, dtype=torch.long, device=self.device), batch
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Final hidden states [N, H] of every row (writes the rows' K/V into the cache)."""
+        bucket = self._graph_bucket(batch)
+        if bucket is None:
+            return self.model.forward_paged(input_ids, batch, self.kv)
+        return self._replay(bucket, input_ids, batch)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+
+    def _graph_bucket(self, batch: AttentionBatch) -> int | None:
+        if not self.graphs or not batch.is_pure_decode:
+            return None
+        b = batch.num_seqs
+        return next((k for k in sorted(self.graphs) if k >= b), None)
+
+    def _static_batch(self, bs: int) -> AttentionBatch:
+        st = self._static
+        return AttentionBatch(
+            positions=st["positions"][:bs], slot_mapping=st["slot_mapping"][:bs], block_tables=st["block_tables"][:bs],
+            seq_lens=st["seq_lens"][:bs], cu_seqlens_q=st["cu_seqlens_q"][:bs + 1], max_seqlen_q=1,
+            num_decode_seqs=bs, logits_indices=st["logits_indices"][:bs],
+            # host copies at their worst case: a captured kernel may size its grid from them,
+            # never its math (the graph replays whatever was captured)
+            seq_lens_host=[self.max_model_len] * bs, cu_seqlens_q_host=list(range(bs + 1)))
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        dev, mx = self.device, self.config.max_num_seqs
+        self._static = {
+            "input_ids": torch.zeros(mx, dtype=torch.long, device=dev),
+            "positions": torch.zeros(mx, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((mx,), -1, dtype=torch.long, device=dev),
+            "block_tables": torch.zeros(mx, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "seq_lens": torch.ones(mx, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(mx + 1, dtype=torch.int32, device=dev),
+            "logits_indices": torch.arange(mx, dtype=torch.long, device=dev),
+        }
+        self._graph_out: dict[int, torch.Tensor] = {}
+        pool = None
+        try:
+            for bs in reversed(graph_buckets(mx)):        # largest first: later graphs reuse its pool
+                batch = self._static_batch(bs)
+                ids = self._static["input_ids"][:bs]
+                self.model.forward_paged(ids, batch, self.kv)                 # warm-up (compiles kernels)
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool):
+                    out = self.model.forward_paged(ids, batch, self.kv)
+                pool = g.pool() if pool is None else pool
+                self.graphs[bs] = g
+                self._graph_out[bs] = out
+            torch.cuda.synchronize(dev)
+        except Exception as exc:     # a kernel that syncs the host cannot be captured: run eager, say so
+            self.graphs.clear()
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, decode runs eager: %s", self.graph_error)
+            torch.cuda.synchronize(dev)
+
+    def _replay(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        st, b = self._static, batch.num_seqs
+        st["input_ids"][:b].copy_(input_ids)
+        st["positions"][:b].copy_(batch.positions)
+        st["slot_mapping"][:b].copy_(batch.slot_mapping)
+        st["slot_mapping"][b:bucket].fill_(-1)
+        w = batch.block_tables.shape[1]
+        st["block_tables"][:b, :w].copy_(batch.block_tables)
+        st["seq_lens"][:b].copy_(batch.seq_lens)
+        st["seq_lens"][b:bucket].fill_(1)
+        self.graphs[bucket].replay()
+        return self._graph_out[bucket][:b]

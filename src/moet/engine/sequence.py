@@ -1,0 +1,96 @@
+"""Sequence: one completion being generated (a request with n > 1 owns n of them) and its status.
+
+A sequence is its token ids (prompt, then output) plus how many of them already have K/V in
+the paged cache (`num_computed_tokens`) and the pages that hold them (`block_table`). The
+scheduler moves it WAITING -> RUNNING -> FINISHED_*; preemption by recompute sends it back to
+WAITING with no blocks and num_computed_tokens = 0 (its prompt and output so far are prefilled
+again later, from the prefix cache where the blocks survived).
+"""
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+from moet.outputs import PositionLogprobs
+from moet.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED_STOPPED = auto()    # EOS, a stop token or a stop string
+    FINISHED_LENGTH = auto()     # max_tokens or max_model_len
+    FINISHED_ABORTED = auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                  SequenceStatus.FINISHED_ABORTED: "abort"}
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, max_new_tokens: int, arrival: int = 0):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index                          # which of the request's n completions
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_new_tokens = max_new_tokens        # min(max_tokens, max_model_len - prompt)
+        self.arrival = arrival                      # admission order (FCFS)
+        self.status = SequenceStatus.WAITING
+        # KV bookkeeping (block manager / scheduler)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []         # chained hashes of full blocks, computed lazily
+        self.num_committed_blocks = 0               # leading full blocks already offered to the prefix cache
+        self.num_cached_tokens = 0                  # prompt tokens served by the prefix cache at admission
+        # outputs (engine / sampler)
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None and index == 0
+        self.output_logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator: Any = None                  # the sampler's per-sequence torch.Generator
+        self.detok: Any = None                      # the detokenizer's incremental state
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Still has prompt positions whose logprobs were not computed (they need every prompt
+        row's hidden state, so such a sequence neither uses the prefix cache nor is cut short)."""
+        return self.wants_prompt_logprobs and (self.prompt_logprobs is None
+                                               or len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, req={self.request_id}/{self.index}, {self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})")

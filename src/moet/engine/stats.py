@@ -1,0 +1,21 @@
+"""EngineStats: the numbers the server exports (Prometheus gauges / counters) and the bench prints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0                 # sequences holding KV blocks
+    num_waiting: int = 0                 # sequences queued (new or preempted)
+    kv_usage: float = 0.0                # fraction of KV blocks held by live sequences (0..1)
+    prefix_cache_hit_rate: float = 0.0   # prompt tokens served from the prefix cache / prompt tokens admitted
+    num_preemptions: int = 0             # total sequences preempted (recomputed later)
+    prompt_tokens_total: int = 0         # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens_total: int = 0     # tokens sampled
+    last_step_time_s: float = 0.0        # wall time of the last engine step
+    last_step_num_tokens: int = 0        # tokens the last step computed
+    num_steps: int = 0
+    num_kv_blocks: int = 0
+    block_size: int = 0
+    extra: dict[str, float] = field(default_factory=dict)   # residency / quant counters, later

@@ -1,0 +1,146 @@
+"""Triton KV writes: the step's new K/V (GQA) or latent + rope rows (MLA) stored into their slots,
+quantized on the way for fp8 caches. Signatures and stored bytes equal kv_cache.write_gqa_kv /
+write_mla_kv exactly (tests/kernels/test_kv_write_triton.py compares the raw bytes). Importing this
+module needs triton.
+
+One kernel, `_store_rows_kernel`, stores one tensor part (k, v, latent or rope): grid (T, heads,
+chunks), one program = one token, one head, one chunk of the row. For fp8 block scales a chunk is
+one scale group (amax over it -> scale = amax / 448, 1 for an all-zero group), else the whole row.
+Slot -1 programs exit at once. Why it matches the torch reference bit for bit:
+  - divisions are IEEE round-to-nearest (tl.math.div_rn; a plain `/` in Triton is an approximate
+    division on NVIDIA GPUs), as torch's x / s and amax / 448;
+  - the fp8 cast saturates explicitly at +-448 first, then rounds to nearest even, as to_e4m3;
+  - the "auto" cast to bf16 rounds to nearest even, as torch's .to();
+  both roundings are done on the bits (_bf16_rne, _e4m3_rne): Triton's casts are RNE on the GPU
+  but not under TRITON_INTERPRET=1, and the tests must check the compiled arithmetic's twin.
+Destination addressing: every cache part (also the typed views into an MLA row buffer) has
+stride(0) = block_size * stride(1), so element (slot, h, c) sits at slot * stride(1) + h * s_h + c.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moet.errors import ConfigError
+from moet.kernels.kv_cache import GQALayerKV, MLALayerKV, _groups
+
+_PLAIN, _TENSOR, _BLOCK = 0, 1, 2
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, on the bits (finite inputs). Triton's own cast is RNE
+    on the GPU but truncates under TRITON_INTERPRET=1; this form is the same everywhere."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_rne(y):
+    """fp32 in [-448, 448] -> float8_e4m3fn, round to nearest even, on the bits (what torch's
+    .to(float8_e4m3fn) gives; the interpreter's own fp8 cast differs in the last bit)."""
+    u = y.to(tl.uint32, bitcast=True)
+    sign = (u >> 31).to(tl.uint32)
+    a = u & 0x7FFFFFFF
+    # normal (|y| >= 2**-6): keep 3 mantissa bits, RNE on the 20 dropped bits, rebias 127 -> 7;
+    # a mantissa carry walks into the exponent, which is the right result
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+    # subnormal: multiples of 2**-9 (m = 8 is the smallest normal, code 8: continuous)
+    f = tl.abs(y) * 512.0
+    m = f.to(tl.int32)
+    rem = f - m.to(tl.float32)
+    m = m + ((rem > 0.5) | ((rem == 0.5) & ((m & 1) == 1))).to(tl.int32)
+    code = tl.where(tl.abs(y) < 0.015625, m.to(tl.uint32), normal) | (sign << 7)
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _store_rows_kernel(src_ptr, slot_ptr, dst_ptr, scale_ptr,
+                       s_src_t, s_src_h, s_dst_slot, s_dst_h, s_sc_slot, s_sc_h,
+                       C: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
+                       OUT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    ch = tl.program_id(2)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        c = ch * CHUNK + tl.arange(0, BLOCK)
+        mask = (tl.arange(0, BLOCK) < CHUNK) & (c < C)
+        x = tl.load(src_ptr + t.to(tl.int64) * s_src_t + h * s_src_h + c, mask=mask, other=0.0).to(tl.float32)
+        dst = dst_ptr + slot * s_dst_slot + h * s_dst_h + c
+        if KIND == 0:
+            if OUT == 1:
+                tl.store(dst, _bf16_rne(x), mask=mask)
+            else:
+                tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        else:
+            if KIND == 1:
+                s = tl.load(scale_ptr)
+            else:
+                amax = tl.max(tl.abs(x), axis=0)
+                s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+                tl.store(scale_ptr + slot * s_sc_slot + h * s_sc_h + ch, s)
+            y = tl.math.div_rn(x, tl.zeros_like(x) + s)
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            tl.store(dst, _e4m3_rne(y), mask=mask)
+
+
+def _store(src: torch.Tensor, slot_mapping: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor | None,
+           kind: int, group: int) -> None:
+    """src [T, C] or [T, H, C] -> dst [NB, BS, C] or [NB, BS, H, C] at the slots."""
+    if src.dim() == 2:
+        src, dst = src[:, None, :], dst[..., None, :]
+        scale = scale[..., None, :] if kind == _BLOCK else scale
+    t, h, c = src.shape
+    if src.stride(-1) != 1:
+        src = src.contiguous()
+    if dst.stride(-1) != 1 or dst.stride(0) != dst.shape[1] * dst.stride(1):
+        raise ConfigError("kv write (triton): cache part must be row-major with whole pages per block")
+    chunk = min(group, c) if kind == _BLOCK else c
+    chunks = c // chunk
+    sc = scale if scale is not None else dst                     # any pointer; never read (plain)
+    ss = (scale.stride(1), scale.stride(2)) if kind == _BLOCK else (0, 0)
+    if kind != _PLAIN and dst.dtype != torch.float8_e4m3fn:
+        raise ConfigError(f"kv write (triton): an fp8 cache part must be float8_e4m3fn, got {dst.dtype}")
+    out = 1 if dst.dtype == torch.bfloat16 else 0
+    if kind == _PLAIN and dst.dtype not in (torch.bfloat16, torch.float32):
+        # no bit-exact rounding written for other dtypes: keep the reference's exact bytes
+        raise ConfigError(f"kv write (triton): cache dtype {dst.dtype} unsupported; use bfloat16 or float32")
+    _store_rows_kernel[(t, h, chunks)](
+        src, slot_mapping, dst, sc, src.stride(0), src.stride(1), dst.stride(1), dst.stride(2), *ss,
+        C=c, CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk), KIND=kind, OUT=out)
+
+
+def _kind(fmt) -> int:
+    return _BLOCK if fmt.block_scaled else _TENSOR if fmt.is_fp8 else _PLAIN
+
+
+def write_gqa_kv(cache: GQALayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """As kv_cache.write_gqa_kv: k [T, Hkv, D], v [T, Hkv, Dv], slot_mapping int [T] (-1 skips)."""
+    if k.shape[0] == 0:
+        return
+    fmt, kind = cache.fmt, _kind(cache.fmt)
+    if kind == _BLOCK:                   # the reference's group rule (clip to the dim, must divide)
+        _groups(k.shape[-1], fmt), _groups(v.shape[-1], fmt)
+    slots = slot_mapping.to(torch.int64)
+    _store(k, slots, cache.k, cache.k_scale, kind, fmt.group)
+    _store(v, slots, cache.v, cache.v_scale, kind, fmt.group)
+
+
+def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """As kv_cache.write_mla_kv: latent [T, R], k_rope [T, P], slot_mapping int [T] (-1 skips).
+    fp8 block (fp8_ds_mla): the latent is quantized per group, the rope stored in fmt.dtype."""
+    if latent.shape[0] == 0:
+        return
+    fmt, kind = cache.fmt, _kind(cache.fmt)
+    slots = slot_mapping.to(torch.int64)
+    if kind == _BLOCK:
+        _groups(latent.shape[-1], fmt)
+        _store(latent, slots, cache.latent, cache.latent_scale, _BLOCK, fmt.group)
+        _store(k_rope, slots, cache.rope, None, _PLAIN, fmt.group)
+    else:
+        _store(latent, slots, cache.latent, cache.latent_scale, kind, fmt.group)
+        _store(k_rope, slots, cache.rope, cache.latent_scale, kind, fmt.group)

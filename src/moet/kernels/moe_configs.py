@@ -1,0 +1,82 @@
+"""Launch configurations of the Triton grouped MoE kernels (moet.kernels.moe_triton), read from
+a table in the repository (moe_configs.json beside this file) keyed by device name, expert
+format and shape, and by the number of (token, expert) pairs; written by
+`python -m moet.bench.moe_kernel_tune`. Shapes or devices the table lacks get the defaults
+below (the tuned H200 values of the nearest regime), so every shape runs, tuned or not.
+
+Table layout:
+  {"version": 1,
+   "devices": {"NVIDIA H200": {"w2 H7168 I2048": {"8": {<MoEConfig>}, "256": {...}, ...}}}}
+A lookup for P pairs takes the smallest tuned bucket >= P (the largest if P exceeds them all).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+TABLE_PATH = Path(__file__).with_name("moe_configs.json")
+# Up to this many pairs the slot alignment is one Triton program (O(P^2) compares, no host
+# sync, one launch); above it, the sort-based moe_align_block_size in torch.
+SMALL_ALIGN_MAX_PAIRS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """One grouped GEMM launch: BN output rows x BM pairs per program, BKH 16-bit code units
+    per K step (8 W2 / 4 FP4 weights each), K split over SPLIT_K programs (fixed-order sum)."""
+    BN: int = 64
+    BKH: int = 32
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    BM: int                 # pairs per tile (tokens padded to this; one slot per tile)
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def to_json(self) -> dict:
+        return {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+
+    @staticmethod
+    def from_json(d: dict) -> "MoEConfig":
+        return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]))
+
+
+def default_config(num_pairs: int) -> MoEConfig:
+    """The H200 tuning's winners (tools/kernel_lab/moe_tune_h200_2026-11-29.json), which were
+    the same or within 5% across the three model shapes and both formats."""
+    if num_pairs <= SMALL_ALIGN_MAX_PAIRS:     # decode: few tokens per expert, stream the weights
+        return MoEConfig(16, GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 32, 1, 2, 4))
+    return MoEConfig(64, GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3))
+
+
+def shape_key(fmt: str, hidden: int, inter: int) -> str:
+    return f"{fmt} H{hidden} I{inter}"
+
+
+@lru_cache(maxsize=1)
+def load_table(path: str = str(TABLE_PATH)) -> dict:
+    p = Path(path)
+    if not p.exists():
+        return {"version": 1, "devices": {}}
+    return json.loads(p.read_text())
+
+
+def lookup(fmt: str, hidden: int, inter: int, num_pairs: int, device_name: str) -> MoEConfig:
+    buckets = load_table()["devices"].get(device_name, {}).get(shape_key(fmt, hidden, inter))
+    if not buckets:
+        return default_config(num_pairs)
+    sizes = sorted(int(b) for b in buckets)
+    pick = next((b for b in sizes if b >= num_pairs), sizes[-1])
+    # a table entry tuned for the other alignment regime would mis-size tiles: keep regimes apart
+    if (pick <= SMALL_ALIGN_MAX_PAIRS) != (num_pairs <= SMALL_ALIGN_MAX_PAIRS):
+        same = [b for b in sizes if (b <= SMALL_ALIGN_MAX_PAIRS) == (num_pairs <= SMALL_ALIGN_MAX_PAIRS)]
+        if not same:
+            return default_config(num_pairs)
+        pick = next((b for b in same if b >= num_pairs), same[-1])
+    return MoEConfig.from_json(buckets[str(pick)])

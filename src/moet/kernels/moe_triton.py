@@ -1,0 +1,563 @@
+"""Triton grouped MoE over W2 and FP4 expert pools: moe_experts_w2_triton and
+moe_experts_fp4_triton, with moe_experts_reference's signature and semantics
+(moet.kernels.reference). Importing this module needs triton.
+
+Pipeline (5-6 launches, no host synchronisation, no atomics):
+  1. slot alignment: the (token, expert) pairs grouped by pool SLOT (through the slot table)
+     into tiles of BM pairs, one slot per tile, each resident slot's pairs in as few tiles as
+     possible, so each active expert's bytes are read once per tile. Misses (slot -1) are
+     dropped and counted into the device miss counter. Up to SMALL_ALIGN_MAX_PAIRS pairs
+     (decode) this is one Triton program of _prep_small_kernel, whose other programs copy the
+     hidden states into the slot-major order below; above it the sort-based
+     moe_align_block_size and a torch copy (prefill).
+  2. gate/up: per (row block of I, tile, K split): gate rows n and up rows I + n of the tile's
+     slot against the tile's token rows; without split-K the SwiGLU (clamp in fp32 where
+     given) runs in the epilogue and writes act [P, I]; with split-K the fp32 partials go to a
+     workspace and
+  2b. _swiglu_finish_kernel sums them in split order and writes act.
+  3. down: per (row block of H, tile, K split): fp32 partials y_s [P, H].
+  4. _combine_kernel: out[t] = sum_j w[t, j] * sum_s y_s[t * k + j] in the fixed order
+     j = 0..k-1, s = 0..SPLIT_K-1; pairs of non-resident experts are skipped (zero).
+Every output element has one writer and a fixed summation order: reruns are bit-identical,
+and an expert gives the same bits whichever slot holds it.
+
+The weight tile is the MMA's A operand, decoded in registers; the activation rows (padded to
+BM, masked rows read nothing) are the B operand. Codes are read as 16-bit units (8 W2 / 4 FP4
+weights); the K order inside a unit is split into slot tensors (slot p = weight UPW * u + p),
+one tl.dot per slot. The activations are kept slot-major per row (hidden is copied so once per
+call, [T, UPW, H / UPW]; the gate/up epilogue writes act so), so each slot's tile is one
+contiguous, cp.async-pipelined load. (Splitting a natural-order tile in registers instead
+costs 16-bit shared-memory stores and a fence before every wgmma: 1.5x slower, measured.)
+  W2 (pool layout "nb8", moet.formats.w2.to_nb8): one LOP3 + one IMAD per two bf16 weights,
+     the UE8M0 scale folded into the exponent (NB8_ASM; tools/kernel_lab/RESULTS.md). Exact
+     for scale bytes 1..252 (the range any bf16/fp32 source produces); byte 0 decodes the +-1
+     level as +-0 instead of +-2^-127.
+  FP4 (NVFP4 bytes as in the checkpoint): per bf16 pair the e2m1 bits are placed under a bf16
+     exponent bias of 2^-126 (shift + mask) and multiplied (fma.rn.bf16x2) by the group's e4m3
+     scale times 2^118, which is exact (<= 6 significant bits); the remaining 2^8 and the
+     per-tensor scale_2 multiply the fp32 accumulator.
+Operands are bf16 with fp32 accumulation on the GPU: the weights are exact in bf16, the
+activations of gate/up are the bf16 hidden states, and the SwiGLU output is rounded to bf16
+before the down projection (as vLLM's fused_moe does), so against the fp32 reference
+||out - ref|| / ||ref|| is about 1e-3 (bf16 rounding of act), asserted <= 1e-2.
+Under TRITON_INTERPRET=1 (CPU tests) the inline asm cannot run: the same bits are built with
+plain Triton integer ops in fp32, dots are fp32 "ieee" and act stays fp32 (bound 1e-5).
+Launch configurations: moet.kernels.moe_configs (table in the repo, tuning script
+moet.bench.moe_kernel_tune).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from moet.kernels.moe_align import moe_align_block_size
+from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, MoEConfig, lookup
+from moet.kernels.pools import FP4Pool, W2Pool
+
+FMT_W2 = 0
+FMT_FP4 = 1
+# prefill workspaces (fp32 partial outputs [SPLIT_K, P, H]) are capped by chunking the tokens
+MAX_WORKSPACE_BYTES = 1 << 30
+
+
+# ==================================================================================== decoders
+
+def _nb8_asm() -> str:
+    """$8: two nb8 units (u in the low half, u + 1 in the high half; one scale group),
+    $9: the group's UE8M0 byte. $0..$7: slot p = 0..7 as bf16 pairs (unit u, unit u + 1):
+    ((w & M_p) << p) + (s << 7 | s << 23); slot 7's bits sit at 0/1 and take two steps."""
+    lines = ["{", ".reg .b32 S, t, u;", "mul.lo.u32 S, $9, 0x00800080;"]
+    for p in range(7):
+        m = (1 << (8 - p)) | (1 << (15 - p)) | (1 << (24 - p)) | (1 << (31 - p))
+        lines.append(f"and.b32 t, $8, {m:#010x};")
+        lines.append(f"mad.lo.u32 ${p}, t, {1 << p}, S;")
+    lines += ["and.b32 t, $8, 0x00010001;", "mad.lo.u32 u, t, 256, S;",
+              "and.b32 t, $8, 0x00020002;", "mad.lo.u32 $7, t, 16384, u;", "}"]
+    return "\n".join(lines)
+
+
+def _fp4_asm() -> str:
+    """$4: two units of 4 e2m1 nibbles (element 4u + p at bits 4p), $5: the bf16 pair of
+    multipliers (e4m3 scale * 2^118). $0..$3: slot p as bf16 pairs. e2m1 bits EM (3) go to bf16
+    bits 6..8 (so the pair reads e2m1 * 2^-126, E = 0 a bf16 subnormal) and the sign to bit 15,
+    then one fma.rn.bf16x2 with -0 (exact: <= 6 significant bits, result normal)."""
+    lines = ["{", ".reg .b32 t, v, z;", "mov.b32 z, 0x80008000;"]
+    for p in range(4):
+        d_em = 6 - 4 * p           # EM bits 4p..4p+2 -> 6..8
+        d_s = 12 - 4 * p           # sign bit 4p+3 -> 15
+        lines.append(f"shl.b32 t, $4, {d_em};" if d_em >= 0 else f"shr.u32 t, $4, {-d_em};")
+        lines.append("and.b32 t, t, 0x01C001C0;")
+        lines.append(f"shl.b32 v, $4, {d_s};" if d_s > 0 else "mov.b32 v, $4;")
+        lines.append("and.b32 v, v, 0x80008000;")
+        lines.append("or.b32 t, t, v;")
+        lines.append(f"fma.rn.bf16x2 ${p}, t, $5, z;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+NB8_ASM = tl.constexpr(_nb8_asm())
+FP4_ASM = tl.constexpr(_fp4_asm())
+_TWO_109 = tl.constexpr(2.0 ** 109)
+
+
+@triton.jit
+def _nb8_plain(wi, s, p: tl.constexpr):
+    """Slot p of nb8 units (int32, 16 bits used) with UE8M0 byte s -> the same value as the asm
+    (fp32 bits: sign, exponent s + 2 * big)."""
+    if p < 7:
+        big = (wi >> (8 - p)) & 1
+        neg = (wi >> (15 - p)) & 1
+    else:
+        big = wi & 1
+        neg = (wi >> 1) & 1
+    return ((neg << 31) | ((s + 2 * big) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_plain(wi, m, p: tl.constexpr):
+    """Slot p of FP4 units (int32, 16 bits used) times the multiplier m (fp32, scale * 2^118):
+    e2m1 bits under an fp32 exponent bias of 2^-126, exactly as the asm builds them in bf16."""
+    nib = (wi >> (4 * p)) & 15
+    return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True) * m
+
+
+@triton.jit
+def _e4m3_times_2p118(b):
+    """e4m3fn byte (int32) -> fp32 value * 2^118 (exact; subnormals included)."""
+    e = (b >> 3) & 15
+    mt = b & 7
+    normal = (((e + 238) << 23) | (mt << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, mt.to(tl.float32) * _TWO_109, normal)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, BKH: tl.constexpr,
+             USE_ASM: tl.constexpr):
+    """acc [BN, BM] += W [BN, 8 BKH] @ x^T: c int16 [BN, BKH] nb8 units, s4 uint8 [BN, BKH/4]
+    scale bytes, x_p [BM, BKH] the activations of slot p (weight 8u + p), bf16 / fp32."""
+    s = tl.reshape(tl.broadcast_to(s4.to(tl.int32)[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
+    if USE_ASM:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+            NB8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [c, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        acc = tl.dot(w0, tl.trans(x0), acc)
+        acc = tl.dot(w1, tl.trans(x1), acc)
+        acc = tl.dot(w2, tl.trans(x2), acc)
+        acc = tl.dot(w3, tl.trans(x3), acc)
+        acc = tl.dot(w4, tl.trans(x4), acc)
+        acc = tl.dot(w5, tl.trans(x5), acc)
+        acc = tl.dot(w6, tl.trans(x6), acc)
+        acc = tl.dot(w7, tl.trans(x7), acc)
+    else:
+        wi = c.to(tl.int32) & 0xFFFF
+        acc = tl.dot(_nb8_plain(wi, s, 0), tl.trans(x0), acc, input_precision="ieee")
+        acc = tl.dot(_nb8_plain(wi, s, 1), tl.trans(x1), acc, input_precision="ieee")
+        acc = tl.dot(_nb8_plain(wi, s, 2), tl.trans(x2), acc, input_precision="ieee")
+        acc = tl.dot(_nb8_plain(wi, s, 3), tl.trans(x3), acc, input_precision="ieee")
+        acc = tl.dot(_nb8_plain(wi, s, 4), tl.trans(x4), acc, input_precision="ieee")
+        acc = tl.dot(_nb8_plain(wi, s, 5), tl.trans(x5), acc, input_precision="ieee")
+        acc = tl.dot(_nb8_plain(wi, s, 6), tl.trans(x6), acc, input_precision="ieee")
+        acc = tl.dot(_nb8_plain(wi, s, 7), tl.trans(x7), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc [BN, BM] += (W * 2^-8) [BN, 4 BKH] @ x^T: c int16 [BN, BKH] FP4 units, s4 uint8
+    [BN, BKH/4] e4m3 scale bytes, x_p [BM, BKH] the activations of slot p (weight 4u + p)."""
+    m4 = _e4m3_times_2p118(s4.to(tl.int32))
+    m = tl.reshape(tl.broadcast_to(m4[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
+    if USE_ASM:
+        mb = m.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            FP4_ASM, "=r,=r,=r,=r,r,r", [c, mb], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+        acc = tl.dot(w0, tl.trans(x0), acc)
+        acc = tl.dot(w1, tl.trans(x1), acc)
+        acc = tl.dot(w2, tl.trans(x2), acc)
+        acc = tl.dot(w3, tl.trans(x3), acc)
+    else:
+        wi = c.to(tl.int32) & 0xFFFF
+        acc = tl.dot(_fp4_plain(wi, m, 0), tl.trans(x0), acc, input_precision="ieee")
+        acc = tl.dot(_fp4_plain(wi, m, 1), tl.trans(x1), acc, input_precision="ieee")
+        acc = tl.dot(_fp4_plain(wi, m, 2), tl.trans(x2), acc, input_precision="ieee")
+        acc = tl.dot(_fp4_plain(wi, m, 3), tl.trans(x3), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+               UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    r64 = rows.to(tl.int64)
+    c = tl.load(wq + r64[:, None] * UNITS + u[None, :], mask=rmask[:, None] & umask[None, :], other=0)
+    if FMT == 0:
+        s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=127)
+        acc = _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
+    else:
+        s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=0x38)
+        acc = _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
+    return acc
+
+
+@triton.jit
+def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+# ===================================================================================== kernels
+
+@triton.jit
+def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_ptr,
+                     s_x, s_wq_slot, s_sc_slot, limit, P,
+                     N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
+                     FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+    """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
+    weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
+    [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N]."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    ks = tl.program_id(2)
+    slot = tl.load(bslot_ptr + b)
+    if slot >= 0:
+        UPW: tl.constexpr = 8 if FMT == 0 else 4          # weights per 16-bit unit
+        UNITS: tl.constexpr = K // UPW
+        G: tl.constexpr = UNITS // 4                       # one scale byte per 4 units (32 / 16 weights)
+        STEPS: tl.constexpr = (UNITS + BKH - 1) // BKH
+        PER: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
+        pair = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
+        pmask = pair < P
+        if GATE_UP:
+            xrow = (pair // TOPK).to(tl.int64)
+        else:
+            xrow = pair.to(tl.int64)
+        n = pid_n * BN + tl.arange(0, BN)
+        nmask = n < N
+        slot64 = slot.to(tl.int64)
+        wq = wq_ptr + slot64 * s_wq_slot
+        sc = sc_ptr + slot64 * s_sc_slot
+        hcols = tl.arange(0, BKH)
+        gcols = tl.arange(0, BKH // 4)
+        xb = x_ptr + xrow[:, None] * s_x                   # x rows in slot-major order [UPW, UNITS]
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BM], dtype=tl.float32)
+        for i in range(PER):
+            st = ks * PER + i                              # steps past STEPS are fully masked
+            u = st * BKH + hcols
+            umask = u < UNITS
+            g = st * (BKH // 4) + gcols
+            gmask = g < G
+            xm = pmask[:, None] & umask[None, :]
+            xp = xb + u[None, :]
+            # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
+            x0 = tl.load(xp, mask=xm, other=0.0)
+            x1 = tl.load(xp + UNITS, mask=xm, other=0.0)
+            x2 = tl.load(xp + 2 * UNITS, mask=xm, other=0.0)
+            x3 = tl.load(xp + 3 * UNITS, mask=xm, other=0.0)
+            if FMT == 0:
+                x4 = tl.load(xp + 4 * UNITS, mask=xm, other=0.0)
+                x5 = tl.load(xp + 5 * UNITS, mask=xm, other=0.0)
+                x6 = tl.load(xp + 6 * UNITS, mask=xm, other=0.0)
+                x7 = tl.load(xp + 7 * UNITS, mask=xm, other=0.0)
+            else:
+                x4 = x0
+                x5 = x0
+                x6 = x0
+                x7 = x0
+            acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                             UNITS, G, FMT, BN, BKH, USE_ASM)
+            if GATE_UP:
+                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                                  UNITS, G, FMT, BN, BKH, USE_ASM)
+        if FMT == 1:   # per-tensor scale_2 (gate / up / down) and the 2^8 the decode left out
+            if GATE_UP:
+                acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
+                acc2 = acc2 * (tl.load(s2_ptr + slot64 * 2 + 1) * 256.0)
+            else:
+                acc = acc * (tl.load(s2_ptr + slot64) * 256.0)
+        omask = nmask[:, None] & pmask[None, :]
+        p64 = pair.to(tl.int64)
+        if GATE_UP:
+            if SPLIT_K == 1:
+                a = _swiglu(acc, acc2, limit, HAS_LIMIT)
+                nperm = (n % UPW) * (N // UPW) + n // UPW      # slot-major, as the down GEMM reads it
+                tl.store(out_ptr + p64[None, :] * N + nperm[:, None], a.to(out_ptr.dtype.element_ty), mask=omask)
+            else:
+                base = out_ptr + (ks.to(tl.int64) * P + p64[None, :]) * (2 * N) + n[:, None]
+                tl.store(base, acc, mask=omask)
+                tl.store(base + N, acc2, mask=omask)
+        else:
+            tl.store(out_ptr + (ks.to(tl.int64) * P + p64[None, :]) * N + n[:, None], acc, mask=omask)
+
+
+@triton.jit
+def _swiglu_finish_kernel(ws_ptr, act_ptr, ids_ptr, table_ptr, limit, P, I: tl.constexpr, UPW: tl.constexpr,
+                          SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, BI: tl.constexpr):
+    """Grid (P, cdiv(I, BI)): act[p] = swiglu(sum_s gate_s[p], sum_s up_s[p]) in split order,
+    stored slot-major (element n at (n % UPW) * I / UPW + n // UPW)."""
+    p = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    slot = tl.load(table_ptr + tl.load(ids_ptr + p))
+    if slot >= 0:
+        n = nb * BI + tl.arange(0, BI)
+        m = n < I
+        g = tl.zeros([BI], dtype=tl.float32)
+        u = tl.zeros([BI], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            row = ws_ptr + (s * P + p) * (2 * I)
+            g += tl.load(row + n, mask=m, other=0.0)
+            u += tl.load(row + I + n, mask=m, other=0.0)
+        a = _swiglu(g, u, limit, HAS_LIMIT)
+        tl.store(act_ptr + p * I + (n % UPW) * (I // UPW) + n // UPW, a.to(act_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_kernel(ws_ptr, ids_ptr, table_ptr, tw_ptr, out_ptr, P, H: tl.constexpr, TOPK: tl.constexpr,
+                    SPLIT_K: tl.constexpr, BH: tl.constexpr):
+    """Grid (T, cdiv(H, BH)): out[t] = sum_j w[t, j] * sum_s y_s[t k + j], j then s in fixed
+    order; pairs whose expert is not resident add nothing (their rows were never written)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pr = t * TOPK + j
+        slot = tl.load(table_ptr + tl.load(ids_ptr + pr))
+        w = tl.load(tw_ptr + pr).to(tl.float32)
+        v = tl.zeros([BH], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            v += tl.load(ws_ptr + (s * P + pr) * H + h, mask=hm & (slot >= 0), other=0.0)
+        acc += tl.where(slot >= 0, v * w, 0.0)
+    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def _prep_small_kernel(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, P, NB,
+                       x_ptr, xp_ptr, s_x, H: tl.constexpr, UPW: tl.constexpr, BH: tl.constexpr,
+                       BM: tl.constexpr, PP: tl.constexpr, QB: tl.constexpr, FILL: tl.constexpr):
+    """Decode-regime preparation in one launch. Program 0 aligns the pairs: pair p (flattened
+    [T, k]) of slot s goes to tile bstart(s) + rank // BM, row rank % BM, rank = #earlier
+    pairs of s; slots in order of first appearance; padding rows hold P, unused tiles slot -1;
+    misses (slot < 0) are added to miss_ptr[0]. Programs 1 + t * cdiv(H, BH) + c copy chunk c
+    of hidden row t into the slot-major order the GEMM reads (xp[t, q, u] = x[t, UPW u + q])."""
+    pid = tl.program_id(0)
+    if pid > 0:
+        t = (pid - 1) // tl.cdiv(H, BH)
+        k = ((pid - 1) % tl.cdiv(H, BH)) * BH + tl.arange(0, BH)
+        km = k < H
+        v = tl.load(x_ptr + t.to(tl.int64) * s_x + k, mask=km)
+        tl.store(xp_ptr + t.to(tl.int64) * H + (k % UPW) * (H // UPW) + k // UPW,
+                 v.to(xp_ptr.dtype.element_ty), mask=km)
+    else:
+        _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, P, NB, BM, PP, QB, FILL)
+
+
+@triton.jit
+def _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, P, NB,
+                 BM: tl.constexpr, PP: tl.constexpr, QB: tl.constexpr, FILL: tl.constexpr):
+    p = tl.arange(0, PP)
+    pv = p < P
+    s = tl.load(table_ptr + tl.load(ids_ptr + p, mask=pv, other=0), mask=pv, other=-1)
+    res = pv & (s >= 0)
+    rank = tl.zeros([PP], dtype=tl.int32)
+    cnt = tl.zeros([PP], dtype=tl.int32)
+    fpos = tl.full([PP], PP, dtype=tl.int32)
+    for q0 in range(0, PP, QB):
+        q = q0 + tl.arange(0, QB)
+        qv = q < P
+        sq = tl.load(table_ptr + tl.load(ids_ptr + q, mask=qv, other=0), mask=qv, other=-1)
+        same = res[:, None] & (qv & (sq >= 0))[None, :] & (s[:, None] == sq[None, :])
+        rank += tl.sum((same & (q[None, :] < p[:, None])).to(tl.int32), 1)
+        cnt += tl.sum(same.to(tl.int32), 1)
+        fpos = tl.minimum(fpos, tl.min(tl.where(same, q[None, :], PP), 1))
+    nblk = tl.where(res & (rank == 0), (cnt + BM - 1) // BM, 0)
+    tl.store(nblk_ptr + p, nblk)
+    for f0 in range(0, PP * BM, FILL):                     # NB <= P <= PP (constexpr loop bounds)
+        f = f0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + f, tl.zeros([FILL], dtype=tl.int32) + P, mask=f < NB * BM)
+        tl.store(bslot_ptr + f, tl.full([FILL], -1, dtype=tl.int32), mask=f < NB)
+    tl.debug_barrier()                         # nblk and the fills visible to the whole program
+    bstart = tl.zeros([PP], dtype=tl.int32)
+    for q0 in range(0, PP, QB):
+        q = q0 + tl.arange(0, QB)
+        nq = tl.load(nblk_ptr + q)
+        bstart += tl.sum(tl.where(q[None, :] < fpos[:, None], nq[None, :], 0), 1)
+    blk = bstart + rank // BM
+    row = rank % BM
+    tl.store(sorted_ptr + blk * BM + row, p, mask=res)
+    tl.store(bslot_ptr + blk, s, mask=res & (row == 0))
+    misses = tl.sum((pv & (s < 0)).to(tl.int32), 0)
+    old = tl.load(miss_ptr)
+    tl.store(miss_ptr, old + misses.to(old.dtype))
+
+
+# ====================================================================================== driver
+
+@functools.lru_cache(maxsize=None)
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+
+
+def _workspace(shape, dtype, device) -> torch.Tensor:
+    """Every buffer the kernels write (tests replace this to poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _format(pool) -> tuple[int, str]:
+    if isinstance(pool, W2Pool):
+        if pool.layout != "nb8":
+            raise ValueError(f"the W2 Triton kernels read the nb8 code layout, this pool is {pool.layout!r}: "
+                             "convert its codes with moet.formats.w2.to_nb8 (moet.model.experts does at fill time)")
+        return FMT_W2, "w2"
+    if isinstance(pool, FP4Pool):
+        return FMT_FP4, "fp4"
+    raise TypeError(f"the Triton MoE kernels take a W2Pool or an FP4Pool, got {type(pool).__name__}")
+
+
+def _operands(pool, fmt: int):
+    """(gate_up units int16 [S, 2I, K/UPW], gate_up scales uint8, gate_up scale_2 fp32,
+    down units, down scales, down scale_2) in the kernels' views."""
+    if fmt == FMT_W2:
+        gu_q, gu_s, dn_q, dn_s = pool.gate_up_codes, pool.gate_up_scales, pool.down_codes, pool.down_scales
+        gu_s2 = dn_s2 = gu_s                 # unused by the W2 path; any pointer
+    else:
+        gu_q, gu_s, dn_q, dn_s = pool.gate_up_weight, pool.gate_up_scale, pool.down_weight, pool.down_scale
+        gu_s, dn_s = gu_s.view(torch.uint8), dn_s.view(torch.uint8)
+        gu_s2, dn_s2 = pool.gate_up_scale_2.float().contiguous(), pool.down_scale_2.float().contiguous()
+    for t in (gu_q, gu_s, dn_q, dn_s):
+        if not t.is_contiguous():
+            raise ValueError("the expert pool tensors must be contiguous")
+    return gu_q.view(torch.int16), gu_s, gu_s2, dn_q.view(torch.int16), dn_s, dn_s2
+
+
+def _check_shapes(hidden: torch.Tensor, fmt: int, ops) -> tuple[int, int]:
+    gu_q, gu_s, _, dn_q, dn_s, _ = ops
+    h = hidden.shape[1]
+    upw, gs = (8, 32) if fmt == FMT_W2 else (4, 16)
+    two_i = gu_q.shape[1]
+    i = two_i // 2
+    if (two_i % 2 or h % gs or i % gs or gu_q.shape[2] * upw != h or gu_s.shape[1:] != (two_i, h // gs)
+            or dn_q.shape[1:] != (h, i // upw) or dn_s.shape[1:] != (h, i // gs)):
+        raise ValueError(f"expert pool shapes {tuple(gu_q.shape)}, {tuple(dn_q.shape)} (16-bit units) do not fit "
+                         f"hidden size {h}")
+    return h, i
+
+
+def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_limit,
+         config: MoEConfig | None, out: torch.Tensor) -> None:
+    fmt, fname = _format(pool)
+    ops = _operands(pool, fmt)
+    h, i = _check_shapes(hidden, fmt, ops)
+    gu_q, gu_s, gu_s2, dn_q, dn_s, dn_s2 = ops
+    t, k = topk_ids.shape
+    p = t * k
+    dev = hidden.device
+    use_asm = dev.type == "cuda"
+    if config is None:
+        config = lookup(fname, h, i, p, _device_name(dev))
+    bm, cg, cd = config.BM, config.gate_up, config.down
+    ids = topk_ids.reshape(-1).contiguous()
+    table = slot_table.contiguous()
+    num_slots = gu_q.shape[0]
+    # operands: bf16 on the GPU (tensor cores), fp32 under the interpreter. The activations are
+    # stored slot-major per row ([UPW, K / UPW]: element UPW * u + q at q * K / UPW + u), so each
+    # slot's K tile is one contiguous load; the gate/up epilogue writes act in that order.
+    op_dtype = torch.bfloat16 if use_asm else torch.float32
+    upw = 8 if fmt == FMT_W2 else 4
+    x_perm = _workspace((t, upw, h // upw), op_dtype, dev)
+    if p <= SMALL_ALIGN_MAX_PAIRS:
+        nb = min(p, p // bm + min(p, num_slots))
+        pp = triton.next_power_of_2(p)
+        sorted_ids = _workspace((nb * bm,), torch.int32, dev)
+        bslot = _workspace((nb,), torch.int32, dev)
+        nblk = _workspace((pp,), torch.int32, dev)
+        bh = min(2048, triton.next_power_of_2(h))
+        _prep_small_kernel[(1 + t * triton.cdiv(h, bh),)](
+            ids, table, sorted_ids, bslot, nblk, miss_counter, p, nb, hidden, x_perm, hidden.stride(0),
+            H=h, UPW=upw, BH=bh, BM=bm, PP=pp, QB=min(pp, 32), FILL=1024, num_warps=4)
+    else:
+        aligned = moe_align_block_size(topk_ids, slot_table, num_slots, bm)
+        sorted_ids, bslot, nb = aligned.sorted_ids, aligned.block_slot, aligned.num_blocks
+        miss_counter += aligned.num_misses.to(miss_counter.dtype)
+        x_perm.copy_(hidden.view(t, h // upw, upw).transpose(1, 2))
+    act = _workspace((p, i), op_dtype, dev)
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    has_limit = swiglu_limit is not None
+    common = dict(TOPK=k, FMT=fmt, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=bm)
+    if cg.SPLIT_K == 1:
+        gu_out = act
+    else:
+        gu_out = _workspace((cg.SPLIT_K, p, 2 * i), torch.float32, dev)
+    _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
+        x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, h, gu_q.stride(0), gu_s.stride(0),
+        limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
+        num_warps=cg.num_warps, num_stages=cg.num_stages, **common)
+    if cg.SPLIT_K > 1:
+        bi = min(1024, triton.next_power_of_2(i))
+        _swiglu_finish_kernel[(p, triton.cdiv(i, bi))](gu_out, act, ids, table, limit, p, I=i, UPW=upw, SPLIT_K=cg.SPLIT_K,
+                                                         HAS_LIMIT=has_limit, BI=bi, num_warps=4)
+    y = _workspace((cd.SPLIT_K, p, h), torch.float32, dev)
+    _moe_gemm_kernel[(triton.cdiv(h, cd.BN), nb, cd.SPLIT_K)](
+        act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, act.stride(0), dn_q.stride(0), dn_s.stride(0),
+        limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
+        num_warps=cd.num_warps, num_stages=cd.num_stages, **common)
+    bh = min(1024, triton.next_power_of_2(h))
+    tw = topk_weights.reshape(-1).contiguous()
+    _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K, BH=bh,
+                                             num_warps=4)
+
+
+def moe_experts_triton(
+    hidden: torch.Tensor,            # [T, H]
+    topk_ids: torch.Tensor,          # [T, k] int, expert ids
+    topk_weights: torch.Tensor,      # [T, k] float, router weights (already scaled)
+    slot_table: torch.Tensor,        # int32 [num_experts], -1 = not resident
+    pool: W2Pool | FP4Pool,
+    miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
+    *,
+    swiglu_limit: float | None = None,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """moe_experts_reference for a W2Pool (layout nb8) or an FP4Pool, on the GPU (or the Triton
+    interpreter). Long prefills run in token chunks that keep the fp32 workspace <= 1 GiB."""
+    _format(pool)
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    t, k = topk_ids.shape
+    out = _workspace(hidden.shape, hidden.dtype, hidden.device)
+    if t == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    h = hidden.shape[1]
+    split = config.down.SPLIT_K if config is not None else 1
+    chunk = max(SMALL_ALIGN_MAX_PAIRS // k + 1, MAX_WORKSPACE_BYTES // (k * h * 4 * split))
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        _run(hidden[t0:t1], topk_ids[t0:t1], topk_weights[t0:t1], slot_table, pool, miss_counter,
+             swiglu_limit, config, out[t0:t1])
+    return out
+
+
+def moe_experts_w2_triton(hidden, topk_ids, topk_weights, slot_table, pool: W2Pool, miss_counter, *,
+                          swiglu_limit: float | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+    """As moe_experts_reference for a W2Pool in the nb8 layout."""
+    if not isinstance(pool, W2Pool):
+        raise TypeError(f"moe_experts_w2_triton needs a W2Pool, got {type(pool).__name__}")
+    return moe_experts_triton(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+                              swiglu_limit=swiglu_limit, config=config)
+
+
+def moe_experts_fp4_triton(hidden, topk_ids, topk_weights, slot_table, pool: FP4Pool, miss_counter, *,
+                           swiglu_limit: float | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+    """As moe_experts_reference for an FP4Pool (NVFP4 bytes)."""
+    if not isinstance(pool, FP4Pool):
+        raise TypeError(f"moe_experts_fp4_triton needs an FP4Pool, got {type(pool).__name__}")
+    return moe_experts_triton(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+                              swiglu_limit=swiglu_limit, config=config)

@@ -1,0 +1,288 @@
+"""The FastAPI app: OpenAI's routes over an engine that follows contract 2
+(moet.engine.async_engine.AsyncEngine, or any object with its shape).
+
+    GET  /v1/models            the served model
+    POST /v1/chat/completions  chat (JSON or server-sent events)
+    POST /v1/completions       raw prompts (JSON or server-sent events)
+    GET  /health               200 while the engine answers stats(), else 503
+    GET  /metrics              Prometheus text format (moet.serve.metrics)
+
+Request bodies are parsed here, not by FastAPI, so every failure has OpenAI's error shape and
+a status that says what was wrong (errors.py lists them); a bad request never takes the
+server down. A client that goes away aborts its engine requests at once (streamed: when the
+response task is cancelled; non-streamed: a watcher on the connection). One log line per
+request at the end of its response: method, path, status, prompt / completion tokens, seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from moet.serve.chat import ChatPlan, ChatStream, chat_response
+from moet.serve.completion import CompletionPlan, CompletionStream, completion_response
+from moet.serve.errors import APIError, BadRequest, TooLarge, Unauthorized, Unavailable, Unprocessable
+from moet.serve.metrics import CONTENT_TYPE, ServerMetrics
+from moet.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
+from moet.serve.reasoning import ReasoningParser
+from moet.serve.sampling import generation_defaults
+from moet.serve.serve_config import ServeConfig
+from moet.serve.server_state import ServerState
+from moet.serve.tool_parsers import ToolParser
+
+log = logging.getLogger("moet.serve")
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+    return JSONResponse(exc.response().model_dump(), status_code=exc.status, headers=headers)
+
+
+def _validation_message(err: ValidationError) -> tuple[str, str | None]:
+    parts, first = [], None
+    for e in err.errors()[:5]:
+        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("function-after"))
+        first = first or (str(e["loc"][0]) if e["loc"] else None)
+        parts.append(f"{loc or 'body'}: {e['msg']}")
+    return "; ".join(parts), first
+
+
+async def read_request(request: Request, model: type[BaseModel], max_bytes: int):
+    body = await request.body()
+    if len(body) > max_bytes:
+        raise TooLarge(f"request body of {len(body)} bytes is over the limit of {max_bytes} (--max-request-bytes)")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        msg, param = _validation_message(exc)
+        raise Unprocessable(msg, param=param) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (its finally-blocks abort the
+    engine requests) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _guarded(request: Request, events: AsyncIterator[str], on_close: Callable[[], None]) -> AsyncIterator[str]:
+    """Server-sent events that stop, and abort generation, as soon as the client disconnects,
+    whatever the ASGI server's disconnect signalling."""
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    nxt: asyncio.Future | None = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(events.__anext__())
+            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                request.state.status_note = "client disconnected"
+                return
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        watcher.cancel()
+        if nxt is not None and not nxt.done():  # its cancellation runs the generators' finally: abort
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+        await events.aclose()
+        on_close()
+
+
+async def _chain(first: list, rest: AsyncIterator[list]) -> AsyncIterator[list]:
+    yield first
+    async for x in rest:
+        yield x
+
+
+class AuthAndLog:
+    """Pure ASGI middleware (streams pass through untouched): the API key check on /v1 routes,
+    the per-request log line once the response has been fully sent, HTTP status counts, and a
+    JSON 500 instead of a dropped connection when a handler has a bug."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        cfg = self.state.config
+        status = [0]
+
+        async def send_and_watch(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            if cfg.api_key and path.startswith("/v1") and \
+                    dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1") != f"Bearer {cfg.api_key}":
+                await error_response(Unauthorized("missing or wrong API key: send 'Authorization: Bearer KEY'"))(
+                    scope, receive, send_and_watch)
+            else:
+                await self.app(scope, receive, send_and_watch)
+        except Exception as exc:  # a bug must cost one request, not the server
+            log.exception("unhandled error on %s", path)
+            if status[0] == 0:
+                await error_response(APIError(f"internal error: {type(exc).__name__}: {exc}"))(
+                    scope, receive, send_and_watch)
+        finally:
+            self.state.metrics.http_requests.labels(path if path.startswith("/v1/") or path in ("/health", "/metrics")
+                                                    else "other", str(status[0])).inc()
+            if cfg.log_requests:
+                st = scope.get("state") or {}
+                u = st.get("usage")
+                tokens = f" prompt={u.prompt_tokens} completion={u.completion_tokens}" if u is not None else ""
+                note = st.get("status_note")
+                log.info("%s %s %d%s %.3fs%s", scope.get("method"), path, status[0], tokens,
+                         time.perf_counter() - start, f" ({note})" if note else "")
+
+
+def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[ToolParser] | None = None,
+              reasoning_parser: ReasoningParser | None = None, generation_config: dict | None = None,
+              model_path: str | None = None) -> FastAPI:
+    """The app over `engine` (contract 2). Parsers are given resolved (serve_cli picks them from
+    the flags and the chat template); generation_config supplies sampling defaults."""
+    config = config or ServeConfig()
+    state = ServerState(engine=engine, config=config, model_name=engine.model_name,
+                        metrics=ServerMetrics(engine, engine.model_name), tool_parser=tool_parser,
+                        reasoning_parser=reasoning_parser, sampling_defaults=generation_defaults(generation_config),
+                        model_path=model_path)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        try:
+            await engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown failed")
+
+    app = FastAPI(title="moet", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.moet = state
+    app.add_middleware(AuthAndLog, state=state)
+
+    # stats() waits for the engine's lock, which a step holds: never on the event loop, where it
+    # would stall every stream for a step's length
+    @app.get("/health")
+    async def health():
+        try:
+            await asyncio.to_thread(engine.stats)
+        except Exception as exc:
+            return error_response(Unavailable(f"engine not healthy: {type(exc).__name__}: {exc}"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=state.model_name, root=model_path, max_model_len=engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        try:
+            state.check_model(name)
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse(ModelCard(id=state.model_name, root=model_path, max_model_len=engine.max_model_len).model_dump())
+
+    async def serve(request: Request, req_model, make_plan, respond, stream_cls, prefix: str):
+        try:
+            req = await read_request(request, req_model, config.max_request_bytes)
+            plan = make_plan(state, req)
+            state.admit()
+        except APIError as exc:
+            return error_response(exc)
+        request_id = random_id(prefix)
+        if not req.stream:
+            try:
+                result = await until_disconnect(request, respond(plan, request_id))
+            except APIError as exc:
+                return error_response(exc)
+            finally:
+                state.release()
+                request.state.usage = getattr(plan, "usage", None)
+            if result is None:
+                request.state.status_note = "client disconnected"
+                return Response(status_code=499)
+            return JSONResponse(result.model_dump(exclude_none=True))
+
+        stream = stream_cls(plan, request_id)
+        deltas = stream.gen.stream()
+        try:  # the first engine step decides the status, so engine refusals still get a 4xx
+            first = await until_disconnect(request, deltas.__anext__())
+        except (APIError, StopAsyncIteration, Exception, asyncio.CancelledError) as exc:
+            await deltas.aclose()
+            state.release()
+            if isinstance(exc, APIError):
+                return error_response(exc)
+            if isinstance(exc, StopAsyncIteration):
+                return error_response(Unavailable("the engine ended the request without output"))
+            raise
+        if first is None:
+            await deltas.aclose()
+            state.release()
+            request.state.status_note = "client disconnected"
+            return Response(status_code=499)
+
+        def on_close() -> None:
+            state.release()
+            request.state.usage = stream.current_usage()
+
+        body = _guarded(request, stream.events(_chain(first, deltas)), on_close)
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _chat_plan(state, req):
+        return ChatPlan(state, req)
+
+    def _completion_plan(state, req):
+        return CompletionPlan(state, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, ChatCompletionRequest, _chat_plan, chat_response, ChatStream, "chatcmpl")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, CompletionRequest, _completion_plan, completion_response, CompletionStream, "cmpl")
+
+    return app

@@ -1,0 +1,219 @@
+"""POST /v1/chat/completions: messages -> prompt (chat template) -> engine -> reasoning /
+content / tool calls, as one JSON response or as server-sent events.
+
+tool_choice (no constrained decoding in moet yet, so forcing works by writing the start of the
+call into the prompt and letting the model continue it):
+  none      tools are left out of the prompt and nothing is parsed as a call;
+  auto      (default with tools) calls the model writes are parsed into tool_calls;
+  required  the reply is started with the parser's call opener, the model picks the function;
+  named     the reply is started with the opener and the function's name.
+Forced replies are rendered with enable_thinking=False (the think block is skipped) and the
+arguments are whatever the model writes.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from moet.outputs import PositionLogprobs
+from moet.serve.chat_output import ChoiceDeltaParts, ChoiceOutputParser
+from moet.serve.chat_template import render_chat
+from moet.serve.errors import APIError, BadRequest
+from moet.serve.generation import ChoiceDelta, Generation
+from moet.serve.protocol import (
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ResponseFunctionCall,
+    ResponseToolCall, TokenLogprob, TopLogprob, UsageInfo)
+from moet.serve.sampling import check_unsupported, sampling_params
+from moet.serve.server_state import ServerState
+
+
+class ChatPlan:
+    """Everything decided before the engine runs: prompt, parameters, parsers."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest):
+        self.state, self.req = state, req
+        state.check_model(req.model)
+        check_unsupported(req)
+        tok = state.tokenizer
+        choice = req.tool_choice or ("auto" if req.tools else "none")
+        self.parse_tools = bool(req.tools) and choice != "none"
+        parser_cls = state.tool_parser
+        if self.parse_tools and parser_cls is None:
+            raise BadRequest("this server has no tool-call parser; restart it with --tool-call-parser NAME "
+                             "(glm45, hermes, deepseek_v3, kimi_k2)", param="tools")
+        names = [t.function.name for t in req.tools or []]
+        if len(set(names)) != len(names):
+            raise BadRequest("two tools have the same function name", param="tools")
+        forced_name: str | None = None
+        if isinstance(choice, NamedToolChoice):
+            forced_name = choice.function.name
+            if forced_name not in names:
+                raise BadRequest(f"tool_choice names '{forced_name}', which is not among the tools "
+                                 f"({', '.join(names)})", param="tool_choice")
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        tool_parser = parser_cls([t.model_dump() for t in req.tools]) if self.parse_tools else None
+        self.prefix = ""
+        if self.parse_tools and (forced_name or choice == "required"):
+            template_kwargs.setdefault("enable_thinking", False)
+            self.prefix = tool_parser.call_prefix(forced_name)
+        prompt_text = render_chat(tok, req.messages, req.tools if self.parse_tools else None,
+                                  add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message,
+                                  template_kwargs=template_kwargs) + self.prefix
+        self.prompt_text = prompt_text
+        self.prompt_ids = list(tok.encode(prompt_text, add_special_tokens=False))
+        self.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        self.params = sampling_params(req, prompt_len=len(self.prompt_ids), max_model_len=state.engine.max_model_len,
+                                      defaults=state.sampling_defaults, logprobs=self.logprobs)
+        self.keep_special = bool(tool_parser is not None and tool_parser.needs_special_tokens)
+        if self.keep_special:
+            self.params.skip_special_tokens = False
+        reasoning = state.reasoning_parser
+        self.starts_in_reasoning = bool(reasoning and reasoning.starts_in_reasoning(prompt_text))
+        self.tool_parser = tool_parser
+
+    def choice_parser(self) -> ChoiceOutputParser:
+        eos_texts: tuple[str, ...] = ()
+        if self.keep_special:
+            tok = self.state.tokenizer
+            eos_texts = tuple(tok.decode([e], skip_special_tokens=False) for e in sorted(self.state.engine.eos_token_ids))
+        p = ChoiceOutputParser(self.state.reasoning_parser, self.starts_in_reasoning,
+                               type(self.tool_parser)([t.model_dump() for t in self.req.tools])
+                               if self.tool_parser is not None else None, eos_texts)
+        return p
+
+    def generation(self, request_id: str) -> Generation:
+        return Generation(self.state.engine, self.state.metrics, request_id, [self.prompt_ids], self.params,
+                          self.req.n, self.state.config.request_timeout_s)
+
+
+def _token_text(tok, tid: int, lp) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
+
+
+def chat_logprobs(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int) -> ChatLogprobs | None:
+    if positions is None:
+        return None
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        lp = pos.get(tid)
+        text = _token_text(tok, tid, lp)
+        top = sorted(((i, p) for i, p in pos.items() if p.rank is not None and p.rank <= k), key=lambda x: x[1].rank)
+        content.append(TokenLogprob(
+            token=text, logprob=max(lp.logprob, -9999.0) if lp else -9999.0, bytes=list(text.encode()),
+            top_logprobs=[TopLogprob(token=_token_text(tok, i, p), logprob=max(p.logprob, -9999.0),
+                                     bytes=list(_token_text(tok, i, p).encode())) for i, p in top]))
+    return ChatLogprobs(content=content)
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+async def chat_response(plan: ChatPlan, request_id: str) -> ChatCompletionResponse:
+    gen = plan.generation(request_id)
+    tok = plan.state.tokenizer
+    n = gen.num_choices
+    texts = [""] * n
+    ids: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[PositionLogprobs] | None] = [[] if plan.logprobs is not None else None for _ in range(n)]
+    finish: list[tuple[str | None, Any]] = [(None, None)] * n
+    async for deltas in gen.stream():
+        for d in deltas:
+            texts[d.index] += d.text
+            ids[d.index] += d.token_ids
+            if d.logprobs is not None and lps[d.index] is not None:
+                lps[d.index] += d.logprobs
+            if d.finish_reason is not None:
+                finish[d.index] = (d.finish_reason, d.stop_reason)
+    choices = []
+    for i in range(n):
+        parts = plan.choice_parser().feed(plan.prefix + texts[i], final=True)
+        calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parts.calls]
+        msg = AssistantMessage(content=parts.content if parts.content or not calls else None,
+                               reasoning_content=parts.reasoning or None, tool_calls=calls)
+        choices.append(ChatChoice(index=i, message=msg,
+                                  logprobs=chat_logprobs(tok, ids[i], lps[i], plan.logprobs or 0),
+                                  finish_reason=_finish_reason(finish[i][0], bool(calls)), stop_reason=finish[i][1]))
+    usage = UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                      total_tokens=gen.prompt_tokens + gen.completion_tokens)
+    plan.usage = usage
+    return ChatCompletionResponse(id=request_id, model=plan.state.model_name, choices=choices, usage=usage)
+
+
+def _sse(obj) -> str:
+    if hasattr(obj, "model_dump_json"):
+        return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class ChatStream:
+    """Turns a Generation's per-step deltas into chat.completion.chunk events."""
+
+    def __init__(self, plan: ChatPlan, request_id: str):
+        self.plan, self.request_id = plan, request_id
+        self.gen = plan.generation(request_id)
+        n = self.gen.num_choices
+        self.parsers = [plan.choice_parser() for _ in range(n)]
+        self.calls_made = [0] * n
+        self.started = False
+        opts = plan.req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        self.usage = UsageInfo()
+
+    def current_usage(self) -> UsageInfo:
+        g = self.gen
+        self.usage = UsageInfo(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
+                               total_tokens=g.prompt_tokens + g.completion_tokens)
+        return self.usage
+
+    def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, model=self.plan.state.model_name, choices=choices,
+                                   usage=self.current_usage() if self.continuous_usage else None)
+
+    def _choice(self, d: ChoiceDelta, parts: ChoiceDeltaParts) -> ChatStreamChoice | None:
+        i = d.index
+        calls = []
+        for c in parts.calls:
+            calls.append(DeltaToolCall(index=self.calls_made[i], id=c.id, type="function",
+                                       function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
+            self.calls_made[i] += 1
+        logprobs = chat_logprobs(self.plan.state.tokenizer, d.token_ids, d.logprobs, self.plan.logprobs or 0) \
+            if d.logprobs is not None and d.token_ids else None
+        if not parts and d.finish_reason is None and logprobs is None:
+            return None
+        delta = DeltaMessage(content=parts.content or None, reasoning_content=parts.reasoning or None,
+                             tool_calls=calls or None)
+        return ChatStreamChoice(index=i, delta=delta, logprobs=logprobs,
+                                finish_reason=_finish_reason(d.finish_reason, self.calls_made[i] > 0),
+                                stop_reason=d.stop_reason)
+
+    async def events(self, deltas_iter: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
+        n = self.gen.num_choices
+        # the role comes first, once per choice, as OpenAI sends it
+        yield _sse(self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                                for i in range(n)]))
+        if self.plan.prefix:
+            for i in range(n):  # the forced call opener is part of each reply
+                self.parsers[i].feed(self.plan.prefix)
+        try:
+            async for deltas in deltas_iter:
+                choices = []
+                for d in deltas:
+                    parts = self.parsers[d.index].feed(d.text, final=d.finish_reason is not None)
+                    c = self._choice(d, parts)
+                    if c is not None:
+                        choices.append(c)
+                if choices:
+                    yield _sse(self._chunk(choices))
+        except APIError as exc:  # headers are gone: report in-band, then end the stream properly
+            yield _sse(exc.response())
+        if self.include_usage:
+            yield _sse(ChatCompletionChunk(id=self.request_id, model=self.plan.state.model_name, choices=[],
+                                           usage=self.current_usage()))
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,142 @@
+"""POST /v1/completions: raw prompts (text, token ids, or lists of either) -> text, as one JSON
+response or as server-sent events. Choice index = prompt index x n + sample index."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from moet.outputs import PositionLogprobs
+from moet.serve.errors import APIError, BadRequest
+from moet.serve.generation import ChoiceDelta, Generation
+from moet.serve.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
+from moet.serve.sampling import check_unsupported, sampling_params
+from moet.serve.server_state import ServerState
+
+
+class CompletionPlan:
+    def __init__(self, state: ServerState, req: CompletionRequest):
+        self.state, self.req = state, req
+        state.check_model(req.model)
+        check_unsupported(req)
+        tok = state.tokenizer
+        p = req.prompt
+        raw: list[str | list[int]] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        self.prompts: list[list[int]] = []
+        self.prompt_texts: list[str] = []
+        vocab = getattr(tok, "vocab_size", None) if tok is not None else None
+        for i, item in enumerate(raw):
+            if isinstance(item, str):
+                if tok is None:
+                    raise BadRequest("this model has no tokenizer; send prompts as token ids", param="prompt")
+                if not item:
+                    raise BadRequest(f"prompt[{i}] is empty", param="prompt")
+                ids = list(tok(item).input_ids)
+                self.prompt_texts.append(item)
+            else:
+                ids = [int(t) for t in item]
+                if vocab is not None and any(t < 0 or t >= len(tok) for t in ids):
+                    raise BadRequest(f"prompt[{i}] has a token id outside the vocabulary (0..{len(tok) - 1})",
+                                     param="prompt")
+                self.prompt_texts.append(tok.decode(ids) if tok is not None else "")
+            self.prompts.append(ids)
+        self.logprobs = req.logprobs
+        longest = max(self.prompts, key=len)
+        self.params = sampling_params(req, prompt_len=len(longest), max_model_len=state.engine.max_model_len,
+                                      defaults=state.sampling_defaults, logprobs=req.logprobs)
+
+    def generation(self, request_id: str) -> Generation:
+        return Generation(self.state.engine, self.state.metrics, request_id, self.prompts, self.params, self.req.n,
+                          self.state.config.request_timeout_s)
+
+    def echo_text(self, index: int) -> str:
+        return self.prompt_texts[index // self.req.n] if self.req.echo else ""
+
+
+def completion_logprobs(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int,
+                        offset: int) -> CompletionLogprobs | None:
+    """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
+    if positions is None:
+        return None
+    out = CompletionLogprobs()
+    for tid, pos in zip(token_ids, positions):
+        lp = pos.get(tid)
+        text = lp.decoded_token if lp is not None and lp.decoded_token is not None else tok.decode([tid])
+        out.tokens.append(text)
+        out.token_logprobs.append(max(lp.logprob, -9999.0) if lp else None)
+        top = sorted(((i, p) for i, p in pos.items() if p.rank is not None and p.rank <= k), key=lambda x: x[1].rank)
+        out.top_logprobs.append({(p.decoded_token if p.decoded_token is not None else tok.decode([i])):
+                                 max(p.logprob, -9999.0) for i, p in top} if k else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+async def completion_response(plan: CompletionPlan, request_id: str) -> CompletionResponse:
+    gen = plan.generation(request_id)
+    n = gen.num_choices
+    texts = [""] * n
+    ids: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list | None] = [[] if plan.logprobs is not None else None for _ in range(n)]
+    finish = [(None, None)] * n
+    async for deltas in gen.stream():
+        for d in deltas:
+            texts[d.index] += d.text
+            ids[d.index] += d.token_ids
+            if d.logprobs is not None and lps[d.index] is not None:
+                lps[d.index] += d.logprobs
+            if d.finish_reason is not None:
+                finish[d.index] = (d.finish_reason, d.stop_reason)
+    tok = plan.state.tokenizer
+    choices = []
+    for i in range(n):
+        echo = plan.echo_text(i)
+        choices.append(CompletionChoice(index=i, text=echo + texts[i],
+                                        logprobs=completion_logprobs(tok, ids[i], lps[i], plan.logprobs or 0, len(echo)),
+                                        finish_reason=finish[i][0], stop_reason=finish[i][1]))
+    usage = UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                      total_tokens=gen.prompt_tokens + gen.completion_tokens)
+    plan.usage = usage
+    return CompletionResponse(id=request_id, model=plan.state.model_name, choices=choices, usage=usage)
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+
+
+class CompletionStream:
+    def __init__(self, plan: CompletionPlan, request_id: str):
+        self.plan, self.request_id = plan, request_id
+        self.gen = plan.generation(request_id)
+        opts = plan.req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        self.offsets = [len(plan.echo_text(i)) for i in range(self.gen.num_choices)]
+        self.usage = UsageInfo()
+
+    def current_usage(self) -> UsageInfo:
+        g = self.gen
+        self.usage = UsageInfo(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
+                               total_tokens=g.prompt_tokens + g.completion_tokens)
+        return self.usage
+
+    async def events(self, deltas_iter: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
+        tok = self.plan.state.tokenizer
+        model = self.plan.state.model_name
+        if self.plan.req.echo:
+            yield _sse(CompletionResponse(id=self.request_id, model=model, choices=[
+                CompletionChoice(index=i, text=self.plan.echo_text(i)) for i in range(self.gen.num_choices)]))
+        try:
+            async for deltas in deltas_iter:
+                choices = []
+                for d in deltas:
+                    lp = completion_logprobs(tok, d.token_ids, d.logprobs, self.plan.logprobs or 0,
+                                             self.offsets[d.index])
+                    self.offsets[d.index] += len(d.text)
+                    choices.append(CompletionChoice(index=d.index, text=d.text, logprobs=lp,
+                                                    finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+                yield _sse(CompletionResponse(id=self.request_id, model=model, choices=choices,
+                                              usage=self.current_usage() if self.continuous_usage else None))
+        except APIError as exc:
+            yield f"data: {exc.response().model_dump_json()}\n\n"
+        if self.include_usage:
+            yield _sse(CompletionResponse(id=self.request_id, model=model, choices=[], usage=self.current_usage()))
+        yield "data: [DONE]\n\n"

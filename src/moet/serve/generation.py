@@ -1,0 +1,160 @@
+"""One HTTP request's work on the engine: its engine requests (one per prompt, each sampling
+n sequences), merged into one stream of per-choice deltas.
+
+The engine yields cumulative outputs; clients want what is new. Deltas are cut by length from
+the cumulative text and token lists; a trailing U+FFFD (an incomplete UTF-8 character that the
+next token may complete) is held back until the text grows past it or the choice finishes.
+
+Leaving the stream early for any reason (client gone, cancelled task, timeout, error) aborts
+every unfinished engine request, which frees its KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from moet.errors import ConfigError, MoetError
+from moet.outputs import PositionLogprobs, RequestOutput
+from moet.sampling_params import SamplingParams
+from moet.serve.errors import BadRequest, Timeout, Unavailable
+from moet.serve.metrics import ServerMetrics
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Choice:
+    text_len: int = 0
+    tokens: int = 0
+    done: bool = False
+    first_at: float | None = None
+    last_at: float = 0.0
+
+
+@dataclass
+class EngineJob:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_index: int     # choice index of this job's output 0
+
+
+class Generation:
+    def __init__(self, engine, metrics: ServerMetrics | None, request_id: str, prompts: list[list[int]],
+                 params: SamplingParams, n: int, timeout_s: float):
+        self.engine, self.metrics, self.timeout_s = engine, metrics, timeout_s
+        self.arrival = time.perf_counter()
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        # one engine request per prompt; the engine samples its n sequences (sharing the prompt's KV)
+        self.jobs = [EngineJob(f"{request_id}-{i}", ids, dataclasses.replace(params, n=n), i * n)
+                     for i, ids in enumerate(prompts)]
+        self.choices: dict[int, _Choice] = {k: _Choice() for k in range(len(prompts) * n)}
+        self.completion_tokens = 0
+        self.finished_jobs: set[str] = set()
+
+    # ------------------------------------------------------------------ internals
+
+    async def _pump(self, job: EngineJob, queue: asyncio.Queue) -> None:
+        try:
+            async for out in self.engine.generate(job.request_id, job.prompt_ids, job.params):
+                await queue.put((job, out))
+                if out.finished:
+                    self.finished_jobs.add(job.request_id)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the consumer, which raises it in the handler
+            await queue.put((job, exc))
+        finally:
+            await queue.put((job, None))
+
+    def _deltas(self, job: EngineJob, out: RequestOutput) -> list[ChoiceDelta]:
+        now = time.perf_counter()
+        deltas = []
+        for c in out.outputs:
+            idx = job.first_index + c.index
+            st = self.choices[idx]
+            if st.done:
+                continue
+            finished = c.finish_reason is not None or out.finished
+            stable = len(c.text) if finished or not c.text.endswith("\ufffd") else len(c.text.rstrip("\ufffd"))
+            text = c.text[st.text_len:stable] if stable > st.text_len else ""
+            new_ids = list(c.token_ids[st.tokens:])
+            lps = list(c.logprobs[st.tokens:len(c.token_ids)]) if c.logprobs is not None else None
+            if new_ids and self.metrics is not None:
+                self.metrics.observe_tokens(st.first_at is None, now - self.arrival, now - (st.last_at or now),
+                                            len(new_ids))
+            if new_ids:
+                st.first_at = st.first_at or now
+                st.last_at = now
+            st.text_len = max(st.text_len, stable)
+            st.tokens = len(c.token_ids)
+            self.completion_tokens += len(new_ids)
+            if finished:
+                st.done = True
+                if self.metrics is not None:
+                    self.metrics.finished(c.finish_reason, now - self.arrival)
+            if text or new_ids or finished:
+                deltas.append(ChoiceDelta(idx, text, new_ids, lps, c.finish_reason if finished else None,
+                                          c.stop_reason if finished else None))
+        return deltas
+
+    # ------------------------------------------------------------------ public
+
+    async def stream(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Per engine step: the deltas of the choices that moved. Raises BadRequest for a request
+        the engine refuses, Timeout past timeout_s, Unavailable when the engine fails."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(job, queue)) for job in self.jobs]
+        live = len(tasks)
+        deadline = self.arrival + self.timeout_s
+        try:
+            while live:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise Timeout(f"generation ran past the server's request timeout ({self.timeout_s:g} s); "
+                                  "ask for fewer tokens or raise --request-timeout-s")
+                try:
+                    job, item = await asyncio.wait_for(queue.get(), timeout=left)
+                except asyncio.TimeoutError:
+                    continue
+                if item is None:
+                    live -= 1
+                    continue
+                if isinstance(item, ConfigError):     # a request that can never run: the client's to fix
+                    raise BadRequest(str(item)) from None
+                if isinstance(item, MoetError):       # shutting down, a failed step: not the client's fault
+                    raise Unavailable(str(item)) from None
+                if isinstance(item, asyncio.CancelledError):
+                    raise Unavailable("the engine cancelled this request (shutting down?)")
+                if isinstance(item, BaseException):
+                    raise Unavailable(f"the engine failed on this request: {type(item).__name__}: {item}") from item
+                deltas = self._deltas(job, item)
+                if deltas:
+                    yield deltas
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            for job in self.jobs:
+                if job.request_id not in self.finished_jobs:
+                    try:
+                        await asyncio.shield(self.engine.abort(job.request_id))
+                    except Exception:
+                        pass
+            # let the cancelled pumps unwind (the engine's generate() sees the cancellation too)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.choices)

@@ -1,0 +1,58 @@
+"""ServeConfig: the HTTP server's own knobs (the engine's are EngineConfig's). Each field is a
+`moet serve` flag with dashes, derived from the field like EngineConfig's, so help text and
+defaults live in one place."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+from moet.errors import ConfigError
+
+
+def _knob(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ServeConfig:
+    host: str = _knob("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    port: int = _knob(8000, "TCP port")
+    api_key: str | None = _knob(None, "when set, every /v1 request needs 'Authorization: Bearer KEY' (else 401)")
+    tool_call_parser: str = _knob("auto", "tool-call syntax to parse: glm45, hermes, deepseek_v3, kimi_k2, none, "
+                                          "or auto (from the chat template's markup)")
+    reasoning_parser: str = _knob("auto", "move <think>...</think> into reasoning_content: think, none, or auto "
+                                          "(think when the chat template writes think blocks)")
+    max_pending_requests: int = _knob(256, "requests in flight (running + waiting) before new ones get 429")
+    request_timeout_s: float = _knob(600.0, "a request still generating after this many seconds is aborted (504)")
+    max_request_bytes: int = _knob(16 * 1024 * 1024, "largest accepted request body (else 413)")
+    log_requests: bool = _knob(True, "log one line per request (method, path, status, tokens, seconds)")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port={self.port} must be in 1..65535")
+        for name in ("max_pending_requests", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s={self.request_timeout_s} must be > 0")
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(ServeConfig):
+        default = None if f.default is MISSING else f.default
+        t = str(f.type)
+        kind = int if t.startswith("int") else float if t.startswith("float") else _bool if t == "bool" else str
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default, metavar="X",
+                            help=f"{f.metadata['help']} (default: {default})")
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})

@@ -1,0 +1,48 @@
+"""Tool-call parsers, chosen with `moet serve --tool-call-parser NAME` (default: picked from
+the chat template's markup, see `default_tool_parser`)."""
+from __future__ import annotations
+
+from moet.errors import ConfigError
+from moet.serve.tool_parsers.base import ParsedToolCall, ToolCallStream, ToolParseDelta, ToolParser
+from moet.serve.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from moet.serve.tool_parsers.glm45 import Glm45ToolParser
+from moet.serve.tool_parsers.hermes import HermesToolParser
+from moet.serve.tool_parsers.kimi_k2 import KimiK2ToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "glm45": Glm45ToolParser, "glm47": Glm45ToolParser,
+    "hermes": HermesToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser,
+    "kimi_k2": KimiK2ToolParser,
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ConfigError(f"--tool-call-parser {name!r} is unknown; choose one of "
+                          f"{', '.join(sorted(TOOL_PARSERS))} (or none)") from None
+
+
+# Markup that identifies a format in a chat template, most specific first. The template is
+# what the model was trained to read and write, so it decides; the architecture alone does not
+# (Kimi-K2 and moet-tiny are both DeepseekV3ForCausalLM with different tool syntax).
+_TEMPLATE_MARKERS = (
+    ("<arg_key>", "glm45"),
+    ("tool_calls_section_begin", "kimi_k2"),
+    ("tool▁calls▁begin", "deepseek_v3"),
+    ("<tool_call>", "hermes"),
+)
+_FAMILY_DEFAULTS = {"Glm4MoeForCausalLM": "glm45"}
+
+
+def default_tool_parser(chat_template: str | None, architecture: str | None = None) -> str | None:
+    for marker, name in _TEMPLATE_MARKERS:
+        if chat_template and marker in chat_template:
+            return name
+    return _FAMILY_DEFAULTS.get(architecture or "")
+
+
+__all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolCallStream", "ToolParseDelta", "ToolParser",
+           "default_tool_parser", "get_tool_parser"]

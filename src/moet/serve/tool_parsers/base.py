@@ -1,0 +1,185 @@
+"""What every tool-call parser shares: the complete and the streaming interface, and the
+streaming state machine that guarantees a client never sees half a call.
+
+A model writes tool calls inside "regions" that open with a fixed marker (`<tool_call>` for
+GLM-4.5 and Hermes, `<｜tool▁calls▁begin｜>` for DeepSeek-V3, ...). The stream:
+  - outside a region, passes text through as content, holding back a tail that could be the
+    start of the marker (a marker split across tokens must not leak out as content);
+  - inside a region, buffers text until the format's parser (`take`) can cut off whole calls,
+    and emits each call in one piece: id, name and complete JSON arguments in a single delta;
+  - at the end, hands an unfinished region back as content (nothing is lost, nothing is half).
+The complete parser is the stream fed everything at once, so streamed and non-streamed
+responses agree by construction.
+
+Content whitespace: leading whitespace and whitespace that only separates content from a call
+or from the end are dropped (GLM writes "\\n" before and after calls); whitespace between two
+pieces of content is kept.
+"""
+from __future__ import annotations
+
+import ast
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str          # JSON object text
+    id: str | None = None   # a parser-given id (Kimi-K2's "functions.name:0"); else the server makes one
+
+
+@dataclass
+class ToolParseDelta:
+    content: str = ""
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+    def extend(self, other: "ToolParseDelta") -> None:
+        self.content += other.content
+        self.calls.extend(other.calls)
+
+
+@dataclass
+class Taken:
+    """What a format's `take` cut off the front of a region buffer."""
+    calls: list[ParsedToolCall]
+    rest: str               # the unconsumed text (inside the region unless closed)
+    closed: bool            # the region ended; `rest` is content again
+    invalid: str = ""       # raw text of a malformed call, handed back as content
+
+
+class InvalidToolCall(ValueError):
+    """A complete call block that does not parse; its raw text becomes content."""
+
+
+class ToolParser(ABC):
+    """One model family's tool-call syntax. Subclasses set `name` and `region_start` and
+    implement `take` and `call_prefix`."""
+
+    name: ClassVar[str]
+    region_start: ClassVar[str]
+    # True when the markers are special tokens that decode(skip_special_tokens=True) would drop.
+    needs_special_tokens: ClassVar[bool] = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None):
+        # name -> JSON schema of the parameters, to type GLM's string-valued arguments
+        self.schemas: dict[str, dict[str, Any]] = {}
+        for t in tools or []:
+            f = t.get("function", t)
+            self.schemas[f["name"]] = f.get("parameters") or {}
+
+    @abstractmethod
+    def take(self, buf: str) -> Taken | None:
+        """`buf` is text inside a region (after `region_start`). Cut every complete call off its
+        front; None when not even one call (or the region's end) is complete yet."""
+
+    @abstractmethod
+    def call_prefix(self, name: str | None) -> str:
+        """Text that opens a call (to `name`, or to a function the model picks when None), put
+        at the start of the reply when tool_choice forces a call."""
+
+    # ------------------------------------------------------------------ shared helpers
+
+    def typed_value(self, function: str, arg: str, raw: str) -> Any:
+        """A string-valued argument as the schema's type: strings stay as written; numbers,
+        booleans, objects and arrays are parsed as JSON (then as a Python literal), else kept."""
+        prop = self.schemas.get(function, {}).get("properties", {}).get(arg, {})
+        kind = prop.get("type")
+        if kind == "string" or kind is None and not prop:
+            return raw
+        for parse in (json.loads, ast.literal_eval):
+            try:
+                return parse(raw.strip())
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                continue
+        return raw
+
+    @staticmethod
+    def arguments_json(args: Any) -> str:
+        return json.dumps(args, ensure_ascii=False)
+
+    # ------------------------------------------------------------------ entry points
+
+    def stream(self) -> "ToolCallStream":
+        return ToolCallStream(self)
+
+    def parse(self, text: str) -> ToolParseDelta:
+        s = self.stream()
+        out = s.feed(text)
+        out.extend(s.finish())
+        return out
+
+
+def _partial_marker_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Incremental parsing of one choice's content. feed() deltas of text, then finish()."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.buf = ""            # text not yet emitted
+        self.in_region = False
+        self.pending_ws = ""     # whitespace held until we know content follows it
+        self.emitted_content = False
+        self.num_calls = 0
+
+    def _content(self, text: str, out: ToolParseDelta) -> None:
+        """Emit content, holding trailing whitespace and dropping leading whitespace."""
+        if not text:
+            return
+        body = text.rstrip()
+        tail = text[len(body):]
+        if body:
+            if not self.emitted_content:
+                body = body.lstrip()
+                self.pending_ws = ""
+            out.content += self.pending_ws + body
+            self.emitted_content = True
+            self.pending_ws = tail
+        else:
+            self.pending_ws += tail if self.emitted_content else ""
+
+    def feed(self, text: str) -> ToolParseDelta:
+        out = ToolParseDelta()
+        self.buf += text
+        marker = self.parser.region_start
+        while True:
+            if not self.in_region:
+                i = self.buf.find(marker)
+                if i < 0:
+                    keep = _partial_marker_len(self.buf, marker)
+                    self._content(self.buf[: len(self.buf) - keep], out)
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return out
+                self._content(self.buf[:i], out)
+                self.buf = self.buf[i + len(marker):]
+                self.in_region = True
+            taken = self.parser.take(self.buf)
+            if taken is None:
+                return out
+            if taken.invalid:
+                self._content(taken.invalid, out)
+            out.calls.extend(taken.calls)
+            self.num_calls += len(taken.calls)
+            self.buf = taken.rest
+            if taken.closed:
+                self.in_region = False
+            elif not taken.calls and not taken.invalid:
+                return out  # take() made no progress: wait for more text
+
+    def finish(self) -> ToolParseDelta:
+        out = ToolParseDelta()
+        if self.in_region:  # an unterminated call: give it back as text
+            self._content(self.parser.region_start + self.buf, out)
+        else:
+            self._content(self.buf, out)
+        self.buf, self.pending_ws, self.in_region = "", "", False
+        return out

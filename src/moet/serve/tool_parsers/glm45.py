@@ -1,0 +1,48 @@
+"""GLM-4.5 / GLM-4.7 tool calls (and moet-tiny's, which copies them): XML-ish blocks
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    </tool_call>
+
+one block per call. Values are written as plain text; the tool's JSON schema decides whether a
+value stays a string or is read as a number / boolean / object (as vLLM's glm45 parser does).
+"""
+from __future__ import annotations
+
+import re
+
+from moet.serve.tool_parsers.base import InvalidToolCall, ParsedToolCall, Taken, ToolParser
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+class Glm45ToolParser(ToolParser):
+    name = "glm45"
+    region_start = CALL_START
+
+    def take(self, buf: str) -> Taken | None:
+        end = buf.find(CALL_END)
+        if end < 0:
+            return None
+        block, rest = buf[:end], buf[end + len(CALL_END):]
+        try:
+            return Taken([self._call(block)], rest, closed=True)
+        except InvalidToolCall:
+            return Taken([], rest, closed=True, invalid=CALL_START + block + CALL_END)
+
+    def _call(self, block: str) -> ParsedToolCall:
+        name, _, body = block.partition("\n")
+        if "<arg_key>" in name:  # "name<arg_key>..." on one line
+            name, body = name[: name.index("<arg_key>")], name[name.index("<arg_key>"):] + "\n" + body
+        name = name.strip()
+        if not name or any(c in name for c in "<>{}\"' \t"):
+            raise InvalidToolCall(f"bad function name {name!r}")
+        if _ARG.sub("", body).strip():  # anything but key/value pairs inside the block
+            raise InvalidToolCall("text outside <arg_key>/<arg_value> pairs")
+        args = {k.strip(): self.typed_value(name, k.strip(), v) for k, v in _ARG.findall(body)}
+        return ParsedToolCall(name, self.arguments_json(args))
+
+    def call_prefix(self, name: str | None) -> str:
+        return CALL_START + (f"{name}\n" if name else "")

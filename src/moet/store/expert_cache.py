@@ -1,0 +1,225 @@
+"""The device expert cache: a pool of S slots per tag on the compute device, and the int32 slot
+table [layers, experts] (-1 = absent) the MoE layers read through.
+
+The pool is a kernels/pools.py object built from the pack's row layout, and every MoE block's
+`pool` is that very object (its `slot_table` is row l of the table, a view): a cached expert's
+bytes are the pack row's bytes, so the computation cannot tell a cached expert from a resident
+one. A miss (slot -1) contributes zero and counts in the layer's miss counter; the MoE layer's
+route log (`route_counts`, int32 [experts], a row of this cache's [layers, experts]) says which
+experts the pass chose, so the runner knows what to fetch (store/replay.py drives it).
+
+Eviction: by recency-decayed frequency (score = decay * score + [used this step], per step;
+ties: least recent, then lowest key), or plain LRU; never a row the current pass needs.
+Fetches copy rows from the host arena (which reads the pack on a miss) straight into the
+pool's slots: one asynchronous host-to-device copy per row field on a side stream (rows are
+pinned arena slots), then the updated table; the compute stream waits on an event, so no
+host sync is needed before the replay.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from moet.errors import ConfigError
+from moet.store.host_arena import HostArena
+from moet.store.pack_file import PackFile, copy_row_into_slot
+
+POLICIES = ("decayed", "lru")
+
+
+def min_cache_slots(num_layers: int, top_k: int, max_num_seqs: int, num_drafts: int = 0) -> int:
+    """Fewest slots a decode step can run with (SPEC 2.3): every MoE layer's top_k experts for
+    each of up to 4 sequences and their drafts resident at once."""
+    return num_layers * top_k * (1 + num_drafts) * min(max_num_seqs, 4)
+
+
+class ExpertCache:
+    def __init__(self, pack: PackFile, num_slots: int, device: torch.device | str, *,
+                 arena: HostArena | None = None, policy: str = "decayed", decay: float = 0.9):
+        if policy not in POLICIES:
+            raise ConfigError(f"expert cache policy {policy!r} is not supported; choose one of {', '.join(POLICIES)}")
+        self.pack = pack
+        self.device = torch.device(device)
+        self.layout = pack.layout
+        self.num_layers, self.num_experts = pack.num_layers, pack.num_experts
+        total = self.num_layers * self.num_experts
+        if num_slots < 1:
+            raise ConfigError(f"expert_cache_slots={num_slots} must be at least 1")
+        self.num_slots = min(num_slots, total)
+        self.policy, self.decay = policy, decay
+        cuda = self.device.type == "cuda"
+        self.pool = self.layout.new_pool(self.num_slots, self.device)
+        self.slot_table = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int32, device=self.device)
+        self.miss_counters = torch.zeros(self.num_layers, dtype=torch.int64, device=self.device)
+        self.route_counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int32, device=self.device)
+        # host mirror of the table (pinned: uploaded asynchronously) and per-row bookkeeping
+        self._table_host = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int32, pin_memory=cuda)
+        self._table = self._table_host.numpy().reshape(-1)
+        self._key_of_slot = np.full(self.num_slots, -1, dtype=np.int64)
+        self._score = np.zeros(total, dtype=np.float64)
+        self._last_used = np.full(total, -1, dtype=np.int64)
+        self.step = 0
+        self.arena = arena if arena is not None else HostArena(pack, 0, pin=cuda)
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._done: torch.cuda.Event | None = None
+        self._in_flight: list[torch.Tensor] = []     # host rows the last fetch copies from
+        self.rows_fetched = self.bytes_fetched = 0
+        self.fetch_seconds = 0.0
+        # per accepted step (run_with_replay): for hit rates and replay counts in engine stats
+        self.steps = self.passes = self.pairs = self.first_pass_missed_pairs = self.tolerated_pairs = 0
+
+    # ---- wiring
+
+    def attach(self, blocks: dict[str, object]) -> None:
+        """Point MoE blocks ({pack layer name: MoE}, pack_builder.model_moe_blocks(model)) at this
+        cache: pool, table row, miss counter and route log. Blocks the pack lacks are an error;
+        pack layers without a block (MTP not loaded) are simply never used."""
+        names = self.pack.meta.layers
+        unknown = [n for n in blocks if n not in names]
+        if unknown:
+            raise ConfigError(f"MoE block {unknown[0]} is not in the pack {self.pack.paths.data}")
+        for l, name in enumerate(names):
+            moe = blocks.get(name)
+            if moe is None:
+                continue
+            if moe.spec.router.num_experts != self.num_experts:
+                raise ConfigError(f"{name}: {moe.spec.router.num_experts} experts, the pack has {self.num_experts}")
+            moe.pool = self.pool
+            moe.slot_table = self.slot_table[l]
+            moe.miss_counter = self.miss_counters[l:l + 1]
+            moe.route_counts = self.route_counts[l]
+
+    def key(self, layer: int, expert: int) -> int:
+        return layer * self.num_experts + expert
+
+    def resident(self) -> np.ndarray:
+        """bool [layers, experts]."""
+        return (self._table >= 0).reshape(self.num_layers, self.num_experts)
+
+    # ---- one pass of a step
+
+    def begin_pass(self) -> None:
+        self.miss_counters.zero_()
+        self.route_counts.zero_()
+
+    def read_pass(self) -> tuple[np.ndarray, np.ndarray]:
+        """(missed pairs per layer int64 [L], tokens per expert int32 [L, E]) of the pass just
+        run: the one device-to-host sync a step needs."""
+        return self.miss_counters.cpu().numpy(), self.route_counts.cpu().numpy()
+
+    def needed_after_miss(self, misses: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """Rows to fetch after a pass with misses: everything the pass routed to when it fits
+        (later layers' routes were computed from wrong inputs, but fetching them speculatively
+        costs far less than another pass), else the routes of layers up to the first that
+        missed (exact: their inputs were right)."""
+        flat = np.flatnonzero(routed.reshape(-1) > 0)
+        if len(flat) <= self.num_slots:
+            return flat
+        first_bad = int(np.flatnonzero(misses > 0)[0])
+        return flat[flat < (first_bad + 1) * self.num_experts]
+
+    # ---- fetching
+
+    def _victims(self, n: int, keep: np.ndarray) -> np.ndarray:
+        resident = self._key_of_slot[self._key_of_slot >= 0]
+        cand = resident[~np.isin(resident, keep)]
+        if len(cand) < n:
+            raise ConfigError(f"one step needs {len(keep)} experts resident at once but the device cache has "
+                              f"{self.num_slots} slots; raise --expert-cache-slots (or --expert-cache-gb) or "
+                              "lower --max-num-seqs / --max-num-batched-tokens")
+        if self.policy == "lru":
+            order = np.lexsort((cand, self._last_used[cand]))
+        else:
+            order = np.lexsort((cand, self._last_used[cand], self._score[cand]))
+        return cand[order[:n]]
+
+    def fetch(self, keys, *, scan: bool = False) -> int:
+        """Make rows `keys` (flat layer * E + expert) resident, none of them evicted for another;
+        returns how many were copied. scan=True: a prefill batch (the arena only fills free
+        slots for it)."""
+        keys = np.unique(np.asarray(keys, dtype=np.int64))
+        if len(keys) > self.num_slots:
+            raise ConfigError(f"one step needs {len(keys)} experts resident at once but the device cache has "
+                              f"{self.num_slots} slots; raise --expert-cache-slots (or --expert-cache-gb) or "
+                              "lower --max-num-seqs / --max-num-batched-tokens")
+        missing = keys[self._table[keys] < 0]
+        if not len(missing):
+            return 0
+        t0 = time.perf_counter()
+        self._wait_previous()                           # host mirror / staging rows reusable
+        free = np.flatnonzero(self._key_of_slot < 0)[:len(missing)]
+        slots = list(free)
+        if len(missing) > len(free):
+            for v in self._victims(len(missing) - len(free), keys):
+                slots.append(int(self._table[v]))
+                self._table[v] = -1
+                self._key_of_slot[slots[-1]] = -1
+        rows = self.arena.rows(missing.tolist(), scan=scan)
+        cuda = self._stream is not None
+        if cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the last pass is done reading
+        with torch.cuda.stream(self._stream) if cuda else nullcontext():
+            for k, s, row in zip(missing.tolist(), slots, rows):
+                copy_row_into_slot(self.pool, self.layout, int(s), row, non_blocking=cuda)
+                self._table[k] = s
+                self._key_of_slot[s] = k
+            self.slot_table.copy_(self._table_host, non_blocking=cuda)
+        if cuda:
+            self._done = torch.cuda.Event()
+            self._done.record(self._stream)
+            torch.cuda.current_stream(self.device).wait_event(self._done)
+            self._in_flight = rows
+        self.rows_fetched += len(missing)
+        self.bytes_fetched += len(missing) * self.layout.row_bytes
+        self.fetch_seconds += time.perf_counter() - t0
+        return len(missing)
+
+    def _wait_previous(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+            self._in_flight = []
+
+    def warm(self, keys) -> int:
+        """Fill free slots with `keys` in order (e.g. the arena's hot set); never evicts."""
+        free = int((self._key_of_slot < 0).sum())
+        keys = [k for k in dict.fromkeys(int(k) for k in keys) if self._table[k] < 0][:free]
+        return self.fetch(keys) if keys else 0
+
+    def stats(self) -> dict[str, float]:
+        """Counters for EngineStats.extra (monotonic totals; rates where they need no window)."""
+        arena = self.arena
+        return {
+            "expert_cache_slots": float(self.num_slots),
+            "expert_cache_resident": float((self._key_of_slot >= 0).sum()),
+            "expert_cache_hit_rate": 1.0 - self.first_pass_missed_pairs / self.pairs if self.pairs else 1.0,
+            "expert_replay_passes_per_step": self.passes / self.steps if self.steps else 0.0,
+            "expert_tolerated_misses_total": float(self.tolerated_pairs),
+            "expert_rows_fetched_total": float(self.rows_fetched),
+            "expert_bytes_fetched_total": float(self.bytes_fetched),
+            "expert_fetch_seconds_total": self.fetch_seconds,
+            "host_arena_hit_rate": arena.hits / (arena.hits + arena.misses) if arena.hits + arena.misses else 1.0,
+            "pack_bytes_read_total": float(self.pack.bytes_read),
+        }
+
+    def end_step(self, routed: np.ndarray) -> None:
+        """Account the accepted pass's routes: frequencies decay, used rows score one."""
+        used = np.flatnonzero(routed.reshape(-1) > 0)
+        self._score *= self.decay
+        self._score[used] += 1.0
+        self._last_used[used] = self.step
+        self.step += 1
+
+
+
+def cache_slots(expert_cache_slots: int | None, expert_cache_gb: float | None, row_bytes: int, total_rows: int) -> int | None:
+    """Slots for EngineConfig.expert_cache_slots / expert_cache_gb (None: neither is set; the
+    engine decides from free device memory after weights and KV)."""
+    if expert_cache_slots is not None:
+        return min(expert_cache_slots, total_rows)
+    if expert_cache_gb is not None:
+        return min(total_rows, int(expert_cache_gb * 2**30) // row_bytes)
+    return None

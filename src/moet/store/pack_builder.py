@@ -1,0 +1,320 @@
+"""Open a checkpoint's pack, building, resuming or repairing it first when needed.
+
+First boot quantizes in a stream: one MoE block (pack layer) at a time, its expert tensors read
+from the checkpoint one projection at a time and converted on arrival (model/experts.py, the
+same functions the loader uses, so pack rows equal the loader's pool bit for bit) into a
+layer buffer of num_experts slots, then written (pwrite + fdatasync) and only then recorded in
+the sidecar. Host memory: that one layer's rows, one projection's tensors and the open shard's
+touched pages. A kill at any point keeps every layer already recorded; the next boot checks
+their checksums and continues with the rest.
+
+Later boots reuse the pack when its sidecar matches what is asked for: format version, tag,
+checkpoint identity, quantizer version and options, row layout, layer list. Otherwise:
+  - no or unreadable sidecar, or any of those differ   -> rebuilt from scratch (logged)
+  - incomplete (a killed first boot)                   -> written layers verified, the rest built
+  - file shorter than the sidecar says (truncated)     -> the layers it cut are rebuilt
+  - pack_verify="full": every row checked at boot      -> damaged layers rebuilt
+  - rebuild=True                                       -> rebuilt from scratch
+A damaged row found later, while serving, is refused (PackError naming --pack-verify full).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from moet.checkpoint import Checkpoint
+from moet.checkpoint import weight_format as wf
+from moet.checkpoint.identity import identity as checkpoint_identity
+from moet.checkpoint.spec import ModelSpec, expert_ref
+from moet.errors import CheckpointError, ConfigError
+from moet.model import experts
+from moet.model.loader import IGNORED, logical_shape
+from moet.store.pack_file import (PackFile, PackLock, PackMeta, PackPaths, RowLayout, default_checksum,
+                                  pool_rows)
+
+log = logging.getLogger("moet.store")
+
+PACK_TAGS = ("w2", "fp4")
+# Bump when a tag's conversion produces different bytes for the same checkpoint (packs of the
+# old version are then rebuilt, never reused).
+QUANTIZER_VERSIONS = {"w2": 1, "fp4": 1}
+VERIFY_MODES = ("lazy", "full")
+
+
+def quantizer(tag: str, zero_mode: str = "auto", scale_rule: str = "published") -> dict:
+    if tag not in PACK_TAGS:
+        raise ConfigError(f"no pack format for expert_format={tag!r}; packs hold {', '.join(PACK_TAGS)}")
+    opts = {"zero_mode": zero_mode, "scale_rule": scale_rule} if tag == "w2" else {}
+    return {"name": tag, "version": QUANTIZER_VERSIONS[tag], "options": opts}
+
+
+def quantizer_key(q: dict) -> str:
+    """Short, stable file-name key of a quantizer spec (different options -> different packs)."""
+    h = hashlib.sha256(json.dumps(q, sort_keys=True).encode()).hexdigest()[:10]
+    return f"q{q['version']}-{h}"
+
+
+def pack_layers(spec: ModelSpec) -> list[str]:
+    """The MoE blocks a pack holds, in row order: decoder layers, then MTP layers (their decoder
+    layer has the last layer's kind)."""
+    names = [f"model.layers.{i}" for i in spec.moe_layers]
+    if spec.layer_kinds and spec.layer_kinds[-1] == "moe":
+        names += [f"mtp.{j}.layer" for j in range(spec.num_mtp_layers)]
+    return names
+
+
+def model_moe_blocks(model) -> dict[str, object]:
+    """{pack layer name: MoE module} of a CausalLM (MTP blocks only if loaded)."""
+    from moet.model.layers.moe import MoE
+
+    out = {f"model.layers.{i}": layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)}
+    out.update({f"mtp.{j}.layer": m.layer.mlp for j, m in enumerate(model.mtp) if isinstance(m.layer.mlp, MoE)})
+    return out
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One on-disk expert parameter: per-expert (expert >= 0) or fused over experts (-1)."""
+    names: dict[str, str]     # role -> on-disk tensor
+    fmt: str
+    expert: int               # -1: fused [E, ...]
+    proj: str                 # gate_proj | up_proj | down_proj | gate_up_proj (fused)
+    shard: int
+    where: str
+
+
+def _sources_by_layer(ckpt: Checkpoint, layers: list[str]) -> dict[int, list[_Source]]:
+    """Every routed-expert parameter of the checkpoint, grouped by pack layer, sorted by shard
+    so a layer's reads visit each shard once."""
+    spec, reader = ckpt.spec, ckpt.reader
+    index = {name: i for i, name in enumerate(layers)}
+    shard_no = {s: i for i, s in enumerate(reader.shards)}
+    out: dict[int, list[_Source]] = {i: [] for i in range(len(layers))}
+    for disk_name, info in reader.tensors.items():
+        if wf.primary_name(disk_name) is not None:
+            continue
+        base = disk_name[: -len(wf.MXFP4_BLOCKS)] if disk_name.endswith(wf.MXFP4_BLOCKS) else disk_name
+        name = spec.canonical_name(base)
+        if any(p.search(name) for p in IGNORED):
+            continue
+        ref = expert_ref(name)
+        if ref is None:
+            continue
+        block = f"model.layers.{ref.layer}" if ref.layer is not None else f"mtp.{ref.mtp}.layer"
+        if block not in index:
+            if ref.mtp is not None and ref.mtp >= spec.num_mtp_layers:
+                continue
+            raise CheckpointError(f"{reader.where(disk_name)}: routed-expert tensor for a block that is not MoE "
+                                  "(config.json and the weights disagree)")
+        fmt = wf.tensor_format(base, reader.tensors)
+        names = wf.companions(base, fmt)
+        for role, n in names.items():
+            if n not in reader:
+                raise CheckpointError(f"{reader.where(disk_name)}: {fmt} weight without its {role} tensor {n}")
+        where = reader.where(disk_name)
+        shape = logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
+        e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        if ref.expert is not None:
+            want = (h, i) if ref.proj == "down_proj" else (i, h)
+        else:
+            want = (e, h, i) if ref.proj == "down_proj" else (e, 2 * i, h)
+            if fmt not in ("float", "mxfp4"):
+                raise CheckpointError(f"{where}: fused {fmt} expert tensors are not supported (per-expert tensors are)")
+        if tuple(shape) != want:
+            raise CheckpointError(f"{where}: shape {list(shape)} does not match the {list(want)} that config.json implies")
+        out[index[block]].append(_Source(names, fmt, -1 if ref.expert is None else ref.expert, ref.proj,
+                                         shard_no[info.file], where))
+    for srcs in out.values():
+        srcs.sort(key=lambda s: (s.shard, s.where))
+    return out
+
+
+def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowLayout, w2_opts: dict, device,
+                   where: str) -> torch.Tensor:
+    """One pack layer's rows (uint8 [E, stride], CPU), converted with model/experts.py."""
+    spec, reader = ckpt.spec, ckpt.reader
+    e_count, i = spec.router.num_experts, spec.moe_intermediate_size
+    pool = experts.new_pool(spec, tag, e_count, torch.float32, device)
+    seen: set[tuple[int, str]] = set()
+
+    def add(expert: int, proj: str, fmt: str, parts: dict, at: str) -> None:
+        if not 0 <= expert < e_count:
+            raise CheckpointError(f"{at}: expert {expert} is out of range (config says {e_count} experts)")
+        if (expert, proj) in seen:
+            raise CheckpointError(f"{at}: expert {expert} {proj} is stored twice (per-expert and fused?)")
+        experts.convert_into(pool, expert, spec, proj, fmt, parts, w2_opts, at)
+        seen.add((expert, proj))
+
+    for s in srcs:
+        parts = {r: reader.get(n, copy=False) for r, n in s.names.items()}
+        if s.expert >= 0:
+            add(s.expert, s.proj, s.fmt, parts, s.where)
+        elif s.proj == "down_proj":
+            for x in range(e_count):
+                add(x, "down_proj", s.fmt, {r: t[x] for r, t in parts.items()}, f"{s.where}[{x}]")
+        else:  # fused gate_up [E, 2I, H]: gate rows first
+            for x in range(e_count):
+                for proj, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+                    add(x, proj, s.fmt, {r: t[x, rows] for r, t in parts.items()}, f"{s.where}[{x}]")
+        del parts
+    experts.check_all_arrived(e_count, seen, where)
+    layout.check_pool(pool, where)
+    return pool_rows(pool, layout)
+
+
+def expected_meta(ckpt: Checkpoint, tag: str, q: dict, ident: str, rank: int = 0) -> PackMeta:
+    layers = pack_layers(ckpt.spec)
+    if not layers:
+        raise ConfigError(f"{ckpt.path}: the model has no routed experts; it needs no pack")
+    probe = experts.new_pool(ckpt.spec, tag, 1, torch.float32, "cpu")
+    layout = RowLayout.of_pool(tag, probe)
+    return PackMeta(tag=tag, checkpoint_identity=ident, quantizer=q, layers=layers,
+                    num_experts=ckpt.spec.router.num_experts, row=layout.to_json(), rank=rank,
+                    checksum=default_checksum())
+
+
+def _fresh_file(paths: PackPaths, meta: PackMeta) -> None:
+    """An empty pack file of the full size (space reserved up front: a full disk fails now,
+    not after an hour of quantizing) and a sidecar listing no layer."""
+    if os.path.exists(paths.sidecar):
+        os.unlink(paths.sidecar)      # first: a crash below must not leave an old sidecar on new bytes
+    fd = os.open(paths.data, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, meta.file_bytes)
+        except OSError as exc:
+            raise ConfigError(f"{paths.data}: cannot reserve {meta.file_bytes / 2**30:.2f} GiB for the pack "
+                              f"({exc.strerror}); free disk space or point --pack-dir elsewhere") from exc
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    meta.write_atomic(paths.sidecar)
+
+
+def open_pack(ckpt: Checkpoint, pack_dir: str, *, tag: str = "w2", zero_mode: str = "auto",
+              scale_rule: str = "published", verify: str = "lazy", rebuild: bool = False, o_direct: bool = False,
+              device: torch.device | str = "cpu", progress: bool = False, rank: int = 0) -> PackFile:
+    """The checkpoint's pack for `tag`, complete and valid; built / resumed / repaired first when
+    needed (under an exclusive lock: a second process waits, then finds it complete). The pack
+    is returned holding a shared lock until closed. `device` converts (a GPU is far faster)."""
+    if verify not in VERIFY_MODES:
+        raise ConfigError(f"pack_verify={verify!r} is not supported; choose one of {', '.join(VERIFY_MODES)}")
+    if rank != 0:
+        raise ConfigError("packs are single-rank for now (rank 0); multi-GPU expert placement comes later")
+    q = quantizer(tag, zero_mode, scale_rule)
+    ident = checkpoint_identity(ckpt.reader)
+    paths = PackPaths.of(pack_dir, ident, tag, quantizer_key(q), rank)
+    want = expected_meta(ckpt, tag, q, ident, rank)
+    lock = PackLock(paths.lock)
+    todo: list[int] = []
+    try:
+        # Readers share the lock (several servers, or one process opening a pack twice); a
+        # writer holds it alone, so nobody reads a pack that is being written, and a rebuild
+        # waits until every reader has closed it.
+        lock.shared(log.info)
+        meta = _reusable(paths, want, verify, rebuild)
+        if meta is None:
+            lock.exclusive(log.info)           # then re-plan: another process may have built it meanwhile
+            todo, meta = _plan(paths, want, verify, rebuild)
+            if todo:
+                _build(ckpt, tag, paths, meta, todo, q, device, progress)
+            lock.shared(log.info)
+        pack = PackFile(paths, meta, o_direct=o_direct, lock=lock)
+    except BaseException:
+        lock.close()
+        raise
+    pack.built_layers = len(todo)
+    return pack
+
+
+def _reusable(paths: PackPaths, want: PackMeta, verify: str, rebuild: bool) -> PackMeta | None:
+    """The sidecar if the pack can be used as it is (checked under the shared lock), else None."""
+    have = PackMeta.read(paths.sidecar)
+    if rebuild or have is None or have.key() != want.key() or not have.complete:
+        return None
+    if not os.path.exists(paths.data) or os.path.getsize(paths.data) < have.file_bytes:
+        return None
+    if verify == "full":
+        with PackFile(paths, have) as pf:
+            buf = bytearray(pf.stride)
+            if any(pf.verify_layer(l, buf) for l in range(len(have.layers))):
+                return None
+    return have
+
+
+def _plan(paths: PackPaths, want: PackMeta, verify: str, rebuild: bool) -> tuple[list[int], PackMeta]:
+    """(pack layers to (re)build, the sidecar to build onto). Holds the exclusive lock."""
+    have = PackMeta.read(paths.sidecar)
+    reason = None
+    if rebuild:
+        reason = "--rebuild-pack was given"
+    elif have is None:
+        reason = "no sidecar" if not os.path.exists(paths.sidecar) else "unreadable sidecar"
+    elif have.key() != want.key():
+        diff = [k for k in want.key() if have.key().get(k) != want.key()[k]]
+        reason = f"sidecar differs in {', '.join(diff)}"
+    elif not os.path.exists(paths.data):
+        reason = "pack file missing"
+    if reason is not None:
+        if have is not None or os.path.exists(paths.data):
+            log.warning("rebuilding pack %s: %s", paths.data, reason)
+        _fresh_file(paths, want)
+        return list(range(len(want.layers))), want
+    meta = have
+    size = os.path.getsize(paths.data)
+    if size < meta.file_bytes:
+        cut = [l for l in meta.layers_written if (l + 1) * meta.num_experts * meta.row["stride"] > size]
+        if cut:
+            log.warning("pack %s is truncated (%d of %d bytes): rebuilding layers %s", paths.data, size,
+                        meta.file_bytes, cut)
+        _forget(meta, cut)
+        with open(paths.data, "r+b") as f:
+            os.posix_fallocate(f.fileno(), 0, meta.file_bytes)
+    # A killed build's layers are re-checked before they are kept; a complete pack is checked
+    # row by row at every read from disk, or all at once here with verify="full".
+    check = list(meta.layers_written) if (verify == "full" or not meta.complete) else []
+    if check:
+        with PackFile(paths, meta) as pf:
+            buf = bytearray(pf.stride)
+            bad = [l for l in check if pf.verify_layer(l, buf)]
+        if bad:
+            log.warning("pack %s: layers %s fail their checksums: rebuilding them", paths.data, bad)
+        _forget(meta, bad)
+    if not meta.complete:
+        meta.write_atomic(paths.sidecar)
+    return [l for l in range(len(meta.layers)) if l not in meta.layers_written], meta
+
+
+def _forget(meta: PackMeta, layers: list[int]) -> None:
+    for l in layers:
+        meta.layers_written.remove(l)
+        meta.checksums.pop(str(l), None)
+
+
+def _build(ckpt: Checkpoint, tag: str, paths: PackPaths, meta: PackMeta, todo: list[int], q: dict, device,
+           progress: bool) -> None:
+    layout = meta.layout
+    w2_opts = q["options"] if tag == "w2" else {}
+    sources = _sources_by_layer(ckpt, meta.layers)
+    layer_bytes = meta.num_experts * layout.stride
+    bar = tqdm(total=len(todo) * layer_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"building {tag} pack ({len(todo)}/{len(meta.layers)} layers)", disable=not progress)
+    t0 = time.monotonic()
+    with PackFile(paths, meta, writable=True) as pf:
+        for l in todo:
+            where = f"{ckpt.path}: {meta.layers[l]}"
+            rows = _convert_layer(ckpt, tag, sources[l], layout, w2_opts, device, where)
+            sums = pf.write_layer(l, rows)
+            del rows
+            pf.commit_layer(l, sums)          # after fdatasync: the layer is durable
+            bar.update(layer_bytes)
+    ckpt.reader.close()
+    bar.close()
+    log.info("built %d pack layers of %s in %.1fs", len(todo), paths.data, time.monotonic() - t0)
