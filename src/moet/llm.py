@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from moet.config import EngineConfig
-from moet.engine.llm_engine import TOKENIZER_FILES, load_tokenizer, resolve_device, resolve_dtype  # noqa: F401
 from moet.errors import ConfigError
 from moet.outputs import RequestOutput
 from moet.sampling_params import SamplingParams

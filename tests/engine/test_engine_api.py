@@ -181,3 +181,19 @@ def test_kv_cache_dtypes_size_and_run(path, kv_dtype, ratio):
     diffs = [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], PROMPT[1:])]
     assert 0 < max(diffs) < 0.5                       # really quantized, still close
     assert len(b.outputs[0].token_ids) == 4 and b.outputs[0].finish_reason == "length"
+
+
+def test_kv_budget_and_graph_buckets(path):
+    from moet.engine.model_runner import graph_buckets
+
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64] and graph_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert graph_buckets(1) == [1]
+    e = LLMEngine.from_config(EngineConfig(model=path, expert_format="bf16", dtype="float32", device="cpu",
+                                           block_size=8, kv_cache_memory_gb=0.001, max_model_len=64))
+    per_block = e.runner.bytes_per_token * 8
+    assert e.runner.num_blocks == int(0.001 * 2**30) // per_block
+    assert e.runner.kv_cache_bytes <= 0.001 * 2**30 < e.runner.kv_cache_bytes + per_block
+    # the cache holds every attention layer, MTP included: 4 layers x 2 heads x (32 + 32) x 4 B
+    assert e.runner.bytes_per_token == 4 * 2 * 64 * 4
+    st = e.stats()
+    assert st.num_kv_blocks == e.runner.num_blocks and st.block_size == 8 and st.extra["cuda_graphs"] == 0

@@ -31,8 +31,8 @@ def main() -> None:
     for kv, kind in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
         # GLM-4.5-like: 96 q heads / 8 kv heads, head_dim 128, pages of 16, sliding window on the bf16 one
         const = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
-                     PAGES_PER_SPLIT=16, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
-                     GROUP_K=128, GROUP_V=128, BF16_DOT=True)
+                     MAX_SPLITS=32, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
+                     GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False)
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const)
@@ -49,7 +49,7 @@ def main() -> None:
         lat = "*bf16" if kind == 0 else "*fp8e4nv"
         rope = "*fp8e4nv" if kind == 1 else "*bf16"
         const = dict(H=128, BLOCK_H=16, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_SIZE=16,
-                     PAGES_PER_SPLIT=16, SCALE_KIND=kind, GROUP=128, BF16_DOT=True)
+                     MAX_SPLITS=32, SCALE_KIND=kind, GROUP=128, BF16_DOT=True, INTERPRET=False)
         types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
                      bt_ptr="*i32", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._mla_decode_split_kernel, types, const)
@@ -68,8 +68,9 @@ def main() -> None:
                      s_sc_slot="i64")
         c = _compile(kw._store_rows_kernel, types, const)
         print("kv write", dst, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
-    c = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*bf16"),
-                 dict(HQ=96, DV=128, BLOCK_DV=128, NUM_SPLITS=8))
+    c = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32",
+                                               out_ptr="*bf16"),
+                 dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16))
     print("merge", "cubin bytes", len(c.asm["cubin"]))
 
 

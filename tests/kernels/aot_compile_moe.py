@@ -45,7 +45,8 @@ def main(quick: bool = False) -> None:
                  dict(H=7168, UPW=8, BH=2048, BM=16, PP=256, QB=32, FILL=1024))
     print("align", "cubin bytes", len(c.asm["cubin"]))
     c = _compile(m._swiglu_finish_kernel, dict(ws_ptr="*fp32", act_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32",
-                                               limit="fp32", P="i32"), dict(I=2048, UPW=8, SPLIT_K=2, HAS_LIMIT=True, BI=1024))
+                                               limit="fp32", P="i32"),
+                 dict(I=2048, UPW=8, SPLIT_K=2, HAS_LIMIT=True, BI=1024))
     print("swiglu", "cubin bytes", len(c.asm["cubin"]))
     c = _compile(m._combine_kernel, dict(ws_ptr="*fp32", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
                                          out_ptr="*bf16", P="i32"), dict(H=7168, TOPK=8, SPLIT_K=2, BH=1024))

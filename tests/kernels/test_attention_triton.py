@@ -106,3 +106,52 @@ def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split):
     got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
     assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split))
+
+
+def test_padded_table_width_changes_nothing():
+    """The engine pads block tables to max_model_len for CUDA graphs: the extra columns add
+    splits that hold no keys, which write nothing and are never merged, so the output is
+    bit-identical to the narrow table's (GQA and MLA)."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    fmt = KVFormat("auto", dtype=torch.float32)
+    cache, table, seq_lens, q = _setup(fmt, [3 * BS + 2, 5], 4, 2, 16, g)
+    wide = torch.cat([table, torch.randint(0, NUM_BLOCKS, (2, 9), generator=g, dtype=torch.int32).to(DEVICE)], 1)
+    narrow_out = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=BS)
+    assert torch.equal(_tri().paged_decode_gqa(q, cache, wide, seq_lens, 0.3, split_tokens=BS), narrow_out)
+    r, p = 32, 16
+    mla = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
+    for b, n in enumerate([3 * BS + 2, 5]):
+        write_mla_kv(mla, torch.randn(n, r, generator=g).to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
+                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    ql, qr = torch.randn(2, 4, r, generator=g).to(DEVICE), torch.randn(2, 4, p, generator=g).to(DEVICE)
+    narrow_out = _tri().paged_decode_mla(ql, qr, mla, table, seq_lens, 0.2, split_tokens=BS)
+    assert torch.equal(_tri().paged_decode_mla(ql, qr, mla, wide, seq_lens, 0.2, split_tokens=BS), narrow_out)
+    want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(mla), table.cpu(), seq_lens.cpu(), 0.2)
+    torch.testing.assert_close(narrow_out.cpu(), want, rtol=2e-5, atol=2e-5)
+
+
+def _mla_cpu(cache):
+    cpu = new_mla_layer(cache.num_blocks, cache.block_size, cache.kv_lora_rank, cache.rope.shape[-1], cache.fmt)
+    cpu.buffer.copy_(cache.buffer.cpu())
+    return cpu
+
+
+def test_max_splits_lengthens_splits_of_long_sequences():
+    """A sequence needing more than max_splits splits of split_tokens gets max_splits longer ones:
+    still equal to the reference (GQA with a window across splits, MLA)."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    fmt = KVFormat("auto", dtype=torch.float32)
+    lens = [7 * BS + 3, BS - 2]
+    cache, table, seq_lens, q = _setup(fmt, lens, 4, 2, 16, g)
+    want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, 3 * BS)
+    got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, 3 * BS, split_tokens=BS, max_splits=3)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    r, p = 32, 16
+    mla = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
+    for b, n in enumerate(lens):
+        write_mla_kv(mla, torch.randn(n, r, generator=g).to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
+                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    ql, qr = torch.randn(2, 4, r, generator=g).to(DEVICE), torch.randn(2, 4, p, generator=g).to(DEVICE)
+    got = _tri().paged_decode_mla(ql, qr, mla, table, seq_lens, 0.2, split_tokens=BS, max_splits=2)
+    want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(mla), table.cpu(), seq_lens.cpu(), 0.2)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)

@@ -91,9 +91,17 @@ def test_models_and_plain_chat_stream_equals_complete(client, tokenizer):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
-def test_tool_call_from_real_output_then_tool_result_turn(client):
+def test_tool_call_from_real_output_then_tool_result_turn(client, tokenizer):
     r = client.chat.completions.create(model="moet-tiny", messages=ASK, tools=[POPULATION], max_tokens=40)
     c = r.choices[0]
+    # the independent reference: the same greedy reply, raw, read by the probe's GLM-4.5 parser
+    prompt = tokenizer.apply_chat_template(ASK, tools=[POPULATION], tokenize=False, add_generation_prompt=True)
+    raw = client.completions.create(model="moet-tiny", prompt=tokenizer.encode(prompt, add_special_tokens=False),
+                                    max_tokens=40).choices[0].text
+    from moet.probe.chat_format import parse_reply
+    ref = parse_reply(raw)
+    assert ref.valid and len(ref.tool_calls) == 1, raw       # the shipped model does call here
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == ref.tool_calls
     assert c.finish_reason == "tool_calls" and c.message.content is None
     (call,) = c.message.tool_calls
     assert call.function.name == "population_lookup"

@@ -12,7 +12,10 @@ One script, one device call: for every shape x format
   3. tuning: candidate configs per (shape, format, T bucket), the best written to the table.
 A time guard stops starting new work after --budget-s; JSON is rewritten after every step.
 
-    PYTHONUNBUFFERED=1 python -m moet.bench.moe_kernel_tune --out $OUT --budget-s 280
+    PYTHONUNBUFFERED=1 python -m moet.bench.moe_kernel_tune --out $OUT --budget-s 280 \
+        [--tune deepseek:1,deepseek:8192,...] [--model-check CHECKPOINT_DIR] [--write-table]
+The table it writes ($OUT/moe_configs.json, and with --write-table merged into the repo's
+src/moet/kernels/moe_configs.json) holds the tuned points; lookups take the nearest bucket.
 """
 from __future__ import annotations
 
@@ -30,11 +33,23 @@ DECODE_T = (1, 4, 8, 16, 32)
 PREFILL_T = (512, 2048, 8192)
 
 
+def merge_table(new: dict, path: str) -> None:
+    """Add (or replace) the tuned buckets of `new` in the table at `path`, buckets sorted."""
+    old = json.loads(open(path).read()) if os.path.exists(path) else {"version": 1, "devices": {}}
+    for dev, shapes in new["devices"].items():
+        for key, buckets in shapes.items():
+            merged = {**old["devices"].setdefault(dev, {}).get(key, {}), **buckets}
+            old["devices"][dev][key] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1)
+
+
 def make_pool(fmt: str, e: int, h: int, i: int, dev, gen):
     from moet.kernels.pools import FP4Pool, W2Pool
     u8 = dict(dtype=torch.uint8, device=dev, generator=gen)
     if fmt == "w2":   # random bytes are random nb8 codes; scales as quantized weights have them
-        return W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8), torch.randint(115, 126, (e, 2 * i, h // 32), **u8),
+        return W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8),
+                      torch.randint(115, 126, (e, 2 * i, h // 32), **u8),
                       torch.randint(0, 256, (e, h, i // 4), **u8), torch.randint(115, 126, (e, h, i // 32), **u8),
                       layout="nb8")
     # e4m3 scale bytes 0x28..0x47 (0.25 .. 3.75, normals), scale_2 ~ 1e-2
@@ -72,7 +87,8 @@ def graph_time_ms(fns, reps: int = 2) -> float:
         for f in fns:
             f()
     torch.cuda.synchronize()
-    return min(triton.testing.do_bench(g.replay, warmup=20, rep=120, return_mode="median") for _ in range(reps)) / len(fns)
+    best = min(triton.testing.do_bench(g.replay, warmup=20, rep=120, return_mode="median") for _ in range(reps))
+    return best / len(fns)
 
 
 def bf16_gemv_gbps(dev) -> float:
@@ -236,12 +252,14 @@ def main():
                     help="shape:T points to tune (the rest run the table/default config)")
     ap.add_argument("--tokens", default=",".join(map(str, DECODE_T + PREFILL_T)))
     ap.add_argument("--model-check", default="", help="checkpoint dir: run its MoE layers through the kernels")
+    ap.add_argument("--write-table", action="store_true",
+                    help="also merge the tuned entries into the repo's table (moet/kernels/moe_configs.json)")
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     from moet.kernels import moe_triton as mt
-    from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, lookup, shape_key
+    from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TABLE_PATH, lookup, shape_key
     from moet.kernels.reference import moe_experts_reference
     import triton
     name = torch.cuda.get_device_name(dev)
@@ -359,6 +377,9 @@ def main():
             del pool
             torch.cuda.empty_cache()
     dump()
+    if args.write_table:
+        merge_table(table, str(TABLE_PATH))
+        print(f"merged the tuned entries into {TABLE_PATH}", flush=True)
     print(f"done in {time.time() - t0:.0f}s", flush=True)
 
 

@@ -17,7 +17,6 @@ each hold a runner later; a rank / world size joins the config when parallelism 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 

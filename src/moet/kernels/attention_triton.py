@@ -3,13 +3,17 @@ needs triton (an optional dependency: moet.kernels never imports it on its own).
 
 paged_decode_gqa: split-K ("flash-decoding") over the pages of each sequence.
   Stage 1, grid (B, Hkv, splits): one program = one sequence, one KV head with all its G query
-  heads (K/V read once per group), `split_tokens` tokens. Online softmax in fp32; writes its
+  heads (K/V read once per group), one split of its pages. Online softmax in fp32; writes its
   unnormalised partial output, running max and sum to a workspace.
   Stage 2, grid (B, Hq): merges the splits in index order 0..S-1 (log-sum-exp rescale). No
   atomics and a fixed order, so the result is bit-identical run to run (SPEC 3); it may differ
-  in the last bits between two split sizes, which is why split_tokens is an explicit argument.
-The number of splits comes from the block table's width, not from seq_lens.max(): no host
-sync, and a fixed launch shape for CUDA graphs; splits past a sequence's end exit at once.
+  in the last bits between two split settings, which is why they are explicit arguments.
+How a sequence is split depends on its length alone (_split_pages): splits of split_tokens
+(whole pages), fewer and longer ones when that would exceed max_splits. The grid's split axis is
+min(max_splits, table width / split) -- no host sync, one launch shape for CUDA graphs; programs
+past a sequence's last split write nothing and the merge reads only its used splits. So the
+partials stay bounded (B * heads * max_splits) with a table padded to max_model_len, and a
+sequence's output does not depend on the table's width or on the rest of the batch.
 
 paged_decode_mla: the same split-K over the latent rows (weight-absorbed MQA: one shared key
   row [latent | rope] per token, values = latent). Grid (B, ceil(H / BLOCK_H), splits): every
@@ -44,7 +48,11 @@ _SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
 # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 tiles as their uint16 bit patterns in tl.dot;
 # there the bf16 dot is emulated (operands rounded to bf16, fp32 dot), so interpreter tests check
 # everything around it and the GPU tests check the tensor-core dot itself
-_EMULATE_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"    # read at import, as triton does
+_EMULATE_BF16_DOT = tl.constexpr(_INTERPRET)
+# Upper bound on the splits of one sequence (its split length grows past split_tokens beyond
+# that): bounds the fp32 partials, B * heads * MAX_SPLITS * (Dv + 2), whatever the table width.
+DEFAULT_MAX_SPLITS = 32
 
 
 @triton.jit
@@ -81,134 +89,191 @@ def _load_dequant(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss
 
 
 @triton.jit
+def _split_pages(n, PAGES_MIN, MAX_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(pages of the sequence, pages per split, splits used) for a sequence of n tokens: splits of
+    PAGES_MIN pages, longer when that would need more than MAX_SPLITS. A function of n alone, so a
+    sequence is split the same way whatever else is in the batch and however wide the table."""
+    n_pages = (n + BLOCK_SIZE - 1) // BLOCK_SIZE
+    pps = tl.maximum((n_pages + MAX_SPLITS - 1) // MAX_SPLITS, PAGES_MIN)
+    return n_pages, pps, (n_pages + pps - 1) // pps
+
+
+@triton.jit
+def _gqa_decode_page(q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
+                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr,
+                     GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
+    """One page of one KV head for the G query heads: the online-softmax update. A page past
+    the end or wholly before the window is skipped."""
+    start = page * BLOCK_SIZE
+    if (start < n) & (start + BLOCK_SIZE > lo_tok):
+        blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
+        pos = start + tok
+        tmask = (pos < n) & (pos >= lo_tok)
+        k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
+                          D, SCALE_KIND, GROUP_K)
+        s = _dot(q, tl.trans(k), BF16_DOT) * scale                             # [BLOCK_G, BLOCK_SIZE]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
+                          DV, SCALE_KIND, GROUP_V)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p, v, BF16_DOT)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-        ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+        ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale, pages_min,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PAGES_PER_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
-        SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
+        DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    tok = tl.arange(0, BLOCK_SIZE)
-    qh = h * G + g
-    q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
-                mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(tl.float32)
+    n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE)
+    if sp < used:                                 # other splits write nothing; merge skips them
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        tok = tl.arange(0, BLOCK_SIZE)
+        qh = h * G + g
+        q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
+                    mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        lo_tok = 0
+        if WINDOW > 0:
+            lo_tok = tl.maximum(n - WINDOW, 0)     # key j visible iff j > (n - 1) - WINDOW
+        first = sp * pps
+        last = tl.minimum(first + pps, n_pages)
+        if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
+            page = first
+            while page < last:
+                m_i, l_i, acc = _gqa_decode_page(
+                    q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
+                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+                    D, DV, BLOCK_SIZE, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+                page += 1
+        else:
+            for page in range(first, last):
+                m_i, l_i, acc = _gqa_decode_page(
+                    q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
+                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+                    D, DV, BLOCK_SIZE, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+        # workspace [B, Hq, S]: S from the grid, so one compiled kernel serves every table width
+        row = (b * (tl.num_programs(1) * G) + qh) * tl.num_programs(2) + sp
+        gmask = g < G
+        tl.store(m_ptr + row, m_i, mask=gmask)
+        tl.store(l_ptr + row, l_i, mask=gmask)
+        tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=gmask[:, None] & (dv[None, :] < DV))
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    first = sp * PAGES_PER_SPLIT
-    lo_tok = 0
-    if WINDOW > 0:
-        lo_tok = tl.maximum(n - WINDOW, 0)     # key j visible iff j > (n - 1) - WINDOW
-    # a page is skipped (masked wholesale) when it lies past the end or before the window;
-    # the loop bound stays a constexpr so the interpreter and graph capture see one shape
-    for i in range(PAGES_PER_SPLIT):
-        page = first + i
-        start = page * BLOCK_SIZE
-        if (start < n) & (start + BLOCK_SIZE > lo_tok):
-            blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
-            pos = start + tok
-            tmask = (pos < n) & (pos >= lo_tok)
-            k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
-                              D, SCALE_KIND, GROUP_K)
-            s = _dot(q, tl.trans(k), BF16_DOT) * scale                         # [BLOCK_G, BLOCK_SIZE]
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
-                              DV, SCALE_KIND, GROUP_V)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p, v, BF16_DOT)
-            m_i = m_new
-    # [B, Hq, S] index; S from the grid, not a constexpr: one compiled kernel for every table width
-    row = (b * (tl.num_programs(1) * G) + qh) * tl.num_programs(2) + sp
-    gmask = g < G
-    tl.store(m_ptr + row, m_i, mask=gmask)
-    tl.store(l_ptr + row, l_i, mask=gmask)
-    tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=gmask[:, None] & (dv[None, :] < DV))
+
+@triton.jit
+def _mla_decode_page(ql, qr, m_i, l_i, acc, page, n, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, tok,
+                     s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale,
+                     R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr,
+                     GROUP: tl.constexpr, BF16_DOT: tl.constexpr):
+    """One page of latent rows for BLOCK_H heads: the online-softmax update."""
+    start = page * BLOCK_SIZE
+    blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
+    tmask = (start + tok) < n
+    lm = tmask[:, None] & (r[None, :] < R)
+    lat = tl.load(lat_ptr + blk * s_lb + tok[:, None] * s_lt + r[None, :], mask=lm, other=0.0).to(tl.float32)
+    rm = tmask[:, None] & (p_[None, :] < P)
+    rope = tl.load(rope_ptr + blk * s_rb + tok[:, None] * s_rt + p_[None, :], mask=rm, other=0.0).to(tl.float32)
+    if SCALE_KIND == 1:
+        sc = tl.load(ls_ptr)
+        lat = lat * sc
+        rope = rope * sc
+    if SCALE_KIND == 2:
+        lat = lat * tl.load(ls_ptr + blk * ss_b + tok[:, None] * ss_t + r[None, :] // GROUP, mask=lm, other=0.0)
+    s = (_dot(ql, tl.trans(lat), BF16_DOT) + _dot(qr, tl.trans(rope), BF16_DOT)) * scale
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    pr = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + _dot(pr, lat, BF16_DOT)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _mla_decode_split_kernel(
         ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
-        s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale,
+        s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale, pages_min,
         H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PAGES_PER_SPLIT: tl.constexpr, SCALE_KIND: tl.constexpr,
-        GROUP: tl.constexpr, BF16_DOT: tl.constexpr):
+        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
-    hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    r = tl.arange(0, BLOCK_R)
-    p_ = tl.arange(0, BLOCK_P)
-    tok = tl.arange(0, BLOCK_SIZE)
-    hmask = hh < H
-    ql = tl.load(ql_ptr + b * s_qlb + hh[:, None] * s_qlh + r[None, :],
-                 mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
-    qr = tl.load(qr_ptr + b * s_qrb + hh[:, None] * s_qrh + p_[None, :],
-                 mask=hmask[:, None] & (p_[None, :] < P), other=0.0).to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    first = sp * PAGES_PER_SPLIT
-    for i in range(PAGES_PER_SPLIT):
-        page = first + i
-        start = page * BLOCK_SIZE
-        if start < n:
-            blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
-            tmask = (start + tok) < n
-            lm = tmask[:, None] & (r[None, :] < R)
-            lat = tl.load(lat_ptr + blk * s_lb + tok[:, None] * s_lt + r[None, :], mask=lm, other=0.0).to(tl.float32)
-            rm = tmask[:, None] & (p_[None, :] < P)
-            rope = tl.load(rope_ptr + blk * s_rb + tok[:, None] * s_rt + p_[None, :], mask=rm, other=0.0).to(tl.float32)
-            if SCALE_KIND == 1:
-                sc = tl.load(ls_ptr)
-                lat = lat * sc
-                rope = rope * sc
-            if SCALE_KIND == 2:
-                lat = lat * tl.load(ls_ptr + blk * ss_b + tok[:, None] * ss_t + r[None, :] // GROUP, mask=lm, other=0.0)
-            s = (_dot(ql, tl.trans(lat), BF16_DOT) + _dot(qr, tl.trans(rope), BF16_DOT)) * scale
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + _dot(pr, lat, BF16_DOT)
-            m_i = m_new
-    row = (b * H + hh) * tl.num_programs(2) + sp
-    tl.store(m_ptr + row, m_i, mask=hmask)
-    tl.store(l_ptr + row, l_i, mask=hmask)
-    tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
+    n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE)
+    if sp < used:                                 # other splits write nothing; merge skips them
+        hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        r = tl.arange(0, BLOCK_R)
+        p_ = tl.arange(0, BLOCK_P)
+        tok = tl.arange(0, BLOCK_SIZE)
+        hmask = hh < H
+        ql = tl.load(ql_ptr + b * s_qlb + hh[:, None] * s_qlh + r[None, :],
+                     mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+        qr = tl.load(qr_ptr + b * s_qrb + hh[:, None] * s_qrh + p_[None, :],
+                     mask=hmask[:, None] & (p_[None, :] < P), other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        first = sp * pps
+        last = tl.minimum(first + pps, n_pages)
+        if INTERPRET:
+            page = first
+            while page < last:
+                m_i, l_i, acc = _mla_decode_page(
+                    ql, qr, m_i, l_i, acc, page, n, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, tok,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale, R, P, BLOCK_SIZE, SCALE_KIND, GROUP, BF16_DOT)
+                page += 1
+        else:
+            for page in range(first, last):
+                m_i, l_i, acc = _mla_decode_page(
+                    ql, qr, m_i, l_i, acc, page, n, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, tok,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale, R, P, BLOCK_SIZE, SCALE_KIND, GROUP, BF16_DOT)
+        row = (b * H + hh) * tl.num_programs(2) + sp
+        tl.store(m_ptr + row, m_i, mask=hmask)
+        tl.store(l_ptr + row, l_i, mask=hmask)
+        tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
 
 
 @triton.jit
-def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, HQ: tl.constexpr,
-                         DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, num_splits, pages_min,
+                         HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.arange(0, BLOCK_DV)
-    base = (b * HQ + h) * NUM_SPLITS
+    base = (b * HQ + h) * num_splits
+    # only the splits that hold keys were written (the same _split_pages as stage 1): with a table
+    # padded to max_model_len most grid splits are empty and never touched
+    _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE)
     m_max = float("-inf")
-    for s in range(NUM_SPLITS):                   # pass 1: global max, fixed order
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + s))
+    for s in range(MAX_SPLITS):                   # pass 1: global max, fixed order
+        if s < used:
+            m_max = tl.maximum(m_max, tl.load(m_ptr + base + s))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # an empty sequence: all splits empty
     total = tl.zeros([BLOCK_DV], tl.float32)
     l_sum = 0.0
-    for s in range(NUM_SPLITS):                   # pass 2: rescale and add, fixed order
-        w = tl.exp(tl.load(m_ptr + base + s) - m_safe)
-        l_sum += w * tl.load(l_ptr + base + s)
-        total += w * tl.load(acc_ptr + (base + s) * DV + dv, mask=dv < DV, other=0.0)
+    for s in range(MAX_SPLITS):                   # pass 2: rescale and add, fixed order
+        if s < used:
+            w = tl.exp(tl.load(m_ptr + base + s) - m_safe)
+            l_sum += w * tl.load(l_ptr + base + s)
+            total += w * tl.load(acc_ptr + (base + s) * DV + dv, mask=dv < DV, other=0.0)
     out = tl.where(l_sum > 0, total / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
     tl.store(out_ptr + b * s_ob + h * s_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
@@ -217,11 +282,23 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(x))
 
 
+def _splits(block_tables: torch.Tensor, bs: int, split_tokens: int | None, max_splits: int | None):
+    """-> (pages_min, max_splits, grid splits): the most splits any sequence of this table can use."""
+    pages_min = max(1, -(-(split_tokens or 256) // bs))
+    max_splits = max_splits or DEFAULT_MAX_SPLITS
+    if max_splits < 1:
+        raise ConfigError(f"paged decode (triton): max_splits must be >= 1, got {max_splits}")
+    return pages_min, max_splits, max(1, min(max_splits, -(-block_tables.shape[1] // pages_min)))
+
+
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     *, split_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     *, split_tokens: int | None = None, max_splits: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
-    whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU).
+    whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
+    max_splits (default DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
+    gets max_splits longer splits. Both must be fixed per model (they change the last bits).
     out: optional [B, Hq, Dv] tensor to write into (CUDA graphs; the benchmark poisons it)."""
     q = q.contiguous()
     b, hq, d = q.shape
@@ -233,8 +310,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
     fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
-    pages_per_split = max(1, -(-(split_tokens or 256) // bs))
-    num_splits = max(1, -(-block_tables.shape[1] // pages_per_split))
+    pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits)
     g = hq // hkv
     acc = torch.empty(b, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -247,19 +323,20 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
         q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_,
         q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
-        *sk[:3], *sv[:3], block_tables.stride(0), float(scale),
+        *sk[:3], *sv[:3], block_tables.stride(0), float(scale), pages_min,
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
-        PAGES_PER_SPLIT=pages_per_split, WINDOW=sliding_window or 0,
-        SCALE_KIND=kind, GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q))
-    _merge_splits_kernel[(b, hq)](acc, m, l_, out, out.stride(0), out.stride(1), HQ=hq, DV=dv,
-                                  BLOCK_DV=_pow2(dv), NUM_SPLITS=num_splits)
+        MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
+        GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET)
+    _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
+                                  HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
     return out
 
 
 def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     *, split_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """As attention_reference.paged_decode_mla (out: as paged_decode_gqa)."""
+                     *, split_tokens: int | None = None, max_splits: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     b, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -268,8 +345,7 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
     fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
-    pages_per_split = max(1, -(-(split_tokens or 256) // bs))
-    num_splits = max(1, -(-block_tables.shape[1] // pages_per_split))
+    pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits)
     # 16 heads per program: at R=512 the fp32 accumulator of 64 heads spills (8k STL on sm_90
     # AOT, tests/kernels/aot_compile.py); 16 compiles without spills
     block_h = 16
@@ -282,10 +358,10 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     _mla_decode_split_kernel[(b, triton.cdiv(h, block_h), num_splits)](
         q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, seq_lens, acc, m, l_,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale),
+        *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_SIZE=bs,
-        PAGES_PER_SPLIT=pages_per_split, SCALE_KIND=kind, GROUP=min(fmt.group, r),
-        BF16_DOT=_bf16_dots(q_latent))
-    _merge_splits_kernel[(b, h)](acc, m, l_, out, out.stride(0), out.stride(1), HQ=h, DV=r,
-                                 BLOCK_DV=_pow2(r), NUM_SPLITS=num_splits)
+        MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=min(fmt.group, r), BF16_DOT=_bf16_dots(q_latent),
+        INTERPRET=_INTERPRET)
+    _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
+                                 HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
     return out
