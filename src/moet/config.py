@@ -76,9 +76,11 @@ class EngineConfig:
                                                "running decodes (bounds inter-token latency)")
     enforce_eager: bool = _knob(False, "never capture CUDA graphs for decode (slower; for debugging)")
     # ---- expert residency (moet/store): pack file on disk -> host arena -> device expert cache
-    pack_dir: str = _knob("~/.cache/moet/packs", "where pack files live (routed experts converted to "
-                                                 "expert_format once, keyed by checkpoint identity and "
-                                                 "quantizer options: the persistent quantization cache)")
+    pack_dir: str | None = _knob(
+        None, "where pack files live (routed experts converted to expert_format once, keyed by checkpoint "
+              "identity and quantizer options: the persistent quantization cache); setting it serves routed "
+              "experts through the pack -> host arena -> device cache store; unset: ~/.cache/moet/packs, used "
+              "only when the store is on (expert_cache_slots / expert_cache_gb set, or the experts do not fit)")
     expert_cache_slots: int | None = _knob(
         None, "device slots for routed experts (one slot = one expert in expert_format); unset with "
               "expert_cache_gb unset: every expert resident when they fit, else all that fits after weights and KV")

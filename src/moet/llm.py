@@ -39,6 +39,17 @@ class LLM:
         self.max_model_len = self.engine.max_model_len
         self._next_id = 0
 
+    def close(self) -> None:
+        """Release the expert store when routed experts come through it (hot set saved beside the
+        pack, pack closed); idempotent. Also `with LLM(...) as llm:`."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def eos_token_ids(self) -> set[int]:
         return self.engine.eos_token_ids

@@ -19,11 +19,12 @@ from moet.kernels import prefill_triton as pt
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, types: dict, const: dict):
+def _compile(fn, types: dict, const: dict, options: dict | None = None):
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     # pointers 16-byte aligned, as the JIT specialises them at run time
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TARGET)
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TARGET,
+                          options=options)
 
 
 def main() -> None:
@@ -48,12 +49,16 @@ def main() -> None:
         # DeepSeek-V3: R 512, P 64, 16 heads per program
         lat = "*bf16" if kind == 0 else "*fp8e4nv"
         rope = "*fp8e4nv" if kind == 1 else "*bf16"
-        const = dict(H=128, BLOCK_H=16, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_SIZE=16,
-                     MAX_SPLITS=32, SCALE_KIND=kind, GROUP=128, BF16_DOT=True, INTERPRET=False)
+        const = dict(H=128, BLOCK_H=at.MLA_BLOCK_H, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_N=at.MLA_BLOCK_N,
+                     BLOCK_SIZE=16, MAX_SPLITS=32, SCALE_KIND=kind, GROUP=128, NG=4, BF16_DOT=True, INTERPRET=False)
         types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
                      bt_ptr="*i32", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
-        c = _compile(at._mla_decode_split_kernel, types, const)
-        print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        # the launch options paged_decode_mla uses (warps, stages: shared memory and registers)
+        c = _compile(at._mla_decode_split_kernel, types, const,
+                     dict(num_warps=at.MLA_NUM_WARPS, num_stages=at.MLA_NUM_STAGES))
+        # the H200's 227 KB of shared memory per block: over it the launch fails on the GPU only
+        assert c.metadata.shared <= 227 * 1024, f"mla decode needs {c.metadata.shared} B of shared memory"
+        print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]), "smem", c.metadata.shared)
         # MLA prefill/extend, same shapes: 16 heads x 1 query token per program
         const = dict(H=128, BLOCK_H=16, BLOCK_M=1, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_SIZE=16,
                      SCALE_KIND=kind, GROUP=128, INTERPRET=False, BF16_DOT=True)

@@ -46,6 +46,7 @@ CASES = [
     (KVFormat("auto", dtype=torch.float32), [5 * BS + 7, 9], 4, 4, 16, 20, 32),          # window crosses splits
     (KVFormat("fp8_e4m3", "tensor"), [BS + 1, 4 * BS + 2], 4, 2, 16, None, 32),
     (KVFormat("fp8_e4m3", "block", group=8), [3, 3 * BS - 1], 6, 2, 24, None, 16),       # d not a power of 2
+    (KVFormat("fp8_e4m3", "block", group=128), [BS + 3, 4 * BS], 8, 2, 16, None, 32),    # one scale per token-head
 ]
 
 
@@ -79,14 +80,16 @@ def _to_cpu(cache):
 
 
 MLA_CASES = [
-    (KVFormat("auto", dtype=torch.float32), [1, BS - 1, BS + 1, 4 * BS + 3], 4, 32),
-    (KVFormat("fp8_e4m3", "tensor"), [2 * BS + 5, 3], 20, 32),                        # two head blocks of 16
-    (KVFormat("fp8_e4m3", "block", group=16), [BS, 3 * BS + 1], 4, 48),     # fp8_ds_mla row, bf16 rope
+    # fmt, lens, heads, split_tokens, block_h (None: the default, clipped to the heads)
+    (KVFormat("auto", dtype=torch.float32), [1, BS - 1, BS + 1, 4 * BS + 3], 4, 32, None),
+    (KVFormat("fp8_e4m3", "tensor"), [2 * BS + 5, 3], 20, 32, 16),                   # two head blocks of 16
+    (KVFormat("fp8_e4m3", "block", group=16), [BS, 3 * BS + 1], 4, 48, None),        # fp8_ds_mla row, bf16 rope
+    (KVFormat("fp8_e4m3", "block", group=8), [5 * BS + 9, 2], 36, 80, 32),           # token tiles across pages
 ]
 
 
-@pytest.mark.parametrize("fmt,lens,h,split", MLA_CASES)
-def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split):
+@pytest.mark.parametrize("fmt,lens,h,split,block_h", MLA_CASES)
+def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split, block_h):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     r, p = 32, 16
     cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
@@ -103,10 +106,32 @@ def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split):
     if fmt.is_fp8 and not fmt.block_scaled:
         cpu.latent_scale.copy_(cache.latent_scale.cpu())
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), cpu, table.cpu(), seq_lens.cpu(), 0.2)
-    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split)
+    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split, block_h=block_h)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
-    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split))
+    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split,
+                                                    block_h=block_h))
 
+
+
+@pytest.mark.parametrize("fmt", [KVFormat("auto", dtype=torch.bfloat16),
+                                 KVFormat("fp8_e4m3", "block", group=16, dtype=torch.bfloat16)],
+                         ids=["bf16", "fp8-block"])
+def test_triton_paged_mla_decode_bf16_queries(fmt):
+    """Serving dtypes: bf16 queries take the bf16 tensor-core operand path (emulated under the
+    interpreter), the tile cast to bf16 once and P cast to bf16; held to bf16 accuracy."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    r, p, h, lens = 32, 16, 4, [3 * BS + 7, 5]
+    cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
+    table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
+    for b, n in enumerate(lens):
+        write_mla_kv(cache, torch.randn(n, r, generator=g).to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
+                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    ql = torch.randn(len(lens), h, r, generator=g).to(DEVICE, torch.bfloat16)
+    qr = torch.randn(len(lens), h, p, generator=g).to(DEVICE, torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(cache), table.cpu(), seq_lens.cpu(), 0.2).float()
+    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32).float().cpu()
+    assert got.dtype == want.dtype and float((got - want).norm() / want.norm()) < 1e-2
 
 def test_padded_table_width_changes_nothing():
     """The engine pads block tables to max_model_len for CUDA graphs: the extra columns add

@@ -110,21 +110,28 @@ def test_max_model_len_caps_generation(path):
         small.generate(PROMPT + " and more words", SamplingParams(max_tokens=1))
 
 
-def test_every_engine_config_field_is_an_llm_keyword(path):
+def test_every_engine_config_field_is_an_llm_keyword(path, tmp_path):
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     assert set(fields) >= {"model", "expert_format", "dtype", "device", "max_model_len"}
     kwargs = dict(tokenizer=path, expert_format="fp4", dtype="float32", device="cpu", max_model_len=64,
                   seed=3, w2_zero_mode="sign", w2_scale_rule="mse", load_mtp=False, trust_remote_code=False,
                   block_size=8, kv_cache_dtype="bf16", gpu_memory_utilization=0.5, kv_cache_memory_gb=0.01,
                   num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False,
-                  enable_chunked_prefill=False, enforce_eager=True)
+                  enable_chunked_prefill=False, enforce_eager=True,
+                  # expert store: pack_dir set turns it on; 1 GiB holds every expert of the tiny model
+                  pack_dir=str(tmp_path), expert_cache_slots=None, expert_cache_gb=1.0, expert_cache_policy="lru",
+                  host_arena_gb=0.01, miss_tolerance=2, pack_verify="full", rebuild_pack=True, o_direct=False)
     assert set(kwargs) == set(fields) - {"model"}  # a new field must be added here too
     llm = LLM(path, **kwargs)
     assert llm.config == EngineConfig(model=path, **kwargs)
     assert len(llm.model.mtp) == 0 and llm.max_model_len == 64
     assert llm.engine.runner.num_blocks == 20 and llm.engine.block_manager.block_size == 8
+    res = llm.engine.residency
+    assert res.pack.meta.tag == "fp4" and res.pack.built_layers == len(res.pack.meta.layers)   # rebuild_pack
+    assert res.cache.policy == "lru" and res.cache.num_slots == res.total_rows and res.miss_tolerance == 2
     out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=2))[0]
     assert len(out.outputs[0].token_ids) >= 1
+    llm.close()
 
 
 def test_w2_generation_runs_and_differs_from_reference_precision(llm, path):

@@ -18,6 +18,8 @@ triton.testing.do_bench, which flushes L2 before every run; median. Combos that 
 free memory or the remaining budget are skipped (listed). Writes attention_bench.json and
 attention_bench.md under --out and prints as it goes. Exit code 1 if any check failed.
 `--smoke` runs the same code on CPU (TRITON_INTERPRET=1) at toy shapes: a test of this script.
+`--quick` (the short GPU call, ~1 minute warm): no checks (run tests/kernels/test_attention_cuda.py
+first), decode at 32K only (batch 1 and 32, bf16 and fp8, a few split settings), prefill 8K bf16.
 """
 from __future__ import annotations
 
@@ -50,11 +52,14 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
 BS = 16                                    # tokens per page (vLLM's default)
 # decode (split_tokens, max_splits) swept: one compiled kernel serves them all (runtime args)
 SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (256, 8), (256, 128))
+# --quick: the defaults (GQA 256/128, MLA 256/32) and one neighbour each
+QUICK_SPLITS = {"gqa": ((256, 32), (256, 128)), "mla": ((256, 32), (256, 64), (1024, 32))}
 
 
 class Bench:
     def __init__(self, args):
         self.smoke = args.smoke
+        self.quick = args.quick
         self.dev = torch.device("cpu" if self.smoke else "cuda")
         self.t0 = time.monotonic()
         self.budget = args.budget_s
@@ -331,7 +336,11 @@ class Bench:
         from moet.kernels import attention_triton
         ctxs = (1024, 8192, 32768, 131072) if not self.smoke else (40,)
         batches = (1, 32) if not self.smoke else (1, 2)
-        splits = SPLITS if not self.smoke else ((16, 32), (32, 2))
+        splits = {a: SPLITS for a in ("gqa", "mla")} if not self.smoke else {a: ((16, 32), (32, 2)) for a in
+                                                                             ("gqa", "mla")}
+        if self.quick:
+            ctxs = ctxs if self.smoke else (32768,)
+            splits = splits if self.smoke else QUICK_SPLITS
         # fp8 as deployed: GQA per-tensor scales, MLA the fp8_ds_mla row (656 B at R 512)
         fmts = {"gqa": [f for f in self.formats() if f[0] != "fp8-block"],
                 "mla": [f for f in self.formats() if f[0] != "fp8"]}
@@ -371,7 +380,13 @@ class Bench:
                                                                               split_tokens=s[0], max_splits=s[1],
                                                                               out=out)
                         by_split = {}
-                        for s in splits:
+                        # absorbed MLA decode is compute-bound at 128 heads (~240 FLOP per bf16 KV byte):
+                        # its TFLOP/s say how far from the tensor cores' peak it runs
+                        flops_per_token = (2 * self.gqa.num_heads * (self.gqa.head_dim + self.gqa.v_head_dim)
+                                           if arch == "gqa" else
+                                           2 * self.mla.num_heads * (2 * self.mla.kv_lora_rank
+                                                                     + self.mla.qk_rope_head_dim))
+                        for s in splits[arch]:
                             if self.left() < 10:
                                 break
                             used = min(s[1], -(-ctx // (-(-s[0] // BS) * BS)))
@@ -382,7 +397,8 @@ class Bench:
                             self.records.append(dict(kind="decode", arch=arch, ctx=ctx, batch=batch, fmt=fname,
                                                      split_tokens=s[0], max_splits=s[1], ms=ms, kv_bytes=need,
                                                      partial_bytes=partials, gbps=gbps,
-                                                     frac_of_copy=gbps / copy_gbps, graph=graphed))
+                                                     frac_of_copy=gbps / copy_gbps, graph=graphed,
+                                                     tflops=flops_per_token * ctx * batch / ms / 1e9))
                         if by_split:
                             best = max(by_split, key=by_split.get)
                             self.log(f"{label}: best split/max {best}: {by_split[best]:.0f} GB/s = "
@@ -454,6 +470,8 @@ class Bench:
             for fname, fmt in self.formats():
                 if fname == ("fp8-block" if arch == "gqa" else "fp8"):      # fp8 as deployed (see decode)
                     continue
+                if self.quick and fname != "bf16":
+                    continue
                 if self.left() < 20:
                     self.skipped.append(f"prefill {arch} {fname}: budget")
                     continue
@@ -518,13 +536,13 @@ class Bench:
         lines = [f"# attention_bench ({'smoke, CPU' if self.smoke else torch.cuda.get_device_name()})", ""]
         copy = [r for r in self.records if r["kind"] == "copy"]
         if copy:
-            lines.append(f"device copy: {copy[0]['gbps']:.0f} GB/s")
+            lines.append(f"device copy: {copy[0]['gbps']:.0f} GB/s (bytes read + bytes written, each counted once)")
         checks = [r for r in self.records if r["kind"] == "check"]
         lines.append(f"checks: {sum(r['ok'] for r in checks)}/{len(checks)} ok"
                      + (f"; FAILED: {', '.join(self.failures)}" if self.failures else ""))
         lines += ["", "## decode (best split per row; KV GB/s and fraction of copy)", "",
-                  "| arch | ctx | batch | kv | best split/max | ms | GB/s | of copy | sdpa bf16 GB/s |",
-                  "|" + "---|" * 9]
+                  "| arch | ctx | batch | kv | best split/max | ms | GB/s | of copy | TFLOP/s | sdpa bf16 GB/s |",
+                  "|" + "---|" * 10]
         sdpa = {(r["arch"], r["ctx"], r["batch"]): r for r in self.records if r["kind"] == "sdpa_decode"}
         best: dict[tuple, dict] = {}
         for r in self.records:
@@ -536,9 +554,10 @@ class Bench:
             s = sdpa.get((arch, ctx, batch), {})
             lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {r['split_tokens']}/{r['max_splits']} | {r['ms']:.3f} "
                          f"| {r['gbps']:.0f} "
-                         f"| {r['frac_of_copy']:.0%} | {s.get('gbps', float('nan')):.0f} |")
+                         f"| {r['frac_of_copy']:.0%} | {r.get('tflops', float('nan')):.0f} "
+                         f"| {s.get('gbps', float('nan')):.0f} |")
         splits = sorted({(r["split_tokens"], r["max_splits"]) for r in self.records if r["kind"] == "decode"})
-        if splits:
+        if splits and not self.quick:
             lines += ["", "geometric-mean GB/s over the decode rows measured with every setting, per "
                       "split_tokens/max_splits (the default to pick): " + ", ".join(
                           f"{s[0]}/{s[1]}: {self._geo(s, splits):.0f}" for s in splits)]
@@ -572,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new measurements after this")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, toy shapes (tests the script)")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="no checks, decode at 32K only (batch 1 / 32, bf16 / fp8), prefill 8K bf16: the short GPU call")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("attention_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -588,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        if not args.skip_checks:
+        if not (args.skip_checks or args.quick):
             bench.checks()
         copy = bench.copy_bandwidth()
         bench.decode(copy)

@@ -103,6 +103,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
+        self.engine.close()                           # the expert store, if any (after the last step)
 
     # ------------------------------------------------------------------ the engine thread
 

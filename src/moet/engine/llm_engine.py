@@ -13,6 +13,7 @@ Not thread-safe: AsyncEngine drives it from one thread.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -33,6 +34,7 @@ from moet.errors import ConfigError, MoetError
 from moet.outputs import CompletionOutput, RequestOutput
 from moet.sampling_params import SamplingParams
 
+log = logging.getLogger("moet.engine")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -83,8 +85,9 @@ class Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer, eos_token_ids: set[int], device: torch.device,
-                 max_model_len: int):
+                 max_model_len: int, residency=None):
         self.config = config
+        self.residency = residency            # engine/expert_residency.py, or None: all experts resident
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
@@ -92,10 +95,10 @@ class LLMEngine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ConfigError(f"without chunked prefill max_num_batched_tokens={config.max_num_batched_tokens} must "
                               f"be >= max_model_len={max_model_len}; raise it or enable chunked prefill")
-        self.runner = ModelRunner(config, model, device, max_model_len)
+        self.runner = ModelRunner(config, model, device, max_model_len, residency=residency)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
+        max_seqs, max_tokens = self._step_limits(max_model_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.sampler = Sampler(eos_token_ids)
         self.eos_token_ids = set(eos_token_ids)
@@ -105,25 +108,58 @@ class LLMEngine:
         self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.block_size)
         self._token_str_cache: dict[int, str] = {}
 
+    def _step_limits(self, max_model_len: int) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) the scheduler gets: the config's, lowered when
+        a partial expert cache could not hold the experts of a full step at once."""
+        cfg = self.config
+        cap = self.residency.step_token_cap() if self.residency is not None else None
+        if cap is None or cap >= cfg.max_num_batched_tokens:
+            return cfg.max_num_seqs, cfg.max_num_batched_tokens
+        if not cfg.enable_chunked_prefill and cap < max_model_len:
+            raise ConfigError(f"the expert cache holds the experts of {cap} tokens per step, fewer than "
+                              f"max_model_len={max_model_len}; enable chunked prefill, lower --max-model-len or raise "
+                              "--expert-cache-slots / --expert-cache-gb")
+        log.warning("expert cache of %d slots: steps limited to %d tokens (max_num_batched_tokens=%d), %d sequences",
+                    self.residency.cache.num_slots, cap, cfg.max_num_batched_tokens, min(cfg.max_num_seqs, cap))
+        return min(cfg.max_num_seqs, cap), cap
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         from moet.checkpoint import open_checkpoint
+        from moet.engine.expert_residency import ExpertResidency, store_reason
         from moet.model import load_model
 
         ckpt = open_checkpoint(config.model)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, ckpt.spec.torch_dtype, ckpt.weight_format)
         max_model_len = config.max_model_len or ckpt.spec.max_position_embeddings
+        reason = store_reason(config, ckpt, device, dtype)
         model = load_model(ckpt, expert_format=config.expert_format, dtype=dtype, device=device,
                            zero_mode=config.w2_zero_mode, scale_rule=config.w2_scale_rule,
-                           load_mtp=config.load_mtp, progress=True)
-        tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
-        gen = ckpt.reader.generation_config
-        eos = gen.get("eos_token_id", None)
-        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set(ckpt.spec.eos_token_ids)
-        engine = cls(config, model, tokenizer, {int(e) for e in eos_ids if e is not None}, device, max_model_len)
+                           load_mtp=config.load_mtp, progress=True, routed_experts=reason is None)
+        residency = None
+        if reason is not None:
+            log.info("routed experts through the expert store: %s", reason)
+            residency = ExpertResidency.open(config, ckpt, model, device)
+        try:
+            tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+            gen = ckpt.reader.generation_config
+            eos = gen.get("eos_token_id", None)
+            eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set(ckpt.spec.eos_token_ids)
+            engine = cls(config, model, tokenizer, {int(e) for e in eos_ids if e is not None}, device, max_model_len,
+                         residency=residency)
+        except BaseException:
+            if residency is not None:
+                residency.close()
+            raise
         engine.checkpoint = ckpt
         return engine
+
+    def close(self) -> None:
+        """Release the expert store (hot set saved, pack closed); idempotent. The engine cannot
+        step afterwards when it had a store."""
+        if self.residency is not None:
+            self.residency.close()
 
     def set_eos_token_ids(self, ids: set[int]) -> None:
         self.eos_token_ids = set(ids)
@@ -331,6 +367,8 @@ class LLMEngine:
         st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
         st.num_preemptions = self.scheduler.num_preemptions
         st.extra["cuda_graphs"] = float(len(self.runner.graphs))
+        if self.residency is not None:
+            st.extra.update(self.residency.stats())
         return EngineStats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(st).items()})
 
     def generate_all(self, requests: list[tuple[str, Any, SamplingParams]], progress=None) -> dict[str, RequestOutput]:

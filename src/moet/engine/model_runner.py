@@ -11,6 +11,10 @@
     Everything a graph reads lives in static buffers; block tables are always max_model_len
     wide on CUDA so eager and graph steps see the same table width (the decode kernels' split
     count follows it). CPU always runs eager (the torch references).
+  * Expert store (engine/expert_residency.py, when routed experts are not all resident): the
+    device expert cache is sized and allocated before the KV cache (so the KV cache gets what
+    is left) and before graph capture (graphs read its pool / slot table / counters, which are
+    fixed tensors updated in place); every step runs under miss replay.
 Everything is per instance (device from the config, no globals), so one process per GPU can
 each hold a runner later; a rank / world size joins the config when parallelism lands.
 """
@@ -50,8 +54,9 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model, device: torch.device, max_model_len: int):
+    def __init__(self, config: EngineConfig, model, device: torch.device, max_model_len: int, residency=None):
         self.config = config
+        self.residency = residency
         self.model = model
         self.device = device
         self.max_model_len = max_model_len
@@ -61,6 +66,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         # On CUDA block tables are padded to one fixed width (graphs need it; eager steps match it)
         self.table_width = self.max_blocks_per_seq if device.type == "cuda" else None
+        if residency is not None:
+            slots = residency.requested_slots()
+            residency.start(slots if slots is not None else residency.auto_slots(self._kv_floor_bytes()))
         self.num_blocks = self._plan_num_blocks()
         if self.num_blocks * self.block_size < max_model_len:
             raise ConfigError(
@@ -78,6 +86,16 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.block_size * self.bytes_per_token
+
+    def _kv_floor_bytes(self) -> int:
+        """KV bytes an auto-sized expert cache leaves room for: the explicit KV size when given,
+        else min(max_num_seqs, 4) sequences of max_model_len tokens."""
+        cfg, per_block = self.config, self.bytes_per_token * self.block_size
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks * per_block
+        if cfg.kv_cache_memory_gb is not None:
+            return int(cfg.kv_cache_memory_gb * (1 << 30))
+        return min(cfg.max_num_seqs, 4) * self.max_blocks_per_seq * per_block
 
     def _plan_num_blocks(self) -> int:
         cfg = self.config
@@ -138,11 +156,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Final hidden states [N, H] of every row (writes the rows' K/V into the cache)."""
+        """Final hidden states [N, H] of every row (writes the rows' K/V into the cache). With the
+        expert store the step may run several times (miss replay); nothing may read its output
+        before this returns."""
         bucket = self._graph_bucket(batch)
         if bucket is None:
-            return self.model.forward_paged(input_ids, batch, self.kv)
-        return self._replay(bucket, input_ids, batch)
+            step = lambda: self.model.forward_paged(input_ids, batch, self.kv)  # noqa: E731
+        else:
+            step = lambda: self._replay(bucket, input_ids, batch)  # noqa: E731
+        if self.residency is None:
+            return step()
+        return self.residency.run(step, scan=not batch.is_pure_decode, num_tokens=int(input_ids.shape[0]))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

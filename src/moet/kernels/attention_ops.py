@@ -10,7 +10,8 @@ fresh tensors per layer. Tests that want the Triton path on CPU call the Triton 
 `split_tokens` is fixed per model (CausalLM.split_tokens), never chosen per batch: the split
 count changes the last bits of a decode row, and greedy output must not depend on what else
 was scheduled in the same step (the Triton decode splits a sequence by its own length only;
-its cap on splits per sequence, attention_triton.DEFAULT_MAX_SPLITS, is fixed too).
+its cap on splits per sequence -- attention_triton.GQA_DEFAULT_MAX_SPLITS / DEFAULT_MAX_SPLITS
+for MLA -- and MLA's heads per program, MLA_BLOCK_H, are fixed too).
 """
 from __future__ import annotations
 

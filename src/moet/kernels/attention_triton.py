@@ -16,20 +16,31 @@ partials stay bounded (B * heads * max_splits) with a table padded to max_model_
 sequence's output does not depend on the table's width or on the rest of the batch.
 
 paged_decode_mla: the same split-K over the latent rows (weight-absorbed MQA: one shared key
-  row [latent | rope] per token, values = latent). Grid (B, ceil(H / BLOCK_H), splits): every
-  program reads each latent row once for BLOCK_H heads. Scores are the sum of two dots
-  (latent, rope), so the 576-wide row is never padded to 1024. All three MLA formats: auto,
-  fp8 per-tensor (one scale for latent and rope), fp8 block (fp8_ds_mla: per-group latent
-  scales, rope in the model dtype).
+  row [latent | rope] per token, values = latent). Grid (ceil(H / BLOCK_H), B, splits), BLOCK_H =
+  64 heads per program (DeepSeek-V3's 128 heads: two programs per page, adjacent in launch order,
+  the second reading the page from L2; was 16 heads = 8 reads). A program walks its split in tiles
+  of BLOCK_N tokens (several pages, the page of each token gathered from the block table), loads
+  and dequantizes each tile once, and computes transposed: scores^T [tokens, heads] = tile @ q^T
+  and out^T [R, heads] += tile^T @ P^T, so the queries are the dots' shared-memory operand and the
+  tile the register/shared one: at 64 heads x R 512 this is what compiles to wgmma without spills
+  on sm_90 (the untransposed form kept q in registers next to the 128-register accumulator and
+  spilled). Scores are the sum of two dots (latent, rope), so the 576-wide row is never padded to
+  1024. Formats: auto; fp8 per-tensor (one scale for latent and rope, folded into the softmax
+  scale and the output, never applied per element); fp8 block (fp8_ds_mla: per-token group scales
+  loaded once per tile as [BLOCK_N, groups] and broadcast over the group, rope in the model dtype).
 
 Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); compiles for sm_90;
-NOT yet measured on a GPU. Dot operands (`_dot`): fp32 queries -> fp32 operands with
+first H200 run (2026-11-29) measured the previous MLA kernel (16 heads per program, page-sized
+tiles, per-element scale gathers) at 6-9% of copy bandwidth -- see docs/perf.md.
+Dot operands (`_mma`, decode; `_dot`, prefill): fp32 queries -> fp32 operands with
 input_precision="ieee" (FFMA; equal to the fp32 reference, what the exactness tests use); bf16
 queries (serving) -> bf16 operands on the tensor cores with fp32 accumulation, P cast to bf16
-for P@V as FlashAttention does. Why not fp32 everywhere: absorbed MLA does ~2 * (576 + 512)
-FLOPs per head per cached token, ~240 FLOP per KV byte at 128 heads, far above what FFMA
-sustains per byte of HBM bandwidth (~14 on an H200); decode would be compute bound at a few
-percent of bandwidth.
+for P@V as FlashAttention does. The decode kernels convert the queries once and the K/V tiles
+once per tile. Why not fp32 everywhere: absorbed MLA does ~2 * (576 + 512) FLOPs per head per
+cached token, ~240 FLOP per bf16 KV byte at 128 heads (~420 per fp8_ds_mla byte), far above
+what FFMA sustains per byte of HBM bandwidth (~14 on an H200). Even bf16 tensor cores (~990
+dense TFLOP/s) cap a 128-head absorbed decode near 4 TB/s of bf16 latent and 2.3 TB/s of
+fp8_ds_mla: MLA decode at 128 heads is compute-bound, its useful figure is TFLOP/s.
 """
 from __future__ import annotations
 
@@ -53,6 +64,18 @@ _EMULATE_BF16_DOT = tl.constexpr(_INTERPRET)
 # Upper bound on the splits of one sequence (its split length grows past split_tokens beyond
 # that): bounds the fp32 partials, B * heads * MAX_SPLITS * (Dv + 2), whatever the table width.
 DEFAULT_MAX_SPLITS = 32
+# GQA's partials are small (Hq * (Dv + 2) fp32 per split: ~3% of the KV of a 256-token split at
+# Qwen3-30B-A3B's shape), so a long batch-1 sequence may use many more splits: 32 splits x 4 KV
+# heads was 128 programs of 4 warps on 132 SMs, too few to keep loads in flight (H200 run 1:
+# 33% of copy at 32K). MLA keeps DEFAULT_MAX_SPLITS: its partials (128 heads x 512 fp32 = 256 KB
+# per split) cost as much HBM traffic as ~230 tokens of bf16 latent.
+GQA_DEFAULT_MAX_SPLITS = 128
+# MLA decode tiling (see _mla_decode_split_kernel): heads per program, tokens per tile, and the
+# launch shape; chosen from sm_90 AOT register / shared-memory counts (tests/kernels/aot_compile.py)
+MLA_BLOCK_H = 64
+MLA_BLOCK_N = 32
+MLA_NUM_WARPS = 8
+MLA_NUM_STAGES = 2
 
 
 @triton.jit
@@ -65,6 +88,19 @@ def _dot(a, b, BF16: tl.constexpr):
                           input_precision="ieee")
         else:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _mma(a, b, BF16: tl.constexpr):
+    """a @ b with fp32 accumulation of tiles already in their operand dtype: bf16 (tensor cores)
+    when BF16, else fp32 ("ieee", exact). The interpreter emulates the bf16 dot (see _dot)."""
+    if BF16:
+        if _EMULATE_BF16_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
     else:
         return tl.dot(a, b, input_precision="ieee")
 
@@ -99,29 +135,55 @@ def _split_pages(n, PAGES_MIN, MAX_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
+def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
+                      DIM: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr):
+    """[BLOCK_SIZE, BLOCK_D] of one page for head h in the dot operand dtype. Stored values as
+    they are (e4m3 -> bf16 is exact) except a per-group scale finer than the head, which is
+    applied here per element; per-tensor and per-token-head scales are folded in by the caller."""
+    if (SCALE_KIND == 2) & (GROUP < DIM):
+        x = _load_dequant(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
+                          DIM, SCALE_KIND, GROUP)
+    else:
+        x = tl.load(ptr + blk * s_b + tok[:, None] * s_t + h * s_h + d[None, :],
+                    mask=tmask[:, None] & (d[None, :] < DIM), other=0.0)
+    if BF16_DOT:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _gqa_decode_page(q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
-                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr,
                      GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
-    """One page of one KV head for the G query heads: the online-softmax update. A page past
-    the end or wholly before the window is skipped."""
+    """One page of one KV head for the G query heads: the online-softmax update. The caller's
+    page range holds keys (no branch here: a branch in the loop body would stop Triton from
+    pipelining the loads across pages). fp8 scales stay out of the dots: per-tensor ones are in
+    qk_scale (K) and applied to the output by the caller (V); one scale per token and head
+    (group = head dim) multiplies the score columns (K) and P's columns (V)."""
     start = page * BLOCK_SIZE
-    if (start < n) & (start + BLOCK_SIZE > lo_tok):
-        blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
-        pos = start + tok
-        tmask = (pos < n) & (pos >= lo_tok)
-        k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
-                          D, SCALE_KIND, GROUP_K)
-        s = _dot(q, tl.trans(k), BF16_DOT) * scale                             # [BLOCK_G, BLOCK_SIZE]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
-                          DV, SCALE_KIND, GROUP_V)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p, v, BF16_DOT)
-        m_i = m_new
+    blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
+    pos = start + tok
+    tmask = (pos < n) & (pos >= lo_tok)
+    k = _gqa_load_operand(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
+                          D, SCALE_KIND, GROUP_K, BF16_DOT)
+    s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                          # [BLOCK_G, BLOCK_SIZE]
+    if (SCALE_KIND == 2) & (GROUP_K == D):
+        s = s * tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    v = _gqa_load_operand(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
+                          DV, SCALE_KIND, GROUP_V, BF16_DOT)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if (SCALE_KIND == 2) & (GROUP_V == DV):
+        pv = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
+    else:
+        pv = p
+    acc = acc * alpha[:, None] + _mma(pv.to(v.dtype), v, BF16_DOT)
+    m_i = m_new
     return m_i, l_i, acc
 
 
@@ -145,30 +207,37 @@ def _gqa_decode_split_kernel(
         dv = tl.arange(0, BLOCK_DV)
         tok = tl.arange(0, BLOCK_SIZE)
         qh = h * G + g
+        qd = tl.bfloat16 if BF16_DOT else tl.float32
         q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
-                    mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(tl.float32)
+                    mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(qd)   # operand dtype, once
+        qk_scale = scale
+        if SCALE_KIND == 1:
+            qk_scale = scale * tl.load(ks_ptr)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
         lo_tok = 0
         if WINDOW > 0:
             lo_tok = tl.maximum(n - WINDOW, 0)     # key j visible iff j > (n - 1) - WINDOW
-        first = sp * pps
-        last = tl.minimum(first + pps, n_pages)
+        # pages of this split, those wholly before the window left out
+        first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
+        last = tl.minimum(sp * pps + pps, n_pages)
         if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
             page = first
             while page < last:
                 m_i, l_i, acc = _gqa_decode_page(
                     q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
-                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
                     D, DV, BLOCK_SIZE, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
                 page += 1
         else:
             for page in range(first, last):
                 m_i, l_i, acc = _gqa_decode_page(
                     q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
-                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale,
+                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
                     D, DV, BLOCK_SIZE, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+        if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
+            acc = acc * tl.load(vs_ptr)
         # workspace [B, Hq, S]: S from the grid, so one compiled kernel serves every table width
         row = (b * (tl.num_programs(1) * G) + qh) * tl.num_programs(2) + sp
         gmask = g < G
@@ -178,31 +247,46 @@ def _gqa_decode_split_kernel(
 
 
 @triton.jit
-def _mla_decode_page(ql, qr, m_i, l_i, acc, page, n, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, tok,
-                     s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale,
-                     R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr,
-                     GROUP: tl.constexpr, BF16_DOT: tl.constexpr):
-    """One page of latent rows for BLOCK_H heads: the online-softmax update."""
-    start = page * BLOCK_SIZE
-    blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
-    tmask = (start + tok) < n
-    lm = tmask[:, None] & (r[None, :] < R)
-    lat = tl.load(lat_ptr + blk * s_lb + tok[:, None] * s_lt + r[None, :], mask=lm, other=0.0).to(tl.float32)
-    rm = tmask[:, None] & (p_[None, :] < P)
-    rope = tl.load(rope_ptr + blk * s_rb + tok[:, None] * s_rt + p_[None, :], mask=rm, other=0.0).to(tl.float32)
-    if SCALE_KIND == 1:
-        sc = tl.load(ls_ptr)
-        lat = lat * sc
-        rope = rope * sc
+def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                     s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                     R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
+                     NG: tl.constexpr, BF16_DOT: tl.constexpr):
+    """BLOCK_N consecutive tokens (t0 .. t0 + BLOCK_N, masked at t_end; they may span several
+    pages: the page of each token is gathered from the block table) for all BLOCK_H heads of the
+    program: scores = q_latent . latent + q_rope . rope, the online-softmax update, P @ latent.
+    The tile is loaded and dequantized once and feeds every head of the program."""
+    pos = t0 + j
+    tmask = pos < t_end
+    blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    off = (pos % BLOCK_SIZE).to(tl.int64)
+    lat = tl.load(lat_ptr + (blk * s_lb + off * s_lt)[:, None] + r[None, :],
+                  mask=tmask[:, None] & (r[None, :] < R), other=0.0)
+    rope = tl.load(rope_ptr + (blk * s_rb + off * s_rt)[:, None] + p_[None, :],
+                   mask=tmask[:, None] & (p_[None, :] < P), other=0.0)
     if SCALE_KIND == 2:
-        lat = lat * tl.load(ls_ptr + blk * ss_b + tok[:, None] * ss_t + r[None, :] // GROUP, mask=lm, other=0.0)
-    s = (_dot(ql, tl.trans(lat), BF16_DOT) + _dot(qr, tl.trans(rope), BF16_DOT)) * scale
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # fp8_ds_mla: NG per-token group scales, loaded once per tile as [BLOCK_N, NG] and
+        # broadcast over each group (no per-element scale gather); e4m3 * scale in fp32, then the
+        # operand dtype. BLOCK_R == NG * GROUP (checked by the launcher)
+        g = tl.arange(0, NG)
+        sc = tl.load(ls_ptr + (blk * ss_b + off * ss_t)[:, None] + g[None, :], mask=tmask[:, None], other=0.0)
+        lat = tl.reshape(tl.reshape(lat.to(tl.float32), [BLOCK_N, NG, GROUP]) * sc[:, :, None], [BLOCK_N, BLOCK_R])
+    # operands: bf16 (e4m3 -> bf16 is exact; a per-tensor fp8 scale is folded into qk_scale and
+    # into the output, outside the dots) or fp32 for the exact path
+    if BF16_DOT:
+        lat = lat.to(tl.bfloat16)
+        rope = rope.to(tl.bfloat16)
+    else:
+        lat = lat.to(tl.float32)
+        rope = rope.to(tl.float32)
+    # transposed: tokens are the M dimension, heads N; queries are the B operand (shared memory)
+    s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, BLOCK_H]
+    s = tl.where(tmask[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp(m_i - m_new)
-    pr = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
-    acc = acc * alpha[:, None] + _dot(pr, lat, BF16_DOT)
+    pr = tl.exp(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(pr, axis=0)
+    acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)     # [BLOCK_R, BLOCK_H]
     return m_new, l_i, acc
 
 
@@ -211,10 +295,13 @@ def _mla_decode_split_kernel(
         ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
         s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale, pages_min,
         H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
-        SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr):
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        MAX_SPLITS: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    # grid (head blocks, B, splits): the head blocks of one (sequence, split) are adjacent in
+    # launch order, so they run together and all but the first read its latent rows from L2
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
     n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE)
@@ -222,33 +309,42 @@ def _mla_decode_split_kernel(
         hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         r = tl.arange(0, BLOCK_R)
         p_ = tl.arange(0, BLOCK_P)
-        tok = tl.arange(0, BLOCK_SIZE)
+        j = tl.arange(0, BLOCK_N)
         hmask = hh < H
+        # queries in the operand dtype once, outside the token loop
+        qd = tl.bfloat16 if BF16_DOT else tl.float32
         ql = tl.load(ql_ptr + b * s_qlb + hh[:, None] * s_qlh + r[None, :],
-                     mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+                     mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(qd)
         qr = tl.load(qr_ptr + b * s_qrb + hh[:, None] * s_qrh + p_[None, :],
-                     mask=hmask[:, None] & (p_[None, :] < P), other=0.0).to(tl.float32)
+                     mask=hmask[:, None] & (p_[None, :] < P), other=0.0).to(qd)
+        qk_scale = scale
+        if SCALE_KIND == 1:                       # fp8 per tensor: one scale for latent and rope
+            qk_scale = scale * tl.load(ls_ptr)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-        first = sp * pps
-        last = tl.minimum(first + pps, n_pages)
-        if INTERPRET:
-            page = first
-            while page < last:
-                m_i, l_i, acc = _mla_decode_page(
-                    ql, qr, m_i, l_i, acc, page, n, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, tok,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale, R, P, BLOCK_SIZE, SCALE_KIND, GROUP, BF16_DOT)
-                page += 1
+        acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+        t_lo = sp * pps * BLOCK_SIZE
+        t_end = tl.minimum(t_lo + pps * BLOCK_SIZE, n)
+        if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
+            t0 = t_lo
+            while t0 < t_end:
+                m_i, l_i, acc = _mla_decode_tile(
+                    ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+                t0 += BLOCK_N
         else:
-            for page in range(first, last):
-                m_i, l_i, acc = _mla_decode_page(
-                    ql, qr, m_i, l_i, acc, page, n, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, tok,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale, R, P, BLOCK_SIZE, SCALE_KIND, GROUP, BF16_DOT)
+            for t0 in range(t_lo, t_end, BLOCK_N):
+                m_i, l_i, acc = _mla_decode_tile(
+                    ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+        if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
+            acc = acc * tl.load(ls_ptr)
         row = (b * H + hh) * tl.num_programs(2) + sp
         tl.store(m_ptr + row, m_i, mask=hmask)
         tl.store(l_ptr + row, l_i, mask=hmask)
-        tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
+        tl.store(acc_ptr + row[None, :] * R + r[:, None], acc, mask=hmask[None, :] & (r[:, None] < R))
 
 
 @triton.jit
@@ -297,7 +393,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
-    max_splits (default DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
+    max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
     gets max_splits longer splits. Both must be fixed per model (they change the last bits).
     out: optional [B, Hq, Dv] tensor to write into (CUDA graphs; the benchmark poisons it)."""
     q = q.contiguous()
@@ -310,7 +406,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
     fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
-    pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits)
+    pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits or GQA_DEFAULT_MAX_SPLITS)
     g = hq // hkv
     acc = torch.empty(b, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -335,8 +431,10 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
 def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa)."""
+                     block_h: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa).
+    block_h: heads per program (default MLA_BLOCK_H, at most the heads rounded up to a power of
+    two); like the splits it must be fixed per model (the dot shapes change the last bits)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     b, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -345,23 +443,29 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
     fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    block_r = _pow2(r)
+    group = min(fmt.group, r)
+    ng = r // group
+    if kind == _SCALE_BLOCK and (group & (group - 1) or ng * group != block_r):
+        raise ConfigError(f"paged decode mla (triton): an fp8-block cache needs a power-of-two kv_lora_rank and "
+                          f"scale group, got {r} and {group}")
     pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits)
-    # 16 heads per program: at R=512 the fp32 accumulator of 64 heads spills (8k STL on sm_90
-    # AOT, tests/kernels/aot_compile.py); 16 compiles without spills
-    block_h = 16
+    block_h = min(block_h or MLA_BLOCK_H, _pow2(h))
+    if block_h < 16 or block_h & (block_h - 1):
+        raise ConfigError(f"paged decode mla (triton): block_h must be a power of two >= 16, got {block_h}")
     acc = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_latent.device)
     m = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_latent.device)
     l_ = torch.empty_like(m)
     out = torch.empty(b, h, r, dtype=q_latent.dtype, device=q_latent.device) if out is None else out
     ls = cache.latent_scale if cache.latent_scale is not None else m
     ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
-    _mla_decode_split_kernel[(b, triton.cdiv(h, block_h), num_splits)](
+    _mla_decode_split_kernel[(triton.cdiv(h, block_h), b, num_splits)](
         q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, seq_lens, acc, m, l_,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
-        H=h, BLOCK_H=block_h, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_SIZE=bs,
-        MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=min(fmt.group, r), BF16_DOT=_bf16_dots(q_latent),
-        INTERPRET=_INTERPRET)
+        H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N, BLOCK_SIZE=bs,
+        MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=group, NG=ng, BF16_DOT=_bf16_dots(q_latent),
+        INTERPRET=_INTERPRET, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES)
     _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                  HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
     return out

@@ -171,8 +171,11 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None, group: int) -> tup
     g = min(group, d)
     xg = xf.unflatten(-1, (d // g, g))
     amax = xg.abs().amax(dim=-1)
-    # an all-zero group keeps scale 1 (any scale encodes it exactly; avoids 0/0)
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # an all-zero group keeps scale 1 (any scale encodes it exactly; avoids 0/0).
+    # IEEE division by a tensor, never by the Python number: on CUDA, torch turns `t / 448.0`
+    # (a CPU scalar divisor) into t * fl(1/448), one bit off amax / 448 for some amax, and the
+    # Triton write (tl.math.div_rn) must reproduce these bytes on every device
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return to_e4m3(xg / s[..., None]).flatten(-2), s
 
 

@@ -124,9 +124,13 @@ class Generation:
                 if left <= 0:
                     raise Timeout(f"generation ran past the server's request timeout ({self.timeout_s:g} s); "
                                   "ask for fewer tokens or raise --request-timeout-s")
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancellation that races with queue.get() completing, and a cancelled request
+                # (client gone) would then run to the end instead of aborting.
                 try:
-                    job, item = await asyncio.wait_for(queue.get(), timeout=left)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(left):
+                        job, item = await queue.get()
+                except TimeoutError:
                     continue
                 if item is None:
                     live -= 1

@@ -1,0 +1,214 @@
+"""ExpertResidency: the engine's side of the residency store (moet/store).
+
+When routed experts go through the store (`store_reason`, the one rule; docs/architecture.md):
+  1. pack_dir is set, or expert_cache_slots / expert_cache_gb caps the device cache: always;
+  2. neither, on CUDA: when the estimated weights (dense in the model dtype + every expert row)
+     exceed 80% of what gpu_memory_utilization allows (the rest is left to KV and activations);
+  3. otherwise (CPU, or everything fits): all experts resident, the loader's path, no pack.
+The bf16 expert format has no pack: it is always resident (asking for the store with it is an
+error that says so).
+
+With the store on, the model is loaded without routed experts; the pack is opened (built,
+resumed or repaired first), a host arena fronts it, and a device ExpertCache that every MoE
+block reads through. Each engine step runs under run_with_replay, so strict mode
+(miss_tolerance=0) gives exactly the fully resident outputs. One step's experts must fit in
+the cache at once: `step_token_cap` bounds the scheduler's token budget so that even the worst
+step (every token routed to distinct experts in every layer) fits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, TypeVar
+
+import torch
+
+from moet.config import EngineConfig
+from moet.errors import ConfigError
+from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, open_pack, run_with_replay
+from moet.store.expert_cache import cache_slots
+from moet.store.host_arena import arena_slots
+from moet.store.pack_builder import PACK_TAGS, pack_layers
+from moet.store.pack_file import RowLayout
+
+log = logging.getLogger("moet.engine")
+T = TypeVar("T")
+
+DEFAULT_PACK_DIR = "~/.cache/moet/packs"
+FIT_FRACTION = 0.8            # weights may take this much of the GPU budget before the store turns on
+_ACTIVATION_RESERVE = 0.05    # auto-sized cache on CUDA: share of the budget kept for activations
+
+
+def expert_row_bytes(spec, tag: str) -> int:
+    """Bytes of one (layer, expert) row in `tag` (the pack's row, without the 4 KiB padding)."""
+    from moet.model import experts
+
+    return RowLayout.of_pool(tag, experts.new_pool(spec, tag, 1, torch.float32, "cpu")).row_bytes
+
+
+def estimated_weight_bytes(ckpt, tag: str, dtype: torch.dtype) -> tuple[int, int]:
+    """(dense bytes in `dtype`, all routed-expert rows in `tag`): what a fully resident load needs."""
+    from moet.checkpoint.spec import expert_ref
+
+    spec = ckpt.spec
+    elem = torch.empty((), dtype=dtype).element_size()
+    dense = 0
+    for name, info in ckpt.reader.tensors.items():
+        if expert_ref(spec.canonical_name(name)) is None and not name.endswith(("_scale", "_scale_inv", "_scale_2")):
+            n = 1
+            for d in info.shape:
+                n *= d
+            dense += n * elem
+    rows = len(pack_layers(spec)) * spec.router.num_experts
+    return dense, rows * expert_row_bytes(spec, tag)
+
+
+def store_reason(config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why routed experts go through the store; None: all resident (the loader's path)."""
+    explicit = [n for n in ("pack_dir", "expert_cache_slots", "expert_cache_gb") if getattr(config, n) is not None]
+    if not pack_layers(ckpt.spec):
+        return None                                   # no routed experts: nothing to page
+    if config.expert_format not in PACK_TAGS:
+        if explicit:
+            raise ConfigError(f"{explicit[0]} is set but expert_format={config.expert_format} has no pack (packs hold "
+                              f"{', '.join(PACK_TAGS)}); use --expert-format w2 or fp4, or unset {explicit[0]}")
+        return None
+    if explicit:
+        return f"{explicit[0]} is set"
+    if device.type != "cuda":
+        return None
+    dense, expert = estimated_weight_bytes(ckpt, config.expert_format, dtype)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * config.gpu_memory_utilization - (total - free)
+    if dense + expert <= FIT_FRACTION * budget:
+        return None
+    return (f"dense {dense / 2**30:.1f} GiB + experts {expert / 2**30:.1f} GiB exceed {FIT_FRACTION:.0%} of the "
+            f"{budget / 2**30:.1f} GiB GPU budget")
+
+
+class ExpertResidency:
+    """Pack + host arena + device expert cache of one engine; `run` wraps each step.
+    `ExpertResidency.open` opens the checkpoint's pack; the constructor takes an open one (the
+    residency then owns it and closes it)."""
+
+    @classmethod
+    def open(cls, config: EngineConfig, ckpt, model, device: torch.device, *,
+             progress: bool = True) -> "ExpertResidency":
+        pack_dir = os.path.expanduser(config.pack_dir or DEFAULT_PACK_DIR)
+        os.makedirs(pack_dir, exist_ok=True)
+        t0 = time.perf_counter()
+        pack = open_pack(ckpt, pack_dir, tag=config.expert_format, zero_mode=config.w2_zero_mode,
+                         scale_rule=config.w2_scale_rule, verify=config.pack_verify, rebuild=config.rebuild_pack,
+                         o_direct=config.o_direct, device=device, progress=progress)
+        return cls(config, pack, ckpt.spec, model, device, pack_open_s=time.perf_counter() - t0)
+
+    def __init__(self, config: EngineConfig, pack, spec, model, device: torch.device, *, pack_open_s: float = 0.0):
+        self.config = config
+        self.device = device
+        self.spec = spec
+        self.pack = pack
+        self.pack_open_s = pack_open_s
+        self.miss_tolerance = config.miss_tolerance      # a bench may change it between runs
+        self.total_rows = self.pack.num_layers * self.pack.num_experts
+        self.arena: HostArena | None = None
+        self.cache: ExpertCache | None = None
+        self.tokens = 0
+        self.warm_bytes = 0           # fetched at start (not by steps): kept out of the per-token rate
+        self._closed = False
+        try:
+            self.arena = HostArena(self.pack, arena_slots(config.host_arena_gb, self.pack.stride, self.total_rows),
+                                   pin=device.type == "cuda")
+            self.preloaded = self.arena.preload_hot_set()
+        except BaseException:
+            self.close()
+            raise
+        self.model = model
+
+    # ------------------------------------------------------------------ sizing (the runner calls start)
+
+    @property
+    def layers_per_token(self) -> int:
+        """MoE layers one token passes through in a step (the decoder's; MTP runs apart)."""
+        return len(self.spec.moe_layers)
+
+    def requested_slots(self) -> int | None:
+        c = self.config
+        return cache_slots(c.expert_cache_slots, c.expert_cache_gb, self.pack.layout.row_bytes, self.total_rows)
+
+    def auto_slots(self, kv_floor_bytes: int) -> int:
+        """No cap given: every row on CPU; on CUDA what the budget leaves after the weights in use,
+        a KV floor and an activation reserve (the KV cache then takes what is left)."""
+        if self.device.type != "cuda":
+            return self.total_rows
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free)
+        room = budget * (1 - _ACTIVATION_RESERVE) - kv_floor_bytes
+        return max(0, min(self.total_rows, int(room // self.pack.layout.row_bytes)))
+
+    def start(self, num_slots: int) -> None:
+        """Allocate the device cache, point the MoE blocks at it, warm it (everything when it all
+        fits, else the saved hot set)."""
+        c, r = self.config, self.spec.router
+        need = min_cache_slots(self.layers_per_token, r.top_k, c.max_num_seqs)
+        if num_slots < need:
+            raise ConfigError(
+                f"the device expert cache would hold {num_slots} experts, fewer than the {need} a decode step needs "
+                f"({self.layers_per_token} MoE layers x top_k {r.top_k} x min(max_num_seqs, 4)); raise "
+                "--expert-cache-slots (or --expert-cache-gb, or --gpu-memory-utilization) or lower --max-num-seqs")
+        self.cache = ExpertCache(self.pack, num_slots, self.device, arena=self.arena, policy=c.expert_cache_policy)
+        self.cache.attach(model_moe_blocks(self.model))
+        if self.cache.num_slots >= self.total_rows:
+            self.cache.warm(range(self.total_rows))
+        elif self.arena is not None and self.arena.hot_keys():
+            self.cache.warm(list(reversed(self.arena.hot_keys())))      # most recent first
+        self.warm_bytes = self.cache.bytes_fetched
+        log.info("expert store: pack %s (%s), %d/%d rows in the device cache, %d host arena slots",
+                 self.pack.paths.data, "built" if self.pack.built_layers else "reused", self.cache.num_slots,
+                 self.total_rows, self.arena.num_slots if self.arena else 0)
+
+    def step_token_cap(self) -> int | None:
+        """Most tokens one step may compute so that its experts always fit the cache (None: no cap)."""
+        if self.cache is None or self.cache.num_slots >= self.total_rows:
+            return None
+        return max(1, self.cache.num_slots // (self.layers_per_token * self.spec.router.top_k))
+
+    # ------------------------------------------------------------------ one step
+
+    def run(self, step: Callable[[], T], *, scan: bool, num_tokens: int) -> T:
+        """The step, replayed until no expert missed (or at most miss_tolerance pairs did)."""
+        out, _ = run_with_replay(step, self.cache, miss_tolerance=self.miss_tolerance, scan=scan)
+        self.tokens += num_tokens
+        return out
+
+    def stats(self) -> dict[str, float]:
+        if self.cache is None:
+            return {}
+        c = self.cache
+        out = c.stats()
+        out.update({
+            "expert_first_pass_misses_total": float(c.first_pass_missed_pairs),
+            "expert_replays_total": float(c.passes - c.steps),
+            # the PCIe bound of a step: these bytes over the measured host-to-device bandwidth
+            "expert_bytes_fetched_per_token": (c.bytes_fetched - self.warm_bytes) / self.tokens if self.tokens else 0.0,
+            "pack_built_layers": float(getattr(self.pack, "built_layers", 0)),
+            "pack_open_seconds": self.pack_open_s,
+            "host_arena_slots": float(self.arena.num_slots if self.arena else 0),
+        })
+        return out
+
+    def close(self) -> None:
+        """Save the arena's hot set beside the pack, release the arena's threads and the pack."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.arena is not None:
+                if self.arena.hot_keys():
+                    try:
+                        self.arena.save_hot_set()
+                    except OSError as exc:       # a hint only: never fail a shutdown over it
+                        log.warning("could not save the hot set: %s", exc)
+                self.arena.close()
+        finally:
+            self.pack.close()
