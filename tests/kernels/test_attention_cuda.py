@@ -115,6 +115,15 @@ def test_kv_writes_at_real_shapes_equal_torch_bytes(fmt):
     kv_write_triton.write_gqa_kv(b, k, v, slots)
     assert torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8))
     assert torch.equal(a.v.view(torch.uint8), b.v.view(torch.uint8))
+    if fmt.block_scaled:
+        assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
+        # the reference's scale is the correctly rounded amax / 448 (fp32 / fp32 through float64
+        # is exact before the one rounding), not torch's CUDA x * fl(1/448) for a scalar divisor
+        keep = slots >= 0
+        amax = k[keep].float().abs().amax(-1)
+        want = (amax.double() / 448.0).float()
+        got = a.k_scale.flatten(0, 1)[slots[keep]][..., 0]
+        assert torch.equal(got, want)
     lat, rope = torch.randn(t, 512, generator=g).to(DEV), torch.randn(t, 64, generator=g).to(DEV)
     a, b = (new_mla_layer(4096 // BS, BS, 512, 64, fmt, device=DEV) for _ in range(2))
     kv_cache.write_mla_kv(a, lat, rope, slots)
