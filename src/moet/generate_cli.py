@@ -10,10 +10,15 @@ import json
 def run(args: argparse.Namespace) -> int:
     from moet.config import from_cli_args
     from moet.llm import LLM
-    from moet.sampling_params import SamplingParams
 
     cfg = from_cli_args(args)
-    llm = LLM(**vars(cfg))
+    with LLM(**vars(cfg)) as llm:           # closes the expert store (hot set saved) when it was used
+        return _generate(llm, args)
+
+
+def _generate(llm, args: argparse.Namespace) -> int:
+    from moet.sampling_params import SamplingParams
+
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed,
                         ignore_eos=args.ignore_eos)
     prompts = args.prompt or ["Hello"]

@@ -141,3 +141,49 @@ def test_async_engine_shutdown_closes_the_store(path, tmp_path):
 
     asyncio.run(main())
     assert pack.fd == -1 and os.path.exists(pack.paths.hot_set)
+
+
+def test_store_rule_and_weight_estimate(path, monkeypatch):
+    """The one rule: explicit flags -> store; CUDA without flags -> store only when the estimated
+    weights exceed 80% of the budget; CPU -> resident. The estimate equals what the loader holds."""
+    from moet.checkpoint import open_checkpoint
+    from moet.config import EngineConfig
+    from moet.engine.expert_residency import estimated_weight_bytes, store_reason
+    from moet.model import load_model
+    from moet.store import model_moe_blocks
+
+    ckpt = open_checkpoint(path)
+    model = load_model(ckpt, expert_format="w2", dtype=torch.float32)
+    dense, expert = estimated_weight_bytes(ckpt, "w2", torch.float32)
+    assert dense == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert expert == sum(t.numel() * t.element_size() for b in model_moe_blocks(model).values()
+                         for t in (getattr(b.pool, f) for f in b.pool.__slots__) if isinstance(t, torch.Tensor))
+    cfg = EngineConfig(model=path)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert store_reason(cfg, ckpt, cpu, torch.float32) is None
+    assert "expert_cache_slots" in store_reason(EngineConfig(model=path, expert_cache_slots=8), ckpt, cpu, torch.float32)
+    need = (dense + expert) / 0.8 / 0.9                    # total at which the weights just fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (int(need * 1.01), int(need * 1.01)))
+    assert store_reason(cfg, ckpt, cuda, torch.float32) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (int(need * 0.99), int(need * 0.99)))
+    assert "exceed 80%" in store_reason(cfg, ckpt, cuda, torch.float32)
+
+
+def test_moet_tiny_half_cache_equals_resident(tmp_path):
+    """The shipped moet-tiny (DeepSeek-V3 family: MLA, sigmoid routing, shared experts, an MTP
+    MoE layer in the pack) with half its 96 expert rows cached: text prompts, same outputs."""
+    from moet.assets import default_model
+
+    kw = dict(dtype="float32", device="cpu", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=2,
+              num_kv_blocks=32)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
+    ps = ["The capital of France is", "2+3="]
+    ref = LLM(default_model(), **kw)
+    want = [(o.outputs[0].token_ids, [{t: v.logprob for t, v in d.items()} for d in o.outputs[0].logprobs])
+            for o in ref.generate(ps, sp, use_tqdm=False)]
+    with LLM(default_model(), pack_dir=str(tmp_path), expert_cache_slots=48, **kw) as llm:
+        assert llm.engine.residency.total_rows == 96 and llm.engine.scheduler.max_num_batched_tokens == 2
+        got = [(o.outputs[0].token_ids, [{t: v.logprob for t, v in d.items()} for d in o.outputs[0].logprobs])
+               for o in llm.generate(ps, sp, use_tqdm=False)]
+        assert llm.engine.stats().extra["expert_replays_total"] > 0
+    assert got == want

@@ -38,15 +38,15 @@ def main() -> None:
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const)
         print("gqa split", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
-        # the prefill/extend kernel, same model: 4 query tokens x 16 (12 used) heads = 64 rows per program
-        const = dict(G=12, BLOCK_G=16, BLOCK_M=4, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
-                     WINDOW=0 if kind else 4096, SCALE_KIND=kind, GROUP_K=128, GROUP_V=128, INTERPRET=False,
-                     BF16_DOT=True)
+        # the prefill/extend kernel, same model: 8 query tokens x 16 (12 used) heads = 128 rows per program
+        const = dict(G=12, BLOCK_G=16, BLOCK_M=pt.PREFILL_ROWS // 16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
+                     BLOCK_SIZE=16, BLOCK_N=pt.PREFILL_BLOCK_N, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
+                     GROUP_K=128, GROUP_V=128, INTERPRET=False, BF16_DOT=True)
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      cu_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", scale="fp32")
-        c = _compile(pt._gqa_prefill_kernel, types, const)
+        c = _compile(pt._gqa_prefill_kernel, types, const, dict(num_warps=pt.PREFILL_NUM_WARPS))
         print("gqa prefill", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
-        # DeepSeek-V3: R 512, P 64, 16 heads per program
+        # DeepSeek-V3: R 512, P 64, MLA_BLOCK_H heads per program
         lat = "*bf16" if kind == 0 else "*fp8e4nv"
         rope = "*fp8e4nv" if kind == 1 else "*bf16"
         const = dict(H=128, BLOCK_H=at.MLA_BLOCK_H, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_N=at.MLA_BLOCK_N,
@@ -59,12 +59,15 @@ def main() -> None:
         # the H200's 227 KB of shared memory per block: over it the launch fails on the GPU only
         assert c.metadata.shared <= 227 * 1024, f"mla decode needs {c.metadata.shared} B of shared memory"
         print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]), "smem", c.metadata.shared)
-        # MLA prefill/extend, same shapes: 16 heads x 1 query token per program
-        const = dict(H=128, BLOCK_H=16, BLOCK_M=1, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_SIZE=16,
-                     SCALE_KIND=kind, GROUP=128, INTERPRET=False, BF16_DOT=True)
+        # MLA prefill/extend, same shapes: 64 heads x 1 query token per program, the decode's launch
+        const = dict(H=128, BLOCK_H=at.MLA_BLOCK_H, BLOCK_M=1, R=512, BLOCK_R=512, P=64, BLOCK_P=64,
+                     BLOCK_N=at.MLA_BLOCK_N, BLOCK_SIZE=16, SCALE_KIND=kind, GROUP=128, NG=4, INTERPRET=False,
+                     BF16_DOT=True)
         types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
                      bt_ptr="*i32", cu_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", scale="fp32")
-        c = _compile(mp._mla_prefill_kernel, types, const)
+        c = _compile(mp._mla_prefill_kernel, types, const,
+                     dict(num_warps=at.MLA_NUM_WARPS, num_stages=at.MLA_NUM_STAGES))
+        assert c.metadata.shared <= 227 * 1024, f"mla prefill needs {c.metadata.shared} B of shared memory"
         print("mla prefill", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
         # KV write of one part (a GQA head row of 128 / the MLA latent of 512), bf16 source
         dst = "*bf16" if kind == 0 else "*fp8e4nv"

@@ -52,8 +52,9 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
 BS = 16                                    # tokens per page (vLLM's default)
 # decode (split_tokens, max_splits) swept: one compiled kernel serves them all (runtime args)
 SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (256, 8), (256, 128))
-# --quick: the defaults (GQA 256/128, MLA 256/32) and one neighbour each
-QUICK_SPLITS = {"gqa": ((256, 32), (256, 128)), "mla": ((256, 32), (256, 64), (1024, 32))}
+# --quick: the defaults (GQA 256/128, MLA 256/32) and their alternatives: GQA's old cap; MLA with
+# twice the programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32)
+QUICK_SPLITS = {"gqa": ((256, 32), (256, 128)), "mla": ((256, 32), (256, 64), (2048, 32))}
 
 
 class Bench:
@@ -592,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, toy shapes (tests the script)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--quick", action="store_true",
-                    help="no checks, decode at 32K only (batch 1 / 32, bf16 / fp8), prefill 8K bf16: the short GPU call")
+                    help="no checks, decode at 32K only (batch 1 / 32, bf16 / fp8), prefill 8K bf16: "
+                         "the short GPU call")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("attention_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)

@@ -3,7 +3,7 @@ cache <- host arena <- pack file) against every expert resident, on a model whos
 not fit the GPU budget given (a 32 GB / 96 GB card emulated by capping the cache's slots).
 
     PYTHONUNBUFFERED=1 python -m moet.bench.residency_bench --out $OUT --budget-s 540 \
-        [--model glm45air] [--cards 32,96] [--batch 4] [--decode-tokens 32] [--boot-layers 2] [--cpu-smoke]
+        [--model glm45air] [--cards 32,96,25%] [--batch 4] [--decode-tokens 32] [--boot-layers 2] [--cpu-smoke]
 
 Stages (each prints as it goes; $OUT/residency_bench.json is rewritten after each):
 0. pinned host -> device bandwidth of a 1 GiB copy: the measured PCIe bound next to 55 GB/s.
@@ -102,7 +102,7 @@ def compare(got: dict, want: dict) -> dict:
 
 # ---------------------------------------------------------------- 1. correctness (tiny, LLM path)
 
-def check_tiny(device, work: str) -> dict:
+def check_tiny(device, work: str, pcts=(10, 25, 50)) -> dict:
     from moet.llm import LLM
     from moet.sampling_params import SamplingParams
     from moet.testing.tiny_checkpoint import make_checkpoint
@@ -122,7 +122,7 @@ def check_tiny(device, work: str) -> dict:
     want = run(ref)
     del ref
     out = {}
-    for pct in (10, 25, 50):
+    for pct in pcts:
         with LLM(path, pack_dir=os.path.join(work, "tiny-packs"), expert_cache_slots=80 * pct // 100, **kw) as llm:
             got = run(llm)
             st = llm.engine.stats().extra
@@ -169,7 +169,7 @@ def write_expert_checkpoint(path: str, cfg: dict, moe_layers: int, device) -> di
     return {"moe_layers": len(spec.moe_layers), "largest_shard_gb": largest / 2**30}
 
 
-def boot_stage(cfg: dict, total_moe_layers: int, args, device, work: str) -> dict:
+def boot_stage(cfg: dict, total_moe_layers: int, args, device, work: str, budget: Budget) -> dict:
     ckpt = os.path.join(work, "boot-ckpt")
     t = time.perf_counter()
     info = write_expert_checkpoint(ckpt, cfg, args.boot_layers, device)
@@ -178,7 +178,7 @@ def boot_stage(cfg: dict, total_moe_layers: int, args, device, work: str) -> dic
     runs = []
     for _ in range(2):                           # first boot (quantize + write), then reuse
         p = subprocess.run([sys.executable, "-c", BOOT_CHILD, ckpt, packs, str(device)], capture_output=True, text=True,
-                           timeout=max(30.0, args.budget_s))
+                           timeout=max(30.0, budget.left() - 200))     # leave the model stage its time
         if p.returncode:
             raise RuntimeError(f"boot child failed: {p.stderr[-2000:]}")
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
@@ -243,12 +243,12 @@ def decode_runs(eng, vocab: int, args, device, batches) -> dict:
     return out
 
 
-def correctness_outputs(eng, vocab: int) -> dict:
+def correctness_outputs(eng, vocab: int, prompt_len: int) -> dict:
     from moet.bench.engine_bench import prompts
     from moet.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
-    ps = [p[:n] for p, n in zip(prompts(2, 40, vocab, 5), (23, 40))]
+    ps = [p[:n] for p, n in zip(prompts(2, prompt_len, vocab, 5), (prompt_len // 2 + 3, prompt_len))]
     done = eng.generate_all([(f"c{i}", p, sp) for i, p in enumerate(ps)])
     eng.reset_prefix_cache()
     return outputs_of(done)
@@ -259,6 +259,15 @@ def card_slots(card: str, dense_bytes: int, row_bytes: int, total_rows: int, arg
         return max(1, int(total_rows * float(card[:-1]) / 100)), f"{card} of the experts"
     budget = float(card) * 2**30 - dense_bytes - (args.kv_gb + args.activation_gb) * 2**30
     return max(0, int(budget // row_bytes)), f"{card} GB card"
+
+
+def counters(res) -> dict:
+    """Monotonic counters of the store (per-phase numbers are differences of two of these)."""
+    c, a = res.cache, res.arena
+    return {"pairs": c.pairs, "first_pass_missed_pairs": c.first_pass_missed_pairs, "passes": c.passes,
+            "steps": c.steps, "tolerated_pairs": c.tolerated_pairs, "rows_fetched": c.rows_fetched,
+            "bytes_fetched": c.bytes_fetched, "fetch_s": c.fetch_seconds, "pack_bytes_read": res.pack.bytes_read,
+            "arena_hits": a.hits, "arena_misses": a.misses}
 
 
 def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_direct: bool, args, device,
@@ -278,7 +287,7 @@ def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_dir
     rec["engine_start_s"] = time.perf_counter() - t
     rec["step_tokens"] = eng.scheduler.max_num_batched_tokens
     try:
-        rec["correctness"] = compare(correctness_outputs(eng, model.spec.vocab_size), want)
+        rec["correctness"] = compare(correctness_outputs(eng, model.spec.vocab_size, args.prompt_len), want)
         log(f"  {label}: {rec['correctness']}")
         if not rec["correctness"]["bit_identical"]:
             fail(f"{label}: strict replay differs from resident; timings skipped")
@@ -288,21 +297,30 @@ def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_dir
                 log("  budget: stopping")
                 break
             res.miss_tolerance = tol
-            before = dict(res.stats())
+            before = counters(res)
             log(f"  {label}, miss tolerance {tol}:")
             runs = decode_runs(eng, model.spec.vocab_size, args, device, sorted({1, args.batch}))
-            st = res.stats()
-            rows = st["expert_rows_fetched_total"] - before["expert_rows_fetched_total"]
-            fetched = st["expert_bytes_fetched_total"] - before["expert_bytes_fetched_total"]
+            d = {k: v - before[k] for k, v in counters(res).items()}      # this phase only
             gen = sum(r["generated"] for r in runs.values())
-            per_tok = fetched / max(1, gen)
-            rec[f"tol{tol}"] = dict(runs=runs, stats=st, rows_fetched=rows, bytes_fetched_per_generated_token=per_tok,
-                                    pcie_bound_tok_s_55GBps=PCIE_GBPS * 1e9 / per_tok if per_tok else None,
-                                    pcie_bound_tok_s_measured=(gbps * 1e9 / per_tok) if per_tok and gbps else None)
-            log(f"    hit rate {st['expert_cache_hit_rate']:.3f}, passes/step "
-                f"{st['expert_replay_passes_per_step']:.2f}, {per_tok / 2**20:.1f} MiB fetched per token")
+            per_tok = d["bytes_fetched"] / max(1, gen)
+            rec[f"tol{tol}"] = dict(
+                runs=runs, counters=d, generated=gen,
+                hit_rate=1 - d["first_pass_missed_pairs"] / d["pairs"] if d["pairs"] else None,
+                passes_per_step=d["passes"] / d["steps"] if d["steps"] else None,
+                host_arena_hit_rate=d["arena_hits"] / (d["arena_hits"] + d["arena_misses"])
+                if d["arena_hits"] + d["arena_misses"] else None,
+                bytes_fetched_per_generated_token=per_tok,
+                pcie_bound_tok_s_55GBps=PCIE_GBPS * 1e9 / per_tok if per_tok else None,
+                pcie_bound_tok_s_measured=(gbps * 1e9 / per_tok) if per_tok and gbps else None,
+                engine_stats=dict(res.stats()))
+            r = rec[f"tol{tol}"]
+            log(f"    hit rate {r['hit_rate'] or 1:.3f}, passes/step {r['passes_per_step'] or 0:.2f}, "
+                f"{per_tok / 2**20:.1f} MiB fetched per generated token, PCIe bound "
+                f"{r['pcie_bound_tok_s_55GBps'] or float('inf'):.1f} tok/s at {PCIE_GBPS:.0f} GB/s")
     finally:
         eng.close()
+        for b in moe_blocks(model).values():      # let the cache's pool go before the next one is made
+            b.pool = None
         del eng, res
         gc.collect()
         if device.type == "cuda":
@@ -330,7 +348,7 @@ def model_stage(cfg: dict, key: str, args, device, work: str, results: dict, pat
     max_model_len = args.prompt_len + args.decode_tokens + 64
     # all resident
     eng = LLMEngine(engine_config(args, device, max_model_len), model, None, set(), device, max_model_len)
-    want = correctness_outputs(eng, model.spec.vocab_size)
+    want = correctness_outputs(eng, model.spec.vocab_size, args.prompt_len)
     log("  all resident:")
     rec["resident"] = {"runs": decode_runs(eng, model.spec.vocab_size, args, device, sorted({1, args.batch}))}
     del eng
@@ -374,7 +392,7 @@ def model_stage(cfg: dict, key: str, args, device, work: str, results: dict, pat
             write_json(path, results)
 
 
-SMOKE_BENCH = dict(cards="50%,100%", batch=2, decode_tokens=6, prompt_len=12, step_tokens=4, boot_layers=1,
+SMOKE_BENCH = dict(cards="50%,100%", batch=1, decode_tokens=4, prompt_len=6, step_tokens=4, boot_layers=1,
                    kv_gb=0.001, small_arena_gb=0.0)
 
 
@@ -386,11 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--work", default=None, help="scratch directory for checkpoints and packs (default: a temp dir)")
     ap.add_argument("--model", default="glm45air", choices=sorted(MODELS))
-    ap.add_argument("--cards", default="32,96", help="GPU budgets in GB, or N%% of the experts")
+    ap.add_argument("--cards", default="32,96,25%", help="GPU budgets in GB, or N%% of the experts")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--step-tokens", type=int, default=8, help="max_num_batched_tokens of every engine")
+    ap.add_argument("--step-tokens", type=int, default=4,
+                    help="max_num_batched_tokens of every engine (the smallest cache's cap: same schedule everywhere)")
     ap.add_argument("--kv-gb", type=float, default=2.0)
     ap.add_argument("--activation-gb", type=float, default=2.0)
     ap.add_argument("--small-arena-gb", type=float, default=4.0)
@@ -415,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         results["h2d_GBps"] = gbps = h2d_gbps(device)
         results["pcie_nominal_GBps"] = PCIE_GBPS
         log(f"pinned host->device: {gbps or 0:.1f} GB/s")
-        results["correctness_tiny"] = check_tiny(device, work)
+        results["correctness_tiny"] = check_tiny(device, work, (10,) if args.cpu_smoke else (10, 25, 50))
         write_json(path, results)
         if not results["correctness_tiny"]["ok"]:
             fail("expert cache outputs differ from all resident (tiny model)")
@@ -424,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         total_moe = len(spec_from_config(cfg, "bench shape").moe_layers)
         if not args.skip_boot and budget.ok(240):
             try:
-                results["boot"] = boot_stage(cfg, total_moe, args, device, work)
+                results["boot"] = boot_stage(cfg, total_moe, args, device, work, budget)
                 b = results["boot"]
                 log(f"boot: first {b['first_boot']['seconds']:.1f}s (peak RSS {b['first_boot']['peak_rss_gb']:.2f} GB, "
                     f"largest shard {b['largest_shard_gb']:.2f} GB), from pack {b['boot_from_pack']['seconds']:.2f}s")

@@ -32,7 +32,7 @@ paged_decode_mla: the same split-K over the latent rows (weight-absorbed MQA: on
 Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); compiles for sm_90;
 first H200 run (2026-11-29) measured the previous MLA kernel (16 heads per program, page-sized
 tiles, per-element scale gathers) at 6-9% of copy bandwidth -- see docs/perf.md.
-Dot operands (`_mma`, decode; `_dot`, prefill): fp32 queries -> fp32 operands with
+Dot operands (`_mma`, all four kernels): fp32 queries -> fp32 operands with
 input_precision="ieee" (FFMA; equal to the fp32 reference, what the exactness tests use); bf16
 queries (serving) -> bf16 operands on the tensor cores with fp32 accumulation, P cast to bf16
 for P@V as FlashAttention does. The decode kernels convert the queries once and the K/V tiles
@@ -79,23 +79,10 @@ MLA_NUM_STAGES = 2
 
 
 @triton.jit
-def _dot(a, b, BF16: tl.constexpr):
-    """a @ b of fp32 tiles: bf16 tensor-core operands with fp32 accumulation when BF16, else
-    exact fp32 ("ieee": no TF32)."""
-    if BF16:
-        if _EMULATE_BF16_DOT:
-            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
-                          input_precision="ieee")
-        else:
-            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _mma(a, b, BF16: tl.constexpr):
     """a @ b with fp32 accumulation of tiles already in their operand dtype: bf16 (tensor cores)
-    when BF16, else fp32 ("ieee", exact). The interpreter emulates the bf16 dot (see _dot)."""
+    when BF16, else fp32 ("ieee", exact). Under the interpreter the bf16 dot is emulated
+    (operands exact in bf16, fp32 dot): see _EMULATE_BF16_DOT."""
     if BF16:
         if _EMULATE_BF16_DOT:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")

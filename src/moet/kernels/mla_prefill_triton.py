@@ -5,22 +5,25 @@ needs triton.
 Absorbed MLA is MQA over the cached rows: one shared key row [latent (R) | rope (P)] per token,
 values = latent, `score = scale * (q_latent . latent + q_rope . k_rope)`; the output stays in the
 latent space ([Tq, H, R]; mla_output applies W_UV).
-Grid (B, ceil(H / BLOCK_H), ceil(max_q_len / BLOCK_M)): one program = one sequence, a block of
-BLOCK_H heads and a tile of BLOCK_M query tokens, packed as BLOCK_M * BLOCK_H rows (row r = token
-r // BLOCK_H, head r % BLOCK_H), so every latent row of a page is read once per program for all
-of them. The program walks the pages from 0 to its tile's last query position (causal; DeepSeek-V3
-and Kimi-K2 have no sliding window), online softmax in fp32, and writes the normalised output once:
-no split-K, no atomics, a fixed page order -> bit-identical run to run. Scores are the sum of two
-dots (latent, rope), so the 576-wide row is never padded to 1024.
-Formats: auto, fp8 per-tensor (one scale for latent and rope), fp8 block (fp8_ds_mla: per-group
-latent scales, rope in the model dtype) -- the same dequantizing loads as the MLA decode kernel.
-
-Rows per program: 16 by default (BLOCK_M * BLOCK_H): at R = 512 the fp32 accumulator and query of
-16 rows are what the decode kernel fits without spills; more rows per program reuse each page
-more but spill (to be measured on the H200, bench/attention_bench.py).
-Numerics: dots as attention_triton._dot: bf16 queries (serving) -> bf16 tensor-core operands,
+Grid (ceil(H / BLOCK_H), B, ceil(max_q_len / BLOCK_M)): one program = one sequence, a block of
+BLOCK_H heads (default 64, attention_triton.MLA_BLOCK_H) and a tile of BLOCK_M query tokens
+(default 1), packed as BLOCK_M * BLOCK_H rows (row r = token r // BLOCK_H, head r % BLOCK_H), so
+every latent tile is read once per program for all of them; the head blocks of one query tile are
+adjacent in launch order (the second reads from L2). The program walks the keys from 0 to its
+tile's last query position in tiles of MLA_BLOCK_N keys across pages (causal per row;
+DeepSeek-V3 and Kimi-K2 have no sliding window), online softmax in fp32, and writes the normalised
+output once: no split-K, no atomics, a fixed tile order -> bit-identical run to run. Computed
+transposed, as the decode kernel (scores^T = tile @ q^T, out^T += tile^T @ P^T: the queries are
+the dots' shared-memory operand; sm_90 AOT at 64 heads, 8 warps: bf16 248 registers, no spills).
+Scores are the sum of two dots (latent, rope), so the 576-wide row is never padded to 1024.
+Formats: auto, fp8 per-tensor (one scale for latent and rope, folded into the softmax scale and
+the output), fp8 block (fp8_ds_mla: group scales loaded once per tile, rope in the model dtype).
+H200 run 1 (16 rows per program, one page per step, per-element scale gathers): 12.7% of a bf16
+GEMM at 8K (fp8_ds_mla 2.9%). The absorbed form does ~3.4x the expanded form's FLOPs at
+DeepSeek-V3's dims; expanding through kv_b_proj per chunk (vLLM) is the next lever.
+Numerics: dots as attention_triton._mma: bf16 queries (serving) -> bf16 tensor-core operands,
 fp32 accumulation; fp32 queries -> exact fp32 (FFMA; equal to the fp32 reference on CPU).
-Under TRITON_INTERPRET=1 the page loop is a while loop (as prefill_triton.py, same reason).
+Under TRITON_INTERPRET=1 the key loop is a while loop (as prefill_triton.py, same reason).
 """
 from __future__ import annotations
 
@@ -31,40 +34,49 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _dot, _pow2
+from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS, _SCALE_BLOCK,
+                                           _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mma, _pow2)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
 
 
 @triton.jit
-def _mla_prefill_page(ql, qr, m_i, l_i, acc, page, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row_ptr,
-                      r, p_, tok, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, scale,
-                      R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr):
-    """One page of latent rows for all rows of the tile: the online-softmax update."""
-    blk = tl.load(bt_row_ptr + page).to(tl.int64)
-    kpos = page * BLOCK_SIZE + tok
+def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row_ptr, r, p_, j,
+                      s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                      R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
+                      NG: tl.constexpr, BF16_DOT: tl.constexpr):
+    """Keys k0 .. k0 + BLOCK_N (several pages; masked past `last`, the tile's last query position)
+    for all rows of the program, transposed as the decode kernel (attention_triton._mla_decode_tile):
+    scores^T [keys, rows] = tile @ q^T, out^T [R, rows] += tile^T @ P^T; causal per row."""
+    kpos = k0 + j
     tmask = kpos <= last
-    lm = tmask[:, None] & (r[None, :] < R)
-    lat = tl.load(lat_ptr + blk * s_lb + tok[:, None] * s_lt + r[None, :], mask=lm, other=0.0).to(tl.float32)
-    rm = tmask[:, None] & (p_[None, :] < P)
-    rope = tl.load(rope_ptr + blk * s_rb + tok[:, None] * s_rt + p_[None, :], mask=rm, other=0.0).to(tl.float32)
-    if SCALE_KIND == 1:
-        sc = tl.load(ls_ptr)
-        lat = lat * sc
-        rope = rope * sc
-    if SCALE_KIND == 2:
-        lat = lat * tl.load(ls_ptr + blk * ss_b + tok[:, None] * ss_t + r[None, :] // GROUP, mask=lm, other=0.0)
-    s = (_dot(ql, tl.trans(lat), BF16_DOT) + _dot(qr, tl.trans(rope), BF16_DOT)) * scale   # [rows, BLOCK_SIZE]
-    s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    off = (kpos % BLOCK_SIZE).to(tl.int64)
+    lat = tl.load(lat_ptr + (blk * s_lb + off * s_lt)[:, None] + r[None, :],
+                  mask=tmask[:, None] & (r[None, :] < R), other=0.0)
+    rope = tl.load(rope_ptr + (blk * s_rb + off * s_rt)[:, None] + p_[None, :],
+                   mask=tmask[:, None] & (p_[None, :] < P), other=0.0)
+    if SCALE_KIND == 2:           # fp8_ds_mla: group scales once per tile, broadcast over the group
+        g = tl.arange(0, NG)
+        sc = tl.load(ls_ptr + (blk * ss_b + off * ss_t)[:, None] + g[None, :], mask=tmask[:, None], other=0.0)
+        lat = tl.reshape(tl.reshape(lat.to(tl.float32), [BLOCK_N, NG, GROUP]) * sc[:, :, None], [BLOCK_N, BLOCK_R])
+    if BF16_DOT:
+        lat = lat.to(tl.bfloat16)
+        rope = rope.to(tl.bfloat16)
+    else:
+        lat = lat.to(tl.float32)
+        rope = rope.to(tl.float32)
+    s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
+    s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     # padding rows see no key: shift by 0 so exp gives 0 rather than NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
-    pr = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
-    acc = acc * alpha[:, None] + _dot(pr, lat, BF16_DOT)
+    pr = tl.exp(s - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(pr, axis=0)
+    acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)     # [BLOCK_R, rows]
     return m_new, l_i, acc
 
 
@@ -73,10 +85,13 @@ def _mla_prefill_kernel(
         ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
         s_qlt, s_qlh, s_qrt, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, s_ot, s_oh, scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr,
-        GROUP: tl.constexpr, INTERPRET: tl.constexpr, BF16_DOT: tl.constexpr):
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, INTERPRET: tl.constexpr,
+        BF16_DOT: tl.constexpr):
+    # grid (head blocks, B, query tiles): the head blocks of one query tile are adjacent in launch
+    # order, so all but the first read the latent tiles from L2
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
     mt = tl.program_id(2)
     q_lo = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_lo
@@ -91,49 +106,63 @@ def _mla_prefill_kernel(
         qpos = ctx + t
         r = tl.arange(0, BLOCK_R)
         p_ = tl.arange(0, BLOCK_P)
-        tok = tl.arange(0, BLOCK_SIZE)
+        j = tl.arange(0, BLOCK_N)
         q_row = (q_lo + t).to(tl.int64)
+        qd = tl.bfloat16 if BF16_DOT else tl.float32
         ql = tl.load(ql_ptr + q_row[:, None] * s_qlt + hh[:, None] * s_qlh + r[None, :],
-                     mask=rmask[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+                     mask=rmask[:, None] & (r[None, :] < R), other=0.0).to(qd)
         qr = tl.load(qr_ptr + q_row[:, None] * s_qrt + hh[:, None] * s_qrh + p_[None, :],
-                     mask=rmask[:, None] & (p_[None, :] < P), other=0.0).to(tl.float32)
+                     mask=rmask[:, None] & (p_[None, :] < P), other=0.0).to(qd)
+        qk_scale = scale
+        if SCALE_KIND == 1:                       # fp8 per tensor: one scale for latent and rope
+            qk_scale = scale * tl.load(ls_ptr)
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_M * BLOCK_H], tl.float32)
         last = tl.minimum(ctx + t0 + BLOCK_M, n) - 1          # the tile's last query position = its last key
-        hi_page = last // BLOCK_SIZE + 1
         bt_row = bt_ptr + b * s_btb
         if INTERPRET:
-            page = 0
-            while page < hi_page:
-                m_i, l_i, acc = _mla_prefill_page(
-                    ql, qr, m_i, l_i, acc, page, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, tok,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, scale, R, P, BLOCK_SIZE, SCALE_KIND, GROUP, BF16_DOT)
-                page += 1
+            k0 = 0
+            while k0 <= last:
+                m_i, l_i, acc = _mla_prefill_tile(
+                    ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+                k0 += BLOCK_N
         else:
-            for page in range(0, hi_page):
-                m_i, l_i, acc = _mla_prefill_page(
-                    ql, qr, m_i, l_i, acc, page, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, tok,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, scale, R, P, BLOCK_SIZE, SCALE_KIND, GROUP, BF16_DOT)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + q_row[:, None] * s_ot + hh[:, None] * s_oh + r[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (r[None, :] < R))
+            for k0 in range(0, last + 1, BLOCK_N):
+                m_i, l_i, acc = _mla_prefill_tile(
+                    ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+        if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
+            acc = acc * tl.load(ls_ptr)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+        tl.store(out_ptr + q_row[None, :] * s_ot + hh[None, :] * s_oh + r[:, None],
+                 out.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (r[:, None] < R))
 
 
 def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                      max_seqlen_q: int | None = None, block_h: int = 16, block_m: int = 1,
+                      max_seqlen_q: int | None = None, block_h: int | None = None, block_m: int = 1,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """As attention_reference.paged_prefill_mla: q_latent [Tq, H, R], q_rope [Tq, H, P] ->
     [Tq, H, R] in q_latent.dtype. max_seqlen_q: an upper bound on any sequence's query count (grid
     size; a host sync computes it when None). block_h, block_m: heads and query tokens per program
-    (powers of two, block_h * block_m >= 16 for tl.dot). out: optional [Tq, H, R] tensor to write into."""
+    (powers of two, block_h * block_m >= 16 for tl.dot; default MLA_BLOCK_H heads, clipped to the
+    heads rounded up to a power of two, x 1 token). out: optional [Tq, H, R] tensor to write into."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     tq, h, r = q_latent.shape
     p = q_rope.shape[-1]
     bs = cache.block_size
     if bs < 16 or bs & (bs - 1):
         raise ConfigError(f"paged prefill (triton): block_size must be a power of two >= 16, got {bs}")
+    block_h = block_h or min(MLA_BLOCK_H, _pow2(h))
+    fmt = cache.fmt
+    group = min(fmt.group, r)
+    if fmt.block_scaled and (group & (group - 1) or (r // group) * group != _pow2(r)):
+        raise ConfigError(f"paged MLA prefill (triton): an fp8-block cache needs a power-of-two kv_lora_rank and "
+                          f"scale group, got {r} and {group}")
     for name, v in (("block_h", block_h), ("block_m", block_m)):
         if v < 1 or v & (v - 1):
             raise ConfigError(f"paged MLA prefill (triton): {name} must be a power of two, got {v}")
@@ -148,15 +177,15 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_seqlen_q <= 0:
         return out.zero_()
-    fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
     ls = cache.latent_scale if cache.latent_scale is not None else out     # any pointer; never read
     ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
-    _mla_prefill_kernel[(b, triton.cdiv(h, block_h), triton.cdiv(max_seqlen_q, block_m))](
+    _mla_prefill_kernel[(triton.cdiv(h, block_h), b, triton.cdiv(max_seqlen_q, block_m))](
         q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, cu_seqlens_q, seq_lens, out,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale),
-        H=h, BLOCK_H=block_h, BLOCK_M=block_m, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_SIZE=bs,
-        SCALE_KIND=kind, GROUP=min(fmt.group, r), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q_latent))
+        H=h, BLOCK_H=block_h, BLOCK_M=block_m, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N,
+        BLOCK_SIZE=bs, SCALE_KIND=kind, GROUP=group, NG=r // group, INTERPRET=_INTERPRET,
+        BF16_DOT=_bf16_dots(q_latent), num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES)
     return out

@@ -7,23 +7,23 @@ paged_prefill_gqa: causal, variable length (cu_seqlens_q), every key read from t
   Grid (B, Hkv, ceil(max_q_len / BLOCK_M)): one program = one sequence, one KV head, a tile of
   BLOCK_M query tokens times all G query heads of that KV head, packed as BLOCK_M * BLOCK_G rows
   (row r = token r // BLOCK_G, head r % BLOCK_G), so each K/V page is read once per group and tile.
-  The program walks the pages from the first key any of its queries can see (sliding window) to
-  its last query's position, online softmax in fp32, and writes the normalised output directly
-  (no split-K: a prefill tile already has enough parallelism). No atomics and a fixed page order:
-  bit-identical run to run. Formats: auto, fp8_e4m3 per-tensor and per-token-group scales (the
-  same dequantizing load as the decode kernel).
+  The program walks the keys from the first one any of its queries can see (sliding window) to
+  its last query's position in tiles of BLOCK_N keys (several pages; each key's page gathered from
+  the block table), online softmax in fp32, and writes the normalised output directly (no
+  split-K: a prefill tile already has enough parallelism). No atomics and a fixed tile order:
+  bit-identical run to run. Formats: auto, fp8_e4m3 per-tensor and per-token-group scales.
 
 Status: matches the torch reference under TRITON_INTERPRET=1 at small shapes
-(tests/kernels/test_prefill_triton.py) and compiles for sm_90 (tests/kernels/aot_compile.py);
-NOT yet run or timed on a GPU. Dots as attention_triton._dot: bf16 tensor cores for bf16
-queries, exact fp32 for fp32 queries. Known costs to revisit there: K/V pages are re-read by every query tile of a
-sequence; the tile size (BLOCK_M * BLOCK_G ~ 64 rows) is a guess; the grid's third axis comes from
-max_seqlen_q, which costs a host sync when the caller does not pass it. sm_90 AOT, GLM-4.5 shape
-(G 12, D 128, 64 rows, 4 warps): bf16 184 registers and fp8 per-tensor 168, no spills; fp8 block
-scales (group 128) hit 255 registers and ~400 spill stores (the per-element scale gather in
-_load_dequant); smaller tiles or 8 warps did not remove them, scaling the dot's columns instead
-made it worse (ptxas chose 32 registers and a 4 kB stack).
-Under TRITON_INTERPRET=1 the page loop is a while loop (see INTERPRET in the kernel): the tests
+(tests/kernels/test_prefill_triton.py) and compiles for sm_90 (tests/kernels/aot_compile.py).
+H200 run 1 (2026-11-29; one 16-key page per step, 64 rows, 4 warps, every tile converted to fp32
+and back): 214 TFLOP/s at 8K = 28% of a bf16 GEMM (SDPA 78%). Now: 128 rows x 64 keys, 8 warps,
+queries and K/V in the dot operand dtype (bf16 tensor cores for bf16 queries, exact fp32 for fp32
+ones), fp8 per-tensor scales folded into the softmax scale and the output and one scale per
+token and head onto score / P columns (attention_triton._gqa_load_operand); sm_90 AOT (GLM-4.5
+shape, G 12): wgmma, 254 registers, no spills (fp8 block 56 B). Known costs: K/V re-read by
+every query tile of a sequence; the grid's third axis comes from max_seqlen_q, which costs a host
+sync when the caller does not pass it.
+Under TRITON_INTERPRET=1 the key loop is a while loop (see INTERPRET in the kernel): the tests
 run that form; the compiled form is the range() loop with the same bounds and the same body.
 """
 from __future__ import annotations
@@ -35,25 +35,38 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (_SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _dot,
-                                           _load_dequant, _pow2)
+from moet.kernels.attention_triton import (_SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots,
+                                           _gqa_load_operand, _mma, _pow2)
 from moet.kernels.kv_cache import GQALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
+# Tile shape: 128 (query token, head) rows x 64 keys per step (several pages), 8 warps: wgmma,
+# no spills on sm_90 AOT for bf16 / fp8 per-tensor (64 rows x 64 keys with 4 warps spilled ~600 B)
+PREFILL_BLOCK_N = 64
+PREFILL_ROWS = 128
+PREFILL_NUM_WARPS = 8
 
 
 @triton.jit
-def _prefill_page(q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, h, d, dv, tok,
-                  s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
+def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, h, d, dv, j,
+                  s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
                   SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
-    """One page of keys for all rows of the tile: the online-softmax update."""
-    blk = tl.load(bt_row_ptr + page).to(tl.int64)
-    kpos = page * BLOCK_SIZE + tok
+    """Keys k0 .. k0 + BLOCK_N (several pages: each key's page gathered from the block table) for
+    all rows of the tile: the online-softmax update. Tiles of BLOCK_N keys, not one page: the
+    fp32 rescale of the [rows, Dv] accumulator and the exp run once per BLOCK_N keys (run 1 on
+    the H200, one 16-key page per step: 28% of a bf16 GEMM)."""
+    kpos = k0 + j
     tmask = kpos <= last
-    k = _load_dequant(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
-                      D, SCALE_KIND, GROUP_K)
-    s = _dot(q, tl.trans(k), BF16_DOT) * scale                            # [rows, BLOCK_SIZE]
+    blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    off = kpos % BLOCK_SIZE
+    # K/V tiles in the operand dtype, fp8 scales outside the dots where the math allows (as the
+    # decode kernel: per-tensor ones in qk_scale / the output, one per token and head on columns)
+    k = _gqa_load_operand(k_ptr, ks_ptr, blk[:, None], off, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
+                          D, SCALE_KIND, GROUP_K, BF16_DOT)
+    s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                         # [rows, BLOCK_N]
+    if (SCALE_KIND == 2) & (GROUP_K == D):
+        s = s * tl.load(ks_ptr + blk * ss_kb + off * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
     vis = kpos[None, :] <= qpos[:, None]
     if WINDOW > 0:
         vis = vis & (kpos[None, :] > qpos[:, None] - WINDOW)
@@ -64,10 +77,12 @@ def _prefill_page(q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_p
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    v = _load_dequant(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
-                      DV, SCALE_KIND, GROUP_V)
+    v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], off, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
+                          DV, SCALE_KIND, GROUP_V, BF16_DOT)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p, v, BF16_DOT)
+    if (SCALE_KIND == 2) & (GROUP_V == DV):
+        p = p * tl.load(vs_ptr + blk * ss_vb + off * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, BF16_DOT)
     return m_new, l_i, acc
 
 
@@ -78,7 +93,7 @@ def _gqa_prefill_kernel(
         ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, s_ot, s_oh, scale,
         G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
         SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, INTERPRET: tl.constexpr,
         BF16_DOT: tl.constexpr):
     b = tl.program_id(0)
@@ -97,11 +112,14 @@ def _gqa_prefill_kernel(
         qpos = ctx + t                                # its position in the sequence
         d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
-        tok = tl.arange(0, BLOCK_SIZE)
+        j = tl.arange(0, BLOCK_N)
         qh = h * G + g
         q_row = (q_lo + t).to(tl.int64)
         q = tl.load(q_ptr + q_row[:, None] * s_qt + qh[:, None] * s_qh + d[None, :],
-                    mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+                    mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.bfloat16 if BF16_DOT else tl.float32)
+        qk_scale = scale
+        if SCALE_KIND == 1:
+            qk_scale = scale * tl.load(ks_ptr)
 
         m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
@@ -110,26 +128,29 @@ def _gqa_prefill_kernel(
         lo_key = 0
         if WINDOW > 0:
             lo_key = tl.maximum(ctx + t0 - WINDOW + 1, 0)   # first key the tile's first query sees
-        lo_page = lo_key // BLOCK_SIZE
-        hi_page = last // BLOCK_SIZE + 1
+        # key tiles at multiples of BLOCK_N from position 0, whatever the chunking: a row skips
+        # wholly masked tiles exactly (alpha = 1, p = 0), so a chunked prompt computes the same sums
+        lo_tile = (lo_key // BLOCK_N) * BLOCK_N
         if INTERPRET:
             # TRITON_INTERPRET=1 (triton 3.6, numpy 2.4) holds a loaded scalar as a shape-[1] array,
             # and range() bounds made from it fail int() ("only 0-dimensional arrays can be
             # converted to Python scalars"); a while loop runs the same pages. Compiled builds use
             # range(): the while form compiles for sm_90 with 32 registers and a 5 kB spill stack.
-            page = lo_page
-            while page < hi_page:
-                m_i, l_i, acc = _prefill_page(
-                    q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
-                    tok, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
+            k0 = lo_tile
+            while k0 <= last:
+                m_i, l_i, acc = _prefill_tile(
+                    q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
+                    j, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
                     D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
-                page += 1
+                k0 += BLOCK_N
         else:
-            for page in range(lo_page, hi_page):
-                m_i, l_i, acc = _prefill_page(
-                    q, m_i, l_i, acc, page, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
-                    tok, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, scale,
+            for k0 in range(lo_tile, last + 1, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(
+                    q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
+                    j, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
                     D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+        if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
+            acc = acc * tl.load(vs_ptr)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_row[:, None] * s_ot + qh[:, None] * s_oh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
@@ -142,7 +163,7 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
     """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype.
     max_seqlen_q: an upper bound on any sequence's query count (grid size; computed from
     cu_seqlens_q with a host sync when None). block_m: query tokens per program (a power of two;
-    default: 64 rows of (token, head) per program, at least one token). out: optional
+    default: PREFILL_ROWS rows of (token, head) per program, at least one token). out: optional
     [Tq, Hq, Dv] tensor to write into."""
     q = q.contiguous()
     tq, hq, d = q.shape
@@ -155,7 +176,7 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
     g = hq // hkv
     block_g = triton.next_power_of_2(g)
     if block_m is None:
-        block_m = max(1, 64 // block_g)
+        block_m = max(1, PREFILL_ROWS // block_g)
     if block_m < 1 or block_m & (block_m - 1):
         raise ConfigError(f"paged prefill (triton): block_m must be a power of two, got {block_m}")
     block_m = max(block_m, 16 // block_g if block_g < 16 else 1)     # tl.dot needs >= 16 rows
@@ -178,6 +199,7 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
         *sk[:3], *sv[:3], block_tables.stride(0), out.stride(0), out.stride(1), float(scale),
         G=g, BLOCK_G=block_g, BLOCK_M=block_m, D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv),
-        BLOCK_SIZE=bs, WINDOW=sliding_window or 0, SCALE_KIND=kind,
-        GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q))
+        BLOCK_SIZE=bs, BLOCK_N=PREFILL_BLOCK_N, WINDOW=sliding_window or 0, SCALE_KIND=kind,
+        GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q),
+        num_warps=PREFILL_NUM_WARPS)
     return out

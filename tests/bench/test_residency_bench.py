@@ -1,0 +1,28 @@
+"""moet.bench.residency_bench end to end on CPU (--cpu-smoke): correctness stages pass, the
+boot stage builds then reuses a pack, a 50% card runs both store configurations at miss
+tolerance 0 and 8 with the cached greedy outputs equal to resident, a 100% card is all resident."""
+import json
+
+from moet.bench import residency_bench
+
+
+def test_residency_bench_cpu_smoke(tmp_path):
+    assert residency_bench.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "residency_bench.json").read_text())
+    assert r["correctness_tiny"]["ok"] and r["correctness_tiny"]["10pct"]["bit_identical"]
+    b = r["boot"]
+    assert b["first_boot"]["built_layers"] == 1 and b["boot_from_pack"]["built_layers"] == 0
+    assert b["first_boot"]["peak_rss_gb"] > 0 and b["boot_from_pack"]["seconds"] < b["first_boot"]["seconds"]
+    m = r["model"]
+    assert m["resident"]["runs"]["1"]["decode_tok_s"] > 0 and m["pack_write_GBps"] > 0
+    half, full = m["cards"]["50%"], m["cards"]["100%"]
+    assert full["all_resident"] and half["slots"] == m["rows"] // 2
+    for label in ("cache+arena", "cache+pack+small arena"):
+        run = half[label]
+        assert run["correctness"]["bit_identical"]
+        t0, t8 = run["tol0"], run["tol8"]
+        assert t0["runs"]["1"]["decode_tok_s"] > 0 and t0["counters"]["tolerated_pairs"] == 0
+        assert 0 <= t0["hit_rate"] < 1 and t0["passes_per_step"] > 1 and t0["bytes_fetched_per_generated_token"] > 0
+        assert t8["generated"] == t0["generated"] and t0["pcie_bound_tok_s_55GBps"] > 0
+    assert half["cache+pack+small arena"]["host_arena_gb"] == 0.0    # every miss read from the pack
+    assert r["host_peak_rss_gb"] > 0
