@@ -271,7 +271,7 @@ def counters(res) -> dict:
 
 
 def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_direct: bool, args, device,
-              max_model_len: int, want: dict, results: dict, budget: Budget, gbps: float | None) -> dict:
+              max_model_len: int, want: dict, budget: Budget, gbps: float | None) -> dict:
     from moet.engine.expert_residency import ExpertResidency
     from moet.engine.llm_engine import LLMEngine
     from moet.store.pack_file import PackFile
@@ -385,7 +385,7 @@ def model_stage(cfg: dict, key: str, args, device, work: str, results: dict, pat
                 break
             try:
                 c[label] = store_run(label, model, paths, meta, slots, arena_gb, o_direct, args, device, max_model_len,
-                                     want, results, budget, gbps)
+                                     want, budget, gbps)
             except Exception as exc:               # keep the other configurations' numbers
                 fail(f"{card} {label}: {type(exc).__name__}: {exc}")
                 c[label] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -108,6 +108,7 @@ class ExpertResidency:
         self.device = device
         self.spec = spec
         self.pack = pack
+        self.model = model
         self.pack_open_s = pack_open_s
         self.miss_tolerance = config.miss_tolerance      # a bench may change it between runs
         self.total_rows = self.pack.num_layers * self.pack.num_experts
@@ -123,7 +124,6 @@ class ExpertResidency:
         except BaseException:
             self.close()
             raise
-        self.model = model
 
     # ------------------------------------------------------------------ sizing (the runner calls start)
 

@@ -12,8 +12,7 @@ arguments are whatever the model writes.
 """
 from __future__ import annotations
 
-import json
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from moet.outputs import PositionLogprobs
 from moet.serve.chat_output import ChoiceDeltaParts, ChoiceOutputParser
@@ -23,9 +22,10 @@ from moet.serve.generation import ChoiceDelta, Generation
 from moet.serve.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ResponseFunctionCall,
-    ResponseToolCall, TokenLogprob, TopLogprob, UsageInfo)
+    ResponseToolCall, TokenLogprob, TopLogprob)
 from moet.serve.sampling import check_unsupported, sampling_params
 from moet.serve.server_state import ServerState
+from moet.serve.sse import SSE_DONE, EventStream, sse_event
 
 
 class ChatPlan:
@@ -116,61 +116,31 @@ def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
 async def chat_response(plan: ChatPlan, request_id: str) -> ChatCompletionResponse:
     gen = plan.generation(request_id)
     tok = plan.state.tokenizer
-    n = gen.num_choices
-    texts = [""] * n
-    ids: list[list[int]] = [[] for _ in range(n)]
-    lps: list[list[PositionLogprobs] | None] = [[] if plan.logprobs is not None else None for _ in range(n)]
-    finish: list[tuple[str | None, Any]] = [(None, None)] * n
-    async for deltas in gen.stream():
-        for d in deltas:
-            texts[d.index] += d.text
-            ids[d.index] += d.token_ids
-            if d.logprobs is not None and lps[d.index] is not None:
-                lps[d.index] += d.logprobs
-            if d.finish_reason is not None:
-                finish[d.index] = (d.finish_reason, d.stop_reason)
     choices = []
-    for i in range(n):
-        parts = plan.choice_parser().feed(plan.prefix + texts[i], final=True)
+    for i, whole in enumerate(await gen.collect(with_logprobs=plan.logprobs is not None)):
+        parts = plan.choice_parser().feed(plan.prefix + whole.text, final=True)
         calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
                  for c in parts.calls]
         msg = AssistantMessage(content=parts.content if parts.content or not calls else None,
                                reasoning_content=parts.reasoning or None, tool_calls=calls)
         choices.append(ChatChoice(index=i, message=msg,
-                                  logprobs=chat_logprobs(tok, ids[i], lps[i], plan.logprobs or 0),
-                                  finish_reason=_finish_reason(finish[i][0], bool(calls)), stop_reason=finish[i][1]))
-    usage = UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                      total_tokens=gen.prompt_tokens + gen.completion_tokens)
+                                  logprobs=chat_logprobs(tok, whole.token_ids, whole.logprobs, plan.logprobs or 0),
+                                  finish_reason=_finish_reason(whole.finish_reason, bool(calls)),
+                                  stop_reason=whole.stop_reason))
+    usage = gen.usage()
     plan.usage = usage
     return ChatCompletionResponse(id=request_id, model=plan.state.model_name, choices=choices, usage=usage)
 
 
-def _sse(obj) -> str:
-    if hasattr(obj, "model_dump_json"):
-        return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-class ChatStream:
+class ChatStream(EventStream):
     """Turns a Generation's per-step deltas into chat.completion.chunk events."""
 
     def __init__(self, plan: ChatPlan, request_id: str):
-        self.plan, self.request_id = plan, request_id
-        self.gen = plan.generation(request_id)
+        super().__init__(plan, request_id)
         n = self.gen.num_choices
         self.parsers = [plan.choice_parser() for _ in range(n)]
         self.calls_made = [0] * n
         self.started = False
-        opts = plan.req.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
-        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
-        self.usage = UsageInfo()
-
-    def current_usage(self) -> UsageInfo:
-        g = self.gen
-        self.usage = UsageInfo(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
-                               total_tokens=g.prompt_tokens + g.completion_tokens)
-        return self.usage
 
     def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, model=self.plan.state.model_name, choices=choices,
@@ -196,7 +166,7 @@ class ChatStream:
     async def events(self, deltas_iter: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
         n = self.gen.num_choices
         # the role comes first, once per choice, as OpenAI sends it
-        yield _sse(self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        yield sse_event(self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                                 for i in range(n)]))
         if self.plan.prefix:
             for i in range(n):  # the forced call opener is part of each reply
@@ -210,10 +180,10 @@ class ChatStream:
                     if c is not None:
                         choices.append(c)
                 if choices:
-                    yield _sse(self._chunk(choices))
+                    yield sse_event(self._chunk(choices))
         except APIError as exc:  # headers are gone: report in-band, then end the stream properly
-            yield _sse(exc.response())
+            yield sse_event(exc.response())
         if self.include_usage:
-            yield _sse(ChatCompletionChunk(id=self.request_id, model=self.plan.state.model_name, choices=[],
-                                           usage=self.current_usage()))
-        yield "data: [DONE]\n\n"
+            yield sse_event(ChatCompletionChunk(id=self.request_id, model=self.plan.state.model_name, choices=[],
+                                                usage=self.current_usage()))
+        yield SSE_DONE

@@ -7,9 +7,10 @@ from typing import AsyncIterator
 from moet.outputs import PositionLogprobs
 from moet.serve.errors import APIError, BadRequest
 from moet.serve.generation import ChoiceDelta, Generation
-from moet.serve.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
+from moet.serve.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from moet.serve.sampling import check_unsupported, sampling_params
 from moet.serve.server_state import ServerState
+from moet.serve.sse import SSE_DONE, EventStream, sse_event
 
 
 class CompletionPlan:
@@ -72,57 +73,28 @@ def completion_logprobs(tok, token_ids: list[int], positions: list[PositionLogpr
 
 async def completion_response(plan: CompletionPlan, request_id: str) -> CompletionResponse:
     gen = plan.generation(request_id)
-    n = gen.num_choices
-    texts = [""] * n
-    ids: list[list[int]] = [[] for _ in range(n)]
-    lps: list[list | None] = [[] if plan.logprobs is not None else None for _ in range(n)]
-    finish = [(None, None)] * n
-    async for deltas in gen.stream():
-        for d in deltas:
-            texts[d.index] += d.text
-            ids[d.index] += d.token_ids
-            if d.logprobs is not None and lps[d.index] is not None:
-                lps[d.index] += d.logprobs
-            if d.finish_reason is not None:
-                finish[d.index] = (d.finish_reason, d.stop_reason)
     tok = plan.state.tokenizer
     choices = []
-    for i in range(n):
+    for i, whole in enumerate(await gen.collect(with_logprobs=plan.logprobs is not None)):
         echo = plan.echo_text(i)
-        choices.append(CompletionChoice(index=i, text=echo + texts[i],
-                                        logprobs=completion_logprobs(tok, ids[i], lps[i], plan.logprobs or 0, len(echo)),
-                                        finish_reason=finish[i][0], stop_reason=finish[i][1]))
-    usage = UsageInfo(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                      total_tokens=gen.prompt_tokens + gen.completion_tokens)
+        lp = completion_logprobs(tok, whole.token_ids, whole.logprobs, plan.logprobs or 0, len(echo))
+        choices.append(CompletionChoice(index=i, text=echo + whole.text, logprobs=lp,
+                                        finish_reason=whole.finish_reason, stop_reason=whole.stop_reason))
+    usage = gen.usage()
     plan.usage = usage
     return CompletionResponse(id=request_id, model=plan.state.model_name, choices=choices, usage=usage)
 
 
-def _sse(obj) -> str:
-    return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
-
-
-class CompletionStream:
+class CompletionStream(EventStream):
     def __init__(self, plan: CompletionPlan, request_id: str):
-        self.plan, self.request_id = plan, request_id
-        self.gen = plan.generation(request_id)
-        opts = plan.req.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
-        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        super().__init__(plan, request_id)
         self.offsets = [len(plan.echo_text(i)) for i in range(self.gen.num_choices)]
-        self.usage = UsageInfo()
-
-    def current_usage(self) -> UsageInfo:
-        g = self.gen
-        self.usage = UsageInfo(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
-                               total_tokens=g.prompt_tokens + g.completion_tokens)
-        return self.usage
 
     async def events(self, deltas_iter: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
         tok = self.plan.state.tokenizer
         model = self.plan.state.model_name
         if self.plan.req.echo:
-            yield _sse(CompletionResponse(id=self.request_id, model=model, choices=[
+            yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=[
                 CompletionChoice(index=i, text=self.plan.echo_text(i)) for i in range(self.gen.num_choices)]))
         try:
             async for deltas in deltas_iter:
@@ -133,10 +105,10 @@ class CompletionStream:
                     self.offsets[d.index] += len(d.text)
                     choices.append(CompletionChoice(index=d.index, text=d.text, logprobs=lp,
                                                     finish_reason=d.finish_reason, stop_reason=d.stop_reason))
-                yield _sse(CompletionResponse(id=self.request_id, model=model, choices=choices,
-                                              usage=self.current_usage() if self.continuous_usage else None))
+                yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=choices,
+                                                   usage=self.current_usage() if self.continuous_usage else None))
         except APIError as exc:
             yield f"data: {exc.response().model_dump_json()}\n\n"
         if self.include_usage:
-            yield _sse(CompletionResponse(id=self.request_id, model=model, choices=[], usage=self.current_usage()))
-        yield "data: [DONE]\n\n"
+            yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=[], usage=self.current_usage()))
+        yield SSE_DONE

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from moet.errors import ConfigError, MoetError
@@ -21,6 +21,7 @@ from moet.outputs import PositionLogprobs, RequestOutput
 from moet.sampling_params import SamplingParams
 from moet.serve.errors import BadRequest, Timeout, Unavailable
 from moet.serve.metrics import ServerMetrics
+from moet.serve.protocol import UsageInfo
 
 
 @dataclass
@@ -29,6 +30,16 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class WholeChoice:
+    """One choice's deltas joined up, for a response that is sent in one piece."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None   # None when logprobs were not asked for
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -158,6 +169,26 @@ class Generation:
                         pass
             # let the cancelled pumps unwind (the engine's generate() sees the cancellation too)
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, with_logprobs: bool) -> list[WholeChoice]:
+        """The whole stream joined up per choice (index = choice index). Chat and completions
+        both answer a non-streamed request this way; they differ only in how they shape it."""
+        whole = [WholeChoice(logprobs=[] if with_logprobs else None) for _ in range(self.num_choices)]
+        async for deltas in self.stream():
+            for d in deltas:
+                w = whole[d.index]
+                w.text += d.text
+                w.token_ids += d.token_ids
+                if d.logprobs is not None and w.logprobs is not None:
+                    w.logprobs += d.logprobs
+                if d.finish_reason is not None:
+                    w.finish_reason, w.stop_reason = d.finish_reason, d.stop_reason
+        return whole
+
+    def usage(self) -> UsageInfo:
+        """The tokens counted so far, in the response's usage shape."""
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens)
 
     @property
     def num_choices(self) -> int:

@@ -21,7 +21,7 @@ import ast
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 
 @dataclass
@@ -56,7 +56,8 @@ class InvalidToolCall(ValueError):
 
 class ToolParser(ABC):
     """One model family's tool-call syntax. Subclasses set `name` and `region_start` and
-    implement `take` and `call_prefix`."""
+    implement `take` (usually with `take_single_call` or `take_section_calls` below) and
+    `call_prefix`."""
 
     name: ClassVar[str]
     region_start: ClassVar[str]
@@ -110,6 +111,49 @@ class ToolParser(ABC):
         out = s.feed(text)
         out.extend(s.finish())
         return out
+
+
+# ---------------------------------------------------------------------- region shapes
+# The formats differ in how a call's block is written but their regions come in two shapes
+# only; each shape's `take` lives here once so that parsers of the same shape cannot drift
+# apart in how they cut blocks, close regions or hand back malformed calls.
+
+def take_single_call(buf: str, call_start: str, call_end: str,
+                     parse_call: Callable[[str], ParsedToolCall]) -> Taken | None:
+    """`take` for a region that is one call, `call_start` BLOCK `call_end` (GLM-4.5, Hermes):
+    the region closes with the block; a block that does not parse comes back as content."""
+    end = buf.find(call_end)
+    if end < 0:
+        return None
+    block, rest = buf[:end], buf[end + len(call_end):]
+    try:
+        return Taken([parse_call(block)], rest, closed=True)
+    except InvalidToolCall:
+        return Taken([], rest, closed=True, invalid=call_start + block + call_end)
+
+
+def take_section_calls(buf: str, call_start: str, call_end: str, section_end: str,
+                       parse_call: Callable[[str], ParsedToolCall]) -> Taken | None:
+    """`take` for a region that is a section of calls, (`call_start` BLOCK `call_end`)* then
+    `section_end` (DeepSeek-V3, Kimi-K2): every complete block is cut off, a block that does
+    not parse comes back as content, and the region closes only at `section_end`."""
+    calls: list[ParsedToolCall] = []
+    invalid = ""
+    rest = buf
+    while True:
+        s = rest.lstrip()
+        if s.startswith(section_end):
+            return Taken(calls, s[len(section_end):], closed=True, invalid=invalid)
+        if not s.startswith(call_start) or call_end not in s:
+            break
+        block, rest = s[len(call_start): s.index(call_end)], s[s.index(call_end) + len(call_end):]
+        try:
+            calls.append(parse_call(block))
+        except InvalidToolCall:
+            invalid += call_start + block + call_end
+    if not calls and not invalid:
+        return None
+    return Taken(calls, rest, closed=False, invalid=invalid)
 
 
 def _partial_marker_len(text: str, marker: str) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from moet.serve.tool_parsers.base import InvalidToolCall, ParsedToolCall, Taken, ToolParser
+from moet.serve.tool_parsers.base import InvalidToolCall, ParsedToolCall, Taken, ToolParser, take_section_calls
 
 SECTION_START, SECTION_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_START, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -26,23 +26,7 @@ class DeepSeekV3ToolParser(ToolParser):
     needs_special_tokens = True
 
     def take(self, buf: str) -> Taken | None:
-        calls: list[ParsedToolCall] = []
-        invalid = ""
-        rest = buf
-        while True:
-            s = rest.lstrip()
-            if s.startswith(SECTION_END):
-                return Taken(calls, s[len(SECTION_END):], closed=True, invalid=invalid)
-            if not s.startswith(CALL_START) or CALL_END not in s:
-                break
-            block, rest = s[len(CALL_START): s.index(CALL_END)], s[s.index(CALL_END) + len(CALL_END):]
-            try:
-                calls.append(self._call(block))
-            except InvalidToolCall:
-                invalid += CALL_START + block + CALL_END
-        if not calls and not invalid:
-            return None
-        return Taken(calls, rest, closed=False, invalid=invalid)
+        return take_section_calls(buf, CALL_START, CALL_END, SECTION_END, self._call)
 
     def _call(self, block: str) -> ParsedToolCall:
         if SEP not in block:

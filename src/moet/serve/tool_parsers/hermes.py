@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from moet.serve.tool_parsers.base import InvalidToolCall, ParsedToolCall, Taken, ToolParser
+from moet.serve.tool_parsers.base import InvalidToolCall, ParsedToolCall, Taken, ToolParser, take_single_call
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
@@ -19,14 +19,7 @@ class HermesToolParser(ToolParser):
     region_start = CALL_START
 
     def take(self, buf: str) -> Taken | None:
-        end = buf.find(CALL_END)
-        if end < 0:
-            return None
-        block, rest = buf[:end], buf[end + len(CALL_END):]
-        try:
-            return Taken([self._call(block)], rest, closed=True)
-        except InvalidToolCall:
-            return Taken([], rest, closed=True, invalid=CALL_START + block + CALL_END)
+        return take_single_call(buf, CALL_START, CALL_END, self._call)
 
     def _call(self, block: str) -> ParsedToolCall:
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from moet.serve.tool_parsers.base import InvalidToolCall, ParsedToolCall, Taken, ToolParser
+from moet.serve.tool_parsers.base import InvalidToolCall, ParsedToolCall, Taken, ToolParser, take_section_calls
 
 SECTION_START, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_START, CALL_END, ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
@@ -23,23 +23,7 @@ class KimiK2ToolParser(ToolParser):
     needs_special_tokens = True
 
     def take(self, buf: str) -> Taken | None:
-        calls: list[ParsedToolCall] = []
-        invalid = ""
-        rest = buf
-        while True:
-            s = rest.lstrip()
-            if s.startswith(SECTION_END):
-                return Taken(calls, s[len(SECTION_END):], closed=True, invalid=invalid)
-            if not s.startswith(CALL_START) or CALL_END not in s:
-                break
-            block, rest = s[len(CALL_START): s.index(CALL_END)], s[s.index(CALL_END) + len(CALL_END):]
-            try:
-                calls.append(self._call(block))
-            except InvalidToolCall:
-                invalid += CALL_START + block + CALL_END
-        if not calls and not invalid:
-            return None
-        return Taken(calls, rest, closed=False, invalid=invalid)
+        return take_section_calls(buf, CALL_START, CALL_END, SECTION_END, self._call)
 
     def _call(self, block: str) -> ParsedToolCall:
         if ARGS not in block:
