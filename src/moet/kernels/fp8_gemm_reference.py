@@ -32,7 +32,9 @@ def act_quant_reference(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tens
     xp = torch.zeros(m, kb * block, dtype=torch.float32, device=x.device)
     xp[:, :k] = x.float()
     amax = xp.reshape(m, kb, block).abs().amax(dim=2)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # divide by a tensor, not a Python number: CUDA torch turns a scalar divisor into a multiply
+    # by its rounded reciprocal (1 ulp off for about half the inputs); the kernel divides exactly
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = (xp.reshape(m, kb, block) / scale[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
     return q.reshape(m, kb * block)[:, :k].to(torch.float8_e4m3fn), scale
 

@@ -108,7 +108,7 @@ class CompletionStream(EventStream):
                 yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=choices,
                                                    usage=self.current_usage() if self.continuous_usage else None))
         except APIError as exc:
-            yield f"data: {exc.response().model_dump_json()}\n\n"
+            yield sse_event(exc.response())
         if self.include_usage:
             yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=[], usage=self.current_usage()))
         yield SSE_DONE
