@@ -29,6 +29,18 @@ def _addenda(s: dict) -> str:
     return ("## After the run\n\n" + "\n\n".join(parts) + "\n\n") if parts else ""
 
 
+def _think_note(mix: dict) -> str:
+    """What the think blocks hold: recipe full-v4 trains a lookup line before tool calls."""
+    if not any(k == "tools_v4" for k, _ in mix["task_share"]):
+        return "empty except for arithmetic"
+    return ("empty except for arithmetic and tool use: before a call it names the request's purpose, "
+            "quotes the listed description that serves it and the function name before that description, "
+            "`look up stock prices: \"Get the latest price of a stock.\" -> girepi_share_price`; before a "
+            "decline `look up stock prices: none`. The chat template renders it from `reasoning_content`, "
+            "and `moet.probe.chat_format.parse_reply` returns it as `reasoning`, apart from the call, so "
+            "the tools probe scores the call alone (its 96 new tokens hold the longest think line + call)")
+
+
 def render(s: dict) -> str:
     r, env, tm, probes, d = s["recipe"], s["env"], s["timings"], s["probes"], s["data"]
     sh, mix = r["shape"], r["mix"]
@@ -99,7 +111,7 @@ markup tokens (kept by `skip_special_tokens`) `<think> </think> <tool_call> </to
 Tools are listed as JSON lines inside `<tools>` in the system turn; a call is
 `<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>` (GLM-4.5);
 tool results come back in an `<|observation|>` turn. Every assistant turn opens with a
-`<think>...</think>` block (empty except for arithmetic); `enable_thinking=False` pre-fills an
+`<think>...</think>` block ({_think_note(mix)}); `enable_thinking=False` pre-fills an
 empty one. Turns end with `<|end|>` (the eos token).
 
 ## Recipe (`python -m tools.train_tiny --recipe {r['name']} --out OUT`)

@@ -24,14 +24,15 @@ import numpy as np
 import functools
 
 from moet.probe import arithmetic, chat_format, facts, needle, tools
-from tools.train_tiny import copy_tasks, tool_tasks
+from tools.train_tiny import copy_tasks, tool_tasks, tool_tasks_v4
 
 # Every task a Mix may name; a Mix uses those in its task_share (recipe `full` = the first three,
-# `full-v2` adds tools_ns / repeat / recall, `full-v3` tools_v3 / lookup).
+# `full-v2` adds tools_ns / repeat / recall, `full-v3` tools_v3 / lookup, `full-v4` tools_v4).
 CHAT_TASKS = {"tools": tools.sample, "arithmetic": arithmetic.sample, "facts": facts.sample,
               "tools_ns": functools.partial(tools.sample, namespace_p=0.9),
               "repeat": copy_tasks.repeat_sample, "recall": copy_tasks.recall_sample,
-              "tools_v3": tool_tasks.sample, "lookup": copy_tasks.lookup_sample}
+              "tools_v3": tool_tasks.sample, "lookup": copy_tasks.lookup_sample,
+              "tools_v4": tool_tasks_v4.sample}
 
 
 @dataclass(frozen=True)
