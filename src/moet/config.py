@@ -93,6 +93,10 @@ class EngineConfig:
     miss_tolerance: int = _knob(
         0, "expert-cache misses (token, expert pairs) a step may keep instead of being replayed; 0 = strict: "
            "outputs bit-identical to every expert resident")
+    expert_prefetch: bool = _knob(
+        True, "with the expert store: after each layer's attention, apply the next layer's router to guess "
+              "its experts and fetch the missing ones early (eager steps; CUDA-graph decode steps only score "
+              "the guesses); never changes outputs, accuracy in the engine stats")
     pack_verify: str = _knob(
         "lazy", "pack checksums: lazy (each row when read from disk) or full (also every row at boot; damaged "
                 "layers are rebuilt)", PACK_VERIFY_MODES)

@@ -1,6 +1,7 @@
 """moet.bench.residency_bench end to end on CPU (--cpu-smoke): correctness stages pass, the
 boot stage builds then reuses a pack, a 50% card runs both store configurations at miss
-tolerance 0 and 8 with the cached greedy outputs equal to resident, a 100% card is all resident."""
+tolerance 0 and 8 with the cached greedy outputs equal to resident, a 100% card is all resident;
+the accelerate baseline ran or says how to install accelerate."""
 import json
 
 from moet.bench import residency_bench
@@ -26,3 +27,5 @@ def test_residency_bench_cpu_smoke(tmp_path):
         assert t8["generated"] == t0["generated"] and t0["pcie_bound_tok_s_55GBps"] > 0
     assert half["cache+pack+small arena"]["host_arena_gb"] == 0.0    # every miss read from the pack
     assert r["host_peak_rss_gb"] > 0
+    acc = r["accelerate"]             # the transformers + accelerate baseline, or why it is missing
+    assert ("pip install" in acc["skipped"]) if "skipped" in acc else acc["cards"]["50%"]["decode_tok_s_cut_model"] > 0

@@ -70,6 +70,31 @@ def test_capped_cache_bit_identical_to_resident(path, prompts, resident, tmp_pat
     assert st["expert_bytes_fetched_total"] == st["expert_rows_fetched_total"] * res.pack.layout.row_bytes > 0
     assert st["expert_bytes_fetched_per_token"] > 0
     assert os.path.exists(res.pack.paths.hot_set) and res.pack.fd == -1     # close(): hot set saved, pack released
+    # prefetch is on by default: layer 1's experts were predicted from layer 0 and scored
+    assert st["expert_prefetch_predicted_total"] > 0
+    assert 0 < st["expert_prefetch_precision"] <= 1 and 0 < st["expert_prefetch_recall"] <= 1
+    assert 0 <= st["expert_prefetch_misses_saved_total"] <= st["expert_prefetch_rows_total"]
+    assert st["expert_prefetch_rows_total"] <= st["expert_rows_fetched_total"]
+
+
+@pytest.mark.parametrize("fraction", [0.10, 0.25])
+def test_prefetch_off_bit_identical_and_unscored(path, prompts, resident, tmp_path, fraction):
+    """Prefetch on (the test above) and off give the same ids and logprobs as fully resident; off
+    predicts nothing; on, at 25%, some prefetched rows were used by the step (misses saved)."""
+    slots = int(ROWS * fraction)
+    stats = {}
+    for on in (False, True):
+        with LLM(path, pack_dir=str(tmp_path / str(on)), expert_cache_slots=slots, expert_prefetch=on, **KW) as llm:
+            assert (llm.engine.model.model.layers[0].expert_prefetch is not None) == on
+            assert_identical(llm.generate(prompts, SP, use_tqdm=False), resident)
+            stats[on] = llm.engine.stats().extra
+    off = stats[False]
+    assert off["expert_prefetch_predicted_total"] == off["expert_prefetch_rows_total"] == 0
+    assert stats[True]["expert_prefetch_predicted_total"] > 0
+    # rows a prefetch brought in and the step then used were misses the first pass did not have
+    saved = stats[True]["expert_prefetch_misses_saved_total"]
+    if fraction == 0.25:
+        assert saved > 0
 
 
 def test_step_budget_lowered_to_fit_the_cache(path, prompts, resident, tmp_path):

@@ -4,6 +4,7 @@ not fit the GPU budget given (a 32 GB / 96 GB card emulated by capping the cache
 
     PYTHONUNBUFFERED=1 python -m moet.bench.residency_bench --out $OUT --budget-s 540 \
         [--model glm45air] [--cards 32,96,25%] [--batch 4] [--decode-tokens 32] [--boot-layers 2] [--cpu-smoke]
+        [--accelerate-layers 2] [--expert-prefetch 1] [--skip-boot] [--skip-model]
 
 Stages (each prints as it goes; $OUT/residency_bench.json is rewritten after each):
 0. pinned host -> device bandwidth of a 1 GiB copy: the measured PCIe bound next to 55 GB/s.
@@ -28,7 +29,14 @@ Stages (each prints as it goes; $OUT/residency_bench.json is rewritten after eac
 Every engine uses the same step budget (--step-tokens), so the resident and cached runs see
 the same schedule and their logprobs can be compared bit for bit. Random weights route close
 to uniformly: hit rates here are a worst case for a cache (real routers are skewed).
-Not here (next): transformers + accelerate offloading side by side.
+5. transformers + accelerate offloading side by side (accelerate_stage): the shape cut to
+   --accelerate-layers MoE layers in BF16 (random init on the host), device_map from
+   infer_auto_device_map with max_memory capping the GPU at the card's share of the BF16
+   weights, dispatch_model (the rest offloaded to host memory); decode tok/s at batch 1 on the
+   cut model and extrapolated to the full layer count. Needs accelerate (extra `bench`); the GPU
+   box has no network: `pip download accelerate==1.15.0 --no-deps -d .whl/bench` here, carry
+   .whl/bench (git-ignored) with the run and `pip install --no-deps .whl/bench/accelerate-*.whl`
+   first; without it the stage is skipped with that message.
 --cpu-smoke: a tiny shape on CPU, cards "50%,100%" (tests this harness; numbers meaningless).
 """
 from __future__ import annotations
@@ -102,14 +110,14 @@ def compare(got: dict, want: dict) -> dict:
 
 # ---------------------------------------------------------------- 1. correctness (tiny, LLM path)
 
-def check_tiny(device, work: str, pcts=(10, 25, 50)) -> dict:
+def check_tiny(device, work: str, pcts=(10, 25, 50), prefetch: bool = True) -> dict:
     from moet.llm import LLM
     from moet.sampling_params import SamplingParams
     from moet.testing.tiny_checkpoint import make_checkpoint
 
     path = make_checkpoint(os.path.join(work, "tiny"), "qwen3_moe", "bf16", tokenizer=False, num_experts=40)
     kw = dict(expert_format="w2", dtype="float32", device=str(device), max_num_seqs=2, max_num_batched_tokens=2,
-              num_kv_blocks=64, block_size=16, max_model_len=64)
+              num_kv_blocks=64, block_size=16, max_model_len=64, expert_prefetch=prefetch)
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (5, 7, 3)]
     sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
@@ -127,7 +135,9 @@ def check_tiny(device, work: str, pcts=(10, 25, 50)) -> dict:
             got = run(llm)
             st = llm.engine.stats().extra
         out[f"{pct}pct"] = dict(compare(got, want), replay_passes_per_step=st["expert_replay_passes_per_step"],
-                                hit_rate=st["expert_cache_hit_rate"])
+                                hit_rate=st["expert_cache_hit_rate"],
+                                prefetch_precision=st["expert_prefetch_precision"],
+                                prefetch_recall=st["expert_prefetch_recall"])
         log(f"tiny {pct}%: {out[f'{pct}pct']}")
     out["ok"] = all(v["bit_identical"] for v in out.values())
     return out
@@ -225,7 +235,8 @@ def engine_config(args, device, max_model_len: int, **kw):
 
     return EngineConfig(model="random:bench", device=str(device), max_model_len=max_model_len,
                         max_num_seqs=args.batch, max_num_batched_tokens=args.step_tokens,
-                        kv_cache_memory_gb=args.kv_gb, enforce_eager=args.enforce_eager, **kw)
+                        kv_cache_memory_gb=args.kv_gb, enforce_eager=args.enforce_eager,
+                        expert_prefetch=bool(args.expert_prefetch), **kw)
 
 
 def decode_runs(eng, vocab: int, args, device, batches) -> dict:
@@ -392,6 +403,103 @@ def model_stage(cfg: dict, key: str, args, device, work: str, results: dict, pat
             write_json(path, results)
 
 
+# ---------------------------------------------------------------- 5. transformers + accelerate offloading
+
+ACCELERATE_MISSING = ("accelerate is not installed: pip install 'moet[bench]' (GPU box without network: "
+                      "pip install --no-deps .whl/bench/accelerate-*.whl, carried with the run)")
+
+
+def accelerate_stage(cfg: dict, args, device, budget: Budget, results: dict, path) -> None:
+    """transformers + accelerate offloading on the same shape in BF16, side by side with the store:
+    the shape cut to --accelerate-layers MoE layers (the full BF16 model does not fit host memory),
+    random init on the host, then what device_map="auto" does (infer_auto_device_map with
+    max_memory capping the GPU, dispatch_model: modules that do not fit stay on the host and are
+    copied to the GPU at every forward). Per card the GPU cap is the share of the full model's
+    BF16 weights the card holds after KV + activations ("N%": that share), applied to the cut
+    model; decode tok/s at batch 1 is measured on the cut model and extrapolated to the full
+    layer count (time per token x full MoE layers / cut MoE layers; embeddings and head ignored)."""
+    rec = results["accelerate"] = {}
+    try:
+        import accelerate
+        from accelerate import dispatch_model, infer_auto_device_map
+        from accelerate.hooks import remove_hook_from_submodules
+    except ImportError:
+        rec["skipped"] = ACCELERATE_MISSING
+        log(f"accelerate baseline skipped: {ACCELERATE_MISSING}")
+        return
+    import transformers as tf
+
+    from moet.bench.engine_bench import gen_s
+    from moet.checkpoint.spec import spec_from_config
+
+    full = spec_from_config(cfg, "bench shape")
+    dense_first = int(cfg.get("first_k_dense_replace", 0))
+    cut = dict(cfg, num_hidden_layers=dense_first + args.accelerate_layers, num_nextn_predict_layers=0)
+    if "mlp_only_layers" in cut:
+        cut["mlp_only_layers"] = [l for l in cut["mlp_only_layers"] if l < cut["num_hidden_layers"]]
+    cut_moe = len(spec_from_config(cut, "bench shape").moe_layers)
+    hcfg = tf.AutoConfig.for_model(cut["model_type"], **{k: v for k, v in cut.items()
+                                                         if k not in ("architectures", "model_type", "torch_dtype")})
+    rec.update(accelerate=accelerate.__version__, transformers=tf.__version__, cut_moe_layers=cut_moe,
+               full_moe_layers=len(full.moe_layers))
+    t = time.perf_counter()
+    model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16).eval()
+    rec["init_s"] = time.perf_counter() - t
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    layers = model.model.layers
+    nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    cut_bytes = nbytes(model)
+    moe_layer_bytes = nbytes(layers[len(layers) - 1])
+    full_bytes = cut_bytes + (len(full.moe_layers) - cut_moe) * moe_layer_bytes
+    rec.update(cut_gb=cut_bytes / 2**30, full_bf16_gb_estimate=full_bytes / 2**30)
+    log(f"accelerate baseline: {cut_moe} of {len(full.moe_layers)} MoE layers in BF16 ({cut_bytes / 2**30:.1f} GiB; "
+        f"the full model ~{full_bytes / 2**30:.0f} GiB)")
+    ids = torch.randint(0, cfg["vocab_size"], (1, args.prompt_len))
+    n = max(3, min(args.decode_tokens, 16))
+    host_cap = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * 0.8)
+    rec["cards"] = {}
+    try:
+        for card in args.cards.split(","):
+            if not budget.ok(120):
+                log("  budget: stopping")
+                break
+            if card.endswith("%"):
+                share = float(card[:-1]) / 100
+            else:
+                share = (float(card) - args.kv_gb - args.activation_gb) * 2**30 / full_bytes
+            share = max(0.0, min(1.0, share))
+            c = rec["cards"][card] = {"gpu_share_of_weights": share}
+            if device.type == "cuda":
+                cap = int(share * cut_bytes)
+                dm = infer_auto_device_map(model, max_memory={0: max(cap, 1), "cpu": host_cap},
+                                           no_split_module_classes=list(model._no_split_modules or []), dtype=torch.bfloat16)
+                dispatch_model(model, device_map=dm, main_device=0)
+                on_gpu = sum(nbytes(model.get_submodule(k)) if k else cut_bytes for k, v in dm.items() if v == 0)
+                c.update(gpu_cap_gb=cap / 2**30, weights_on_gpu_gb=on_gpu / 2**30,
+                         modules_offloaded=sum(1 for v in dm.values() if v != 0))
+                x = ids.to(device)
+            else:                                   # --cpu-smoke: no GPU to cap; times the harness only
+                x = ids
+            try:
+                gen_s(model, x, 2, device)                                   # warm-up
+                dt = gen_s(model, x, n, device) - gen_s(model, x, 1, device)  # decode only: minus prefill
+                c["decode_tok_s_cut_model"] = (n - 1) / dt
+                c["decode_tok_s_extrapolated_full"] = (n - 1) / dt * cut_moe / len(full.moe_layers)
+                log(f"  {card}: {share:.0%} of the BF16 weights on the GPU: {c['decode_tok_s_cut_model']:.2f} tok/s "
+                    f"({cut_moe} MoE layers), ~{c['decode_tok_s_extrapolated_full']:.3f} tok/s extrapolated to "
+                    f"{len(full.moe_layers)}")
+            finally:
+                if device.type == "cuda":
+                    remove_hook_from_submodules(model)
+                    model.to("cpu")
+                    torch.cuda.empty_cache()
+            write_json(path, results)
+    finally:
+        del model
+        gc.collect()
+
+
 SMOKE_BENCH = dict(cards="50%,100%", batch=1, decode_tokens=4, prompt_len=6, step_tokens=4, boot_layers=1,
                    kv_gb=0.001, small_arena_gb=0.0)
 
@@ -416,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--o-direct", type=int, default=1, help="1: the small-arena run reads the pack with O_DIRECT")
     ap.add_argument("--boot-layers", type=int, default=2)
     ap.add_argument("--skip-boot", action="store_true")
+    ap.add_argument("--skip-model", action="store_true", help="skip stages 3-4 (e.g. to run the accelerate baseline alone)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--expert-prefetch", type=int, default=1, help="1: the store's engines prefetch (the default)")
+    ap.add_argument("--accelerate-layers", type=int, default=2,
+                    help="MoE layers of the transformers + accelerate baseline's cut model (0: skip it)")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args(argv)
     budget = Budget(args.budget_s)
@@ -434,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         results["h2d_GBps"] = gbps = h2d_gbps(device)
         results["pcie_nominal_GBps"] = PCIE_GBPS
         log(f"pinned host->device: {gbps or 0:.1f} GB/s")
-        results["correctness_tiny"] = check_tiny(device, work, (10,) if args.cpu_smoke else (10, 25, 50))
+        results["correctness_tiny"] = check_tiny(device, work, (10,) if args.cpu_smoke else (10, 25, 50),
+                                                 bool(args.expert_prefetch))
         write_json(path, results)
         if not results["correctness_tiny"]["ok"]:
             fail("expert cache outputs differ from all resident (tiny model)")
@@ -451,10 +564,22 @@ def main(argv: list[str] | None = None) -> int:
                 fail(f"boot stage: {type(exc).__name__}: {exc}")
                 results["boot"] = {"error": f"{type(exc).__name__}: {exc}"}
             write_json(path, results)
-        if budget.ok(200):
+        if args.skip_model:
+            log("model stage skipped (--skip-model)")
+        elif budget.ok(200):
             model_stage(cfg, key, args, device, work, results, path, budget, gbps)
         else:
             log("budget: model stage skipped")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.accelerate_layers > 0 and budget.ok(150):
+            try:
+                accelerate_stage(cfg, args, device, budget, results, path)
+            except Exception as exc:               # the store's numbers stand without the baseline
+                fail(f"accelerate baseline: {type(exc).__name__}: {exc}")
+                results["accelerate"] = {"error": f"{type(exc).__name__}: {exc}"}
+            write_json(path, results)
     finally:
         results["host_peak_rss_gb"] = host_rss_peak_gb()
         results["elapsed_s"] = budget.elapsed()

@@ -13,7 +13,9 @@ resumed or repaired first), a host arena fronts it, and a device ExpertCache tha
 block reads through. Each engine step runs under run_with_replay, so strict mode
 (miss_tolerance=0) gives exactly the fully resident outputs. One step's experts must fit in
 the cache at once: `step_token_cap` bounds the scheduler's token budget so that even the worst
-step (every token routed to distinct experts in every layer) fits.
+step (every token routed to distinct experts in every layer) fits. With `expert_prefetch` (and a
+cache smaller than the pack) each layer guesses the next layer's experts and fetches them early
+(store/prefetch.py); results are unchanged, accuracy goes to the stats.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from moet.store.expert_cache import cache_slots
 from moet.store.host_arena import arena_slots
 from moet.store.pack_builder import PACK_TAGS, pack_layers
 from moet.store.pack_file import RowLayout
+from moet.store.prefetch import attach_prefetch
 
 log = logging.getLogger("moet.engine")
 T = TypeVar("T")
@@ -158,6 +161,8 @@ class ExpertResidency:
                 "--expert-cache-slots (or --expert-cache-gb, or --gpu-memory-utilization) or lower --max-num-seqs")
         self.cache = ExpertCache(self.pack, num_slots, self.device, arena=self.arena, policy=c.expert_cache_policy)
         self.cache.attach(model_moe_blocks(self.model))
+        if c.expert_prefetch and self.cache.num_slots < self.total_rows:     # a full cache never misses
+            attach_prefetch(self.model, self.cache)
         if self.cache.num_slots >= self.total_rows:
             self.cache.warm(range(self.total_rows))
         elif self.arena is not None and self.arena.hot_keys():

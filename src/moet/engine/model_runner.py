@@ -14,7 +14,9 @@
   * Expert store (engine/expert_residency.py, when routed experts are not all resident): the
     device expert cache is sized and allocated before the KV cache (so the KV cache gets what
     is left) and before graph capture (graphs read its pool / slot table / counters, which are
-    fixed tensors updated in place); every step runs under miss replay.
+    fixed tensors updated in place); every step runs under miss replay. Expert prefetch hooks
+    (store/prefetch.py) fetch early only in eager passes; inside a captured decode graph they
+    only record their predictions (no Python runs at replay).
 Everything is per instance (device from the config, no globals), so one process per GPU can
 each hold a runner later; a rank / world size joins the config when parallelism lands.
 """

@@ -34,13 +34,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(spec, dtype) if kind == "moe" else MLP(spec.hidden_size, spec.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        # the expert store's prefetch hook (moet/store/prefetch.py): sees the residual after this
+        # layer's attention to guess the next layer's experts; None = no store / prefetch off
+        self.expert_prefetch = None
 
     def forward(self, x, cos, sin, cache, start):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        if self.expert_prefetch is not None:
+            self.expert_prefetch(x)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_paged(self, x, cos, sin, batch: AttentionBatch, kv, split_tokens: int):
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, batch, kv, split_tokens)
+        if self.expert_prefetch is not None:
+            self.expert_prefetch(x)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -7,13 +7,16 @@
     logits, res = run_with_replay(step, cache, miss_tolerance=0)
 
 Files: pack_file.py (format, I/O, lock), pack_builder.py (streaming first boot, validation),
-host_arena.py, expert_cache.py, replay.py (the miss policy the runner calls).
+host_arena.py, expert_cache.py, replay.py (the miss policy the runner calls), prefetch.py (next
+layer's experts guessed from this layer's hidden state, fetched early).
 """
 from moet.store.expert_cache import ExpertCache, min_cache_slots
 from moet.store.host_arena import HostArena
 from moet.store.pack_builder import model_moe_blocks, open_pack, pack_layers
 from moet.store.pack_file import PackFile, PackMeta, RowLayout
+from moet.store.prefetch import attach_prefetch, detach_prefetch
 from moet.store.replay import StepResidency, run_with_replay
 
-__all__ = ["ExpertCache", "HostArena", "PackFile", "PackMeta", "RowLayout", "StepResidency", "min_cache_slots",
+__all__ = ["ExpertCache", "HostArena", "PackFile", "PackMeta", "RowLayout", "StepResidency", "attach_prefetch",
+           "detach_prefetch", "min_cache_slots",
            "model_moe_blocks", "open_pack", "pack_layers", "run_with_replay"]

@@ -55,6 +55,14 @@ class ExpertCache:
         self.slot_table = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int32, device=self.device)
         self.miss_counters = torch.zeros(self.num_layers, dtype=torch.int64, device=self.device)
         self.route_counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int32, device=self.device)
+        # prefetch (store/prefetch.py): tokens per expert predicted for layer l from layer l-1's
+        # hidden state this pass (device ops only: graph-capturable); rows a prefetch may not evict
+        self.predicted_counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int32, device=self.device)
+        self.predicted_layers = np.zeros(self.num_layers, dtype=bool)    # layers that have a predictor
+        self._step_pinned = np.zeros(total, dtype=bool)     # rows fetched / prefetched for this step
+        self._prefetched = np.zeros(total, dtype=bool)      # rows prefetched this step
+        self.prefetched_rows = self.prefetch_used_rows = 0
+        self.predicted_pairs = self.routed_pairs_predicted = self.true_pairs = 0
         # host mirror of the table (pinned: uploaded asynchronously) and per-row bookkeeping
         self._table_host = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int32, pin_memory=cuda)
         self._table = self._table_host.numpy().reshape(-1)
@@ -104,6 +112,7 @@ class ExpertCache:
     def begin_pass(self) -> None:
         self.miss_counters.zero_()
         self.route_counts.zero_()
+        self.predicted_counts.zero_()
 
     def read_pass(self) -> tuple[np.ndarray, np.ndarray]:
         """(missed pairs per layer int64 [L], tokens per expert int32 [L, E]) of the pass just
@@ -141,6 +150,7 @@ class ExpertCache:
         returns how many were copied. scan=True: a prefill batch (the arena only fills free
         slots for it)."""
         keys = np.unique(np.asarray(keys, dtype=np.int64))
+        self._step_pinned[keys] = True                  # this step needs them: no prefetch evicts them
         if len(keys) > self.num_slots:
             raise ConfigError(f"one step needs {len(keys)} experts resident at once but the device cache has "
                               f"{self.num_slots} slots; raise --expert-cache-slots (or --expert-cache-gb) or "
@@ -157,6 +167,53 @@ class ExpertCache:
                 slots.append(int(self._table[v]))
                 self._table[v] = -1
                 self._key_of_slot[slots[-1]] = -1
+        self._copy_in(missing, slots, scan)
+        self.fetch_seconds += time.perf_counter() - t0
+        return len(missing)
+
+    def prefetch(self, layer: int, experts: np.ndarray, *, running_layer: int = -1) -> int:
+        """Best effort: make layer `layer`'s predicted `experts` (most wanted first) resident before
+        that layer runs. Fills free slots, then evicts only rows this step cannot need as far as
+        the host knows: not fetched or prefetched for this step, not used by the previous step,
+        not routed so far in this pass, not of `running_layer` (the MoE about to run). Never
+        raises for lack of room and never changes results (a wrong guess costs a copy; a miss
+        stays a miss and is replayed). Returns the rows copied."""
+        keys = layer * self.num_experts + np.asarray(experts, dtype=np.int64)
+        missing = keys[self._table[keys] < 0]
+        if not len(missing):
+            return 0
+        t0 = time.perf_counter()
+        self._wait_previous()                           # the host table mirror is not in flight
+        free = list(np.flatnonzero(self._key_of_slot < 0)[:len(missing)])
+        if len(missing) > len(free):
+            resident = self._key_of_slot[self._key_of_slot >= 0]
+            routed_now = self.route_counts.cpu().numpy().reshape(-1) > 0
+            ok = (~self._step_pinned[resident] & (self._last_used[resident] < self.step - 1)
+                  & ~routed_now[resident] & (resident // self.num_experts != running_layer))
+            cand = resident[ok]
+            if self.policy == "lru":
+                order = np.lexsort((cand, self._last_used[cand]))
+            else:
+                order = np.lexsort((cand, self._last_used[cand], self._score[cand]))
+            for v in cand[order[:len(missing) - len(free)]]:
+                s = int(self._table[v])
+                self._table[v] = -1
+                self._key_of_slot[s] = -1
+                free.append(s)
+        missing = missing[:len(free)]
+        if not len(missing):
+            return 0
+        self._copy_in(missing, free, scan=False)
+        self._step_pinned[missing] = True
+        self._prefetched[missing] = True
+        self.prefetched_rows += len(missing)
+        self.fetch_seconds += time.perf_counter() - t0
+        return len(missing)
+
+    def _copy_in(self, missing: np.ndarray, slots: list, scan: bool) -> None:
+        """Copy rows `missing` into `slots` (already freed) and upload the table; the compute
+        stream waits for the copy (CUDA) before its next kernel."""
+        self._wait_previous()                           # host mirror / staging rows reusable
         rows = self.arena.rows(missing.tolist(), scan=scan)
         cuda = self._stream is not None
         if cuda:
@@ -174,8 +231,6 @@ class ExpertCache:
             self._in_flight = rows
         self.rows_fetched += len(missing)
         self.bytes_fetched += len(missing) * self.layout.row_bytes
-        self.fetch_seconds += time.perf_counter() - t0
-        return len(missing)
 
     def _wait_previous(self) -> None:
         if self._done is not None:
@@ -203,6 +258,14 @@ class ExpertCache:
             "expert_fetch_seconds_total": self.fetch_seconds,
             "host_arena_hit_rate": arena.hits / (arena.hits + arena.misses) if arena.hits + arena.misses else 1.0,
             "pack_bytes_read_total": float(self.pack.bytes_read),
+            # prefetch (store/prefetch.py): precision = predicted experts the layer then used,
+            # recall = used experts that were predicted (per layer and step, as sets)
+            "expert_prefetch_precision": self.true_pairs / self.predicted_pairs if self.predicted_pairs else 0.0,
+            "expert_prefetch_recall": (self.true_pairs / self.routed_pairs_predicted
+                                       if self.routed_pairs_predicted else 0.0),
+            "expert_prefetch_predicted_total": float(self.predicted_pairs),
+            "expert_prefetch_rows_total": float(self.prefetched_rows),
+            "expert_prefetch_misses_saved_total": float(self.prefetch_used_rows),
         }
 
     def end_step(self, routed: np.ndarray) -> None:
@@ -212,6 +275,20 @@ class ExpertCache:
         self._score[used] += 1.0
         self._last_used[used] = self.step
         self.step += 1
+        if self.predicted_layers.any():
+            self._account_prefetch(routed)
+        self._step_pinned[:] = False
+        self._prefetched[:] = False
+
+    def _account_prefetch(self, routed: np.ndarray) -> None:
+        """Score the accepted pass's predictions (per layer, the set of experts predicted for the
+        step's tokens vs the set they routed to) and count prefetched rows it used (misses saved)."""
+        pred = self.predicted_counts.cpu().numpy()[self.predicted_layers] > 0
+        real = routed[self.predicted_layers] > 0
+        self.predicted_pairs += int(pred.sum())
+        self.routed_pairs_predicted += int(real.sum())
+        self.true_pairs += int((pred & real).sum())
+        self.prefetch_used_rows += int((self._prefetched & (routed.reshape(-1) > 0)).sum())
 
 
 
