@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -22,6 +23,8 @@ from moet.sampling_params import SamplingParams
 from moet.serve.errors import BadRequest, Timeout, Unavailable
 from moet.serve.metrics import ServerMetrics
 from moet.serve.protocol import UsageInfo
+
+log = logging.getLogger("moet.serve")
 
 
 @dataclass
@@ -165,8 +168,8 @@ class Generation:
                 if job.request_id not in self.finished_jobs:
                     try:
                         await asyncio.shield(self.engine.abort(job.request_id))
-                    except Exception:
-                        pass
+                    except Exception:   # an engine shutting down must not mask the request's own error
+                        log.warning("abort of %s failed", job.request_id, exc_info=True)
             # let the cancelled pumps unwind (the engine's generate() sees the cancellation too)
             await asyncio.gather(*tasks, return_exceptions=True)
 
