@@ -28,28 +28,29 @@ def main(quick: bool = False) -> None:
     # DeepSeek-V3 routed experts: H 7168, I 2048, top-8; decode (BM 16) and prefill (BM 64) tiles
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
         for gate_up in (True, False):
-            configs = ((16, 64, 32, 1, 4, 4), (16, 32, 32, 2, 2, 4), (64, 128, 16, 1, 8, 3))
-            for bm, bn, bkh, split, warps, stages in configs[:1] if quick else configs:
+            # (BM, BN, BKH, SPLIT_K, warps, stages, PDL): decode tiles of 16 and 1 pairs, prefill
+            configs = ((16, 64, 32, 1, 4, 4, False), (1, 32, 32, 2, 2, 4, True), (64, 128, 16, 1, 8, 3, False))
+            for bm, bn, bkh, split, warps, stages, pdl in configs[:1] if quick else configs:
                 n, k = (2048, 7168) if gate_up else (7168, 2048)
                 types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",
                              bslot_ptr="*i32", out_ptr="*bf16" if gate_up and split == 1 else "*fp32",
                              s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
                 const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=split, HAS_LIMIT=gate_up,
-                             USE_ASM=True, BM=bm, BN=bn, BKH=bkh)
+                             USE_ASM=True, BM=bm, BN=bn, BKH=bkh, PDL=pdl)
                 c = _compile(m._moe_gemm_kernel, types, const, warps, stages)
                 print("gemm", name, "gate_up" if gate_up else "down", bm, bn, bkh, split,
                       "cubin bytes", len(c.asm["cubin"]))
     c = _compile(m._prep_small_kernel, dict(ids_ptr="*i64", table_ptr="*i32", sorted_ptr="*i32", bslot_ptr="*i32",
                                             nblk_ptr="*i32", miss_ptr="*i64", P="i32", NB="i32", x_ptr="*bf16",
                                             xp_ptr="*bf16", s_x="i32"),
-                 dict(H=7168, UPW=8, BH=2048, BM=16, PP=256, QB=32, FILL=1024))
+                 dict(H=7168, UPW=8, BH=2048, BM=16, PP=256, QB=32, FILL=1024, PDL=True))
     print("align", "cubin bytes", len(c.asm["cubin"]))
     c = _compile(m._swiglu_finish_kernel, dict(ws_ptr="*fp32", act_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32",
                                                limit="fp32", P="i32"),
-                 dict(I=2048, UPW=8, SPLIT_K=2, HAS_LIMIT=True, BI=1024))
+                 dict(I=2048, UPW=8, SPLIT_K=2, HAS_LIMIT=True, BI=1024, PDL=True))
     print("swiglu", "cubin bytes", len(c.asm["cubin"]))
     c = _compile(m._combine_kernel, dict(ws_ptr="*fp32", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
-                                         out_ptr="*bf16", P="i32"), dict(H=7168, TOPK=8, SPLIT_K=2, BH=1024))
+                                         out_ptr="*bf16", P="i32"), dict(H=7168, TOPK=8, SPLIT_K=2, BH=1024, PDL=False))
     print("combine", "cubin bytes", len(c.asm["cubin"]))
 
 

@@ -35,6 +35,9 @@ BOUND = 1e-2 if DEVICE == "cuda" else 1e-5
 # small tiles keep the interpreter fast; SPLIT_K 2 on one side exercises the fixed-order sums
 CFG = MoEConfig(16, GemmConfig(16, 16, 1, 4, 2), GemmConfig(32, 16, 2, 4, 2))
 CFG_SPLIT_GU = MoEConfig(16, GemmConfig(32, 16, 2, 4, 2), GemmConfig(16, 16, 1, 4, 2))
+# decode tiles of one or two pairs (the H200 table picks BM 1 at T = 1: no padded token rows)
+CFG_BM1 = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2))
+CFG_BM2 = MoEConfig(2, GemmConfig(32, 16, 1, 2, 2), GemmConfig(16, 16, 2, 2, 2))
 
 
 def _mt():
@@ -157,7 +160,8 @@ def test_torch_align_matches_brute_force(t, k, num_experts, slots, bm, seed):
     assert int(a.num_rows_post_padded.item()) == len(rows) and int(a.num_misses.item()) == misses
 
 
-@pytest.mark.parametrize("t,k,num_experts,bm,seed", [(5, 2, 6, 16, 0), (24, 3, 4, 16, 1), (9, 4, 9, 4, 2)])
+@pytest.mark.parametrize("t,k,num_experts,bm,seed", [(5, 2, 6, 16, 0), (24, 3, 4, 16, 1), (9, 4, 9, 4, 2),
+                                                    (6, 3, 5, 1, 3)])
 def test_small_align_kernel(t, k, num_experts, bm, seed):
     """The decode-regime alignment (slots in first-appearance order): every resident pair in
     exactly one tile of its slot, tiles per slot = cdiv(count, bm), padding P, unused tiles -1,
@@ -177,7 +181,7 @@ def test_small_align_kernel(t, k, num_experts, bm, seed):
     xp = torch.full((t, upw, h // upw), float("nan"), device=DEVICE)
     mt._prep_small_kernel[(1 + t,)](ids.reshape(-1), table, sorted_ids, bslot, torch.empty(pp, dtype=torch.int32,
                                     device=DEVICE), miss, p, nb, x, xp, x.stride(0),
-                                    H=h, UPW=upw, BH=64, BM=bm, PP=pp, QB=min(pp, 32), FILL=64)
+                                    H=h, UPW=upw, BH=64, BM=bm, PP=pp, QB=min(pp, 32), FILL=64, PDL=False)
     _, _, misses, per = _align_brute(ids.cpu(), table.cpu(), slots, bm)
     assert int(miss.item()) == 5 + misses
     assert torch.equal(xp, x.reshape(t, h // upw, upw).transpose(1, 2))
@@ -206,6 +210,9 @@ CASES = [
     ("w2", 24, 3, 64, 32, 4, 4, [1, 3, 0, 2], 0.5, CFG),                       # several tiles per slot
     ("fp4", 5, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_SPLIT_GU),
     ("fp4", 6, 2, 96, 48, 6, 8, [3, -1, 0, 7, -1, 5], 1.0, CFG),              # K tails (96 = 24 units)
+    ("w2", 3, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_BM1),          # one pair per tile
+    ("w2", 9, 3, 96, 64, 4, 4, [1, 3, 0, 2], 1.0, CFG_BM2),                   # several 2-pair tiles per slot
+    ("fp4", 3, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_BM1),
 ]
 
 
@@ -303,7 +310,7 @@ def test_config_table_lookup(monkeypatch):
         for buckets in shapes.values():
             for cfg in buckets.values():
                 c = MoEConfig.from_json(cfg)
-                assert MoEConfig.from_json(c.to_json()) == c and c.BM >= 16
+                assert MoEConfig.from_json(c.to_json()) == c and c.BM >= 1 and c.BM & (c.BM - 1) == 0
     fake = {"version": 1, "devices": {"GPU X": {"w2 H64 I32": {
         "8": MoEConfig(16, GemmConfig(16), GemmConfig(32)).to_json(),
         "64": MoEConfig(16, GemmConfig(64), GemmConfig(64)).to_json(),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import traceback
@@ -113,8 +114,9 @@ def relerr(a: torch.Tensor, r: torch.Tensor) -> float:
     return float((a.double() - r.double()).norm() / r.double().norm())
 
 
-def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn) -> dict:
-    """One correctness record: poisoned workspaces, misses, reruns, slot permutation."""
+def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn, config=None) -> dict:
+    """One correctness record: poisoned workspaces, misses, reruns, slot permutation (config:
+    the launch configuration to check, default the table's)."""
     orig = mt._workspace
 
     def poisoned(shape, dtype, device):
@@ -129,8 +131,9 @@ def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn) -> dict:
         m_ref = torch.zeros(1, dtype=torch.int64, device=dev)
         m_tri = torch.zeros(1, dtype=torch.int64, device=dev)
         ref = ref_fn(x, ids, w, table, pool, m_ref, swiglu_limit=limit)
-        out = mt.moe_experts_triton(x, ids, w, table, pool, m_tri, swiglu_limit=limit)
-        out2 = mt.moe_experts_triton(x, ids, w, table, pool, torch.zeros_like(m_tri), swiglu_limit=limit)
+        out = mt.moe_experts_triton(x, ids, w, table, pool, m_tri, swiglu_limit=limit, config=config)
+        out2 = mt.moe_experts_triton(x, ids, w, table, pool, torch.zeros_like(m_tri), swiglu_limit=limit,
+                                     config=config)
         rec = {"T": t, "relerr": relerr(out, ref), "finite": bool(torch.isfinite(out).all()),
                "misses": [int(m_tri.item()), int(m_ref.item())], "rerun_identical": bool(torch.equal(out, out2))}
         if t <= 64:     # the same experts in other slots: same bits
@@ -140,7 +143,8 @@ def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn) -> dict:
             inv = torch.empty_like(perm)
             inv[perm] = torch.arange(e, device=dev)
             ptable = torch.where(table >= 0, inv[table.clamp(min=0).long()].to(torch.int32), table)
-            out3 = mt.moe_experts_triton(x, ids, w, ptable, ppool, torch.zeros_like(m_tri), swiglu_limit=limit)
+            out3 = mt.moe_experts_triton(x, ids, w, ptable, ppool, torch.zeros_like(m_tri), swiglu_limit=limit,
+                                         config=config)
             rec["slot_invariant"] = bool(torch.equal(out, out3))
         rec["ok"] = (rec["relerr"] < 1e-2 and rec["finite"] and rec["misses"][0] == rec["misses"][1]
                      and rec["rerun_identical"] and rec.get("slot_invariant", True))
@@ -227,12 +231,18 @@ def model_check(path: str, dev) -> dict:
 def candidates(regime: str, fmt: str):
     from moet.kernels.moe_configs import GemmConfig, MoEConfig
     if regime == "decode":
-        base = MoEConfig(16, GemmConfig(64, 32, 1, 4, 4), GemmConfig(128, 32, 1, 4, 4))
-        gu = [GemmConfig(64, 32, 1, 4, 4), GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 4, 4),
-              GemmConfig(64, 32, 1, 4, 3), GemmConfig(64, 32, 1, 8, 4), GemmConfig(32, 32, 1, 4, 4),
-              GemmConfig(64, 32, 2, 4, 4)]
-        dn = [GemmConfig(128, 32, 1, 8, 4), GemmConfig(256, 32, 1, 8, 4), GemmConfig(64, 32, 1, 4, 4),
-              GemmConfig(64, 32, 1, 2, 4), GemmConfig(128, 16, 1, 4, 5), GemmConfig(128, 32, 2, 4, 4)]
+        # few pairs per expert: small token tiles (BM 1 at T = 1 has no padded token rows, so no
+        # shared-memory x tiles and half the MMAs) and low-register configs for occupancy
+        # (tools/kernel_lab: SASS counts from the sm_90 AOT build)
+        # and enough programs: at T = 1 a DeepSeek-V3 gate/up with BN 64 is only 32 x 8 programs of
+        # two warps (one warp per scheduler), so split-K and narrow row blocks are in the list
+        gu = [GemmConfig(32, 32, 2, 2, 4), GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6),
+              GemmConfig(32, 16, 2, 2, 6), GemmConfig(32, 32, 4, 2, 4), GemmConfig(64, 32, 2, 2, 4),
+              GemmConfig(64, 32, 1, 4, 4), GemmConfig(16, 32, 2, 1, 4)]
+        dn = [GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6), GemmConfig(32, 16, 1, 2, 6),
+              GemmConfig(64, 32, 1, 2, 4), GemmConfig(32, 32, 2, 2, 4), GemmConfig(128, 32, 1, 4, 4),
+              GemmConfig(16, 32, 1, 1, 4)]
+        base = MoEConfig(16, gu[0], dn[0])
         return base, gu, dn
     base = MoEConfig(64, GemmConfig(64, 16, 1, 8, 3), GemmConfig(128, 16, 1, 8, 3))
     gu = [GemmConfig(64, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(64, 32, 1, 8, 3),
@@ -240,6 +250,12 @@ def candidates(regime: str, fmt: str):
     dn = [GemmConfig(128, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3),
           GemmConfig(64, 32, 1, 4, 3)]
     return base, gu, dn
+
+
+def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
+    """Token-tile sizes worth timing at decode: up to ~4x the mean pairs per expert (>= 2)."""
+    cap = max(2, 1 << max(0, math.ceil(math.log2(max(1.0, 4 * pairs / experts)))))
+    return [b for b in (1, 2, 4, 8, 16) if b <= cap]
 
 
 def main():
@@ -325,8 +341,20 @@ def main():
                     if (sname, t) in tune:
                         base, gus, dns = candidates(regime, fmt)
                         best, best_us, tried = base, float("inf"), []
+                        if regime == "decode":       # token tile first: it decides occupancy
+                            for bm in decode_tile_sizes(p, e):
+                                if left() < 0:
+                                    break
+                                c = replace(base, BM=bm)
+                                r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
+                                tried.append({"cfg": c.to_json(), **r})
+                                if r["us"] < best_us:
+                                    best, best_us = c, r["us"]
+                                print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us {r['GBps']:.0f} GB/s", flush=True)
                         for gu in gus:
                             c = replace(best, gate_up=gu)
+                            if (c == best and best_us < float("inf")) or left() < 0:
+                                continue
                             r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                             tried.append({"cfg": c.to_json(), **r})
                             if r["us"] < best_us:
@@ -334,7 +362,7 @@ def main():
                             print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us {r['GBps']:.0f} GB/s", flush=True)
                         for dn in dns:
                             c = replace(best, down=dn)
-                            if c == best:
+                            if c == best or left() < 0:
                                 continue
                             r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                             tried.append({"cfg": c.to_json(), **r})
@@ -350,6 +378,18 @@ def main():
                                     best, best_us = c, r["us"]
                                 print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us", flush=True)
                         rep["tuning"][f"{key}/T{t}"] = tried
+                        if regime == "decode" and left() > 0:   # the best config with PDL launches
+                            try:
+                                mt.PDL = True
+                                on = time_layer(mt, pool, h, e, k, t, dev, gen, best, eb)
+                                chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=best)
+                            except Exception as exc:
+                                traceback.print_exc()
+                                on, chk = {"error": repr(exc)[:1000]}, {}
+                            finally:
+                                mt.PDL = False
+                            rep.setdefault("pdl", {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on, "check": chk}
+                            print(f"    {key} T{t} PDL: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                         cfg = best
                         entries[str(p)] = best.to_json()
                         if t == 1:

@@ -64,6 +64,10 @@ FMT_W2 = 0
 FMT_FP4 = 1
 # prefill workspaces (fp32 partial outputs [SPLIT_K, P, H]) are capped by chunking the tokens
 MAX_WORKSPACE_BYTES = 1 << 30
+# Launch the layer's kernels with programmatic dependent launch on the GPU (each waits for the
+# one before with griddepcontrol.wait; the launch gaps overlap work). Measured by the tuner
+# (moet.bench.moe_kernel_tune, "pdl" rows) before it became the default.
+PDL = False
 
 
 # ==================================================================================== decoders
@@ -206,6 +210,16 @@ def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4,
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+): wait until the kernel before has finished and its
+    writes are visible, then let the next kernel of the layer start launching, so its launch and
+    setup overlap this kernel's work instead of following it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
@@ -220,10 +234,11 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      s_x, s_wq_slot, s_sc_slot, limit, P,
                      N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N]."""
+    _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     ks = tl.program_id(2)
@@ -301,9 +316,10 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
 
 @triton.jit
 def _swiglu_finish_kernel(ws_ptr, act_ptr, ids_ptr, table_ptr, limit, P, I: tl.constexpr, UPW: tl.constexpr,
-                          SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, BI: tl.constexpr):
+                          SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr):
     """Grid (P, cdiv(I, BI)): act[p] = swiglu(sum_s gate_s[p], sum_s up_s[p]) in split order,
     stored slot-major (element n at (n % UPW) * I / UPW + n // UPW)."""
+    _pdl_enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     slot = tl.load(table_ptr + tl.load(ids_ptr + p))
@@ -322,9 +338,10 @@ def _swiglu_finish_kernel(ws_ptr, act_ptr, ids_ptr, table_ptr, limit, P, I: tl.c
 
 @triton.jit
 def _combine_kernel(ws_ptr, ids_ptr, table_ptr, tw_ptr, out_ptr, P, H: tl.constexpr, TOPK: tl.constexpr,
-                    SPLIT_K: tl.constexpr, BH: tl.constexpr):
+                    SPLIT_K: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, cdiv(H, BH)): out[t] = sum_j w[t, j] * sum_s y_s[t k + j], j then s in fixed
     order; pairs whose expert is not resident add nothing (their rows were never written)."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
@@ -343,12 +360,14 @@ def _combine_kernel(ws_ptr, ids_ptr, table_ptr, tw_ptr, out_ptr, P, H: tl.conste
 @triton.jit
 def _prep_small_kernel(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, P, NB,
                        x_ptr, xp_ptr, s_x, H: tl.constexpr, UPW: tl.constexpr, BH: tl.constexpr,
-                       BM: tl.constexpr, PP: tl.constexpr, QB: tl.constexpr, FILL: tl.constexpr):
+                       BM: tl.constexpr, PP: tl.constexpr, QB: tl.constexpr, FILL: tl.constexpr,
+                       PDL: tl.constexpr):
     """Decode-regime preparation in one launch. Program 0 aligns the pairs: pair p (flattened
     [T, k]) of slot s goes to tile bstart(s) + rank // BM, row rank % BM, rank = #earlier
     pairs of s; slots in order of first appearance; padding rows hold P, unused tiles slot -1;
     misses (slot < 0) are added to miss_ptr[0]. Programs 1 + t * cdiv(H, BH) + c copy chunk c
     of hidden row t into the slot-major order the GEMM reads (xp[t, q, u] = x[t, UPW u + q])."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid > 0:
         t = (pid - 1) // tl.cdiv(H, BH)
@@ -462,6 +481,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     p = t * k
     dev = hidden.device
     use_asm = dev.type == "cuda"
+    pdl = dict(PDL=use_asm and PDL, **({"launch_pdl": PDL} if use_asm else {}))
     if config is None:
         config = lookup(fname, h, i, p, _device_name(dev))
     bm, cg, cd = config.BM, config.gate_up, config.down
@@ -483,7 +503,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         bh = min(2048, triton.next_power_of_2(h))
         _prep_small_kernel[(1 + t * triton.cdiv(h, bh),)](
             ids, table, sorted_ids, bslot, nblk, miss_counter, p, nb, hidden, x_perm, hidden.stride(0),
-            H=h, UPW=upw, BH=bh, BM=bm, PP=pp, QB=min(pp, 32), FILL=1024, num_warps=4)
+            H=h, UPW=upw, BH=bh, BM=bm, PP=pp, QB=min(pp, 32), FILL=1024, num_warps=4, **pdl)
     else:
         aligned = moe_align_block_size(topk_ids, slot_table, num_slots, bm)
         sorted_ids, bslot, nb = aligned.sorted_ids, aligned.block_slot, aligned.num_blocks
@@ -500,21 +520,21 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, h, gu_q.stride(0), gu_s.stride(0),
         limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
-        num_warps=cg.num_warps, num_stages=cg.num_stages, **common)
+        num_warps=cg.num_warps, num_stages=cg.num_stages, **common, **pdl)
     if cg.SPLIT_K > 1:
         bi = min(1024, triton.next_power_of_2(i))
         _swiglu_finish_kernel[(p, triton.cdiv(i, bi))](gu_out, act, ids, table, limit, p, I=i, UPW=upw,
                                                          SPLIT_K=cg.SPLIT_K,
-                                                         HAS_LIMIT=has_limit, BI=bi, num_warps=4)
+                                                         HAS_LIMIT=has_limit, BI=bi, num_warps=4, **pdl)
     y = _workspace((cd.SPLIT_K, p, h), torch.float32, dev)
     _moe_gemm_kernel[(triton.cdiv(h, cd.BN), nb, cd.SPLIT_K)](
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, act.stride(0), dn_q.stride(0), dn_s.stride(0),
         limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
-        num_warps=cd.num_warps, num_stages=cd.num_stages, **common)
+        num_warps=cd.num_warps, num_stages=cd.num_stages, **common, **pdl)
     bh = min(1024, triton.next_power_of_2(h))
     tw = topk_weights.reshape(-1).contiguous()
     _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K, BH=bh,
-                                             num_warps=4)
+                                             num_warps=4, **pdl)
 
 
 def moe_experts_triton(
