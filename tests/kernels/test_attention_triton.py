@@ -47,6 +47,8 @@ CASES = [
     (KVFormat("fp8_e4m3", "tensor"), [BS + 1, 4 * BS + 2], 4, 2, 16, None, 32),
     (KVFormat("fp8_e4m3", "block", group=8), [3, 3 * BS - 1], 6, 2, 24, None, 16),       # d not a power of 2
     (KVFormat("fp8_e4m3", "block", group=128), [BS + 3, 4 * BS], 8, 2, 16, None, 32),    # one scale per token-head
+    # splits of 5 pages read as a 4-page step plus a 1-page step (GQA_TILE_TOKENS 64, BS 16)
+    (KVFormat("auto", dtype=torch.float32), [11 * BS + 3, 2 * BS], 4, 2, 16, None, 5 * BS),
 ]
 
 

@@ -54,7 +54,9 @@ BS = 16                                    # tokens per page (vLLM's default)
 SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (256, 8), (256, 128))
 # --quick: the defaults (GQA 256/128, MLA 256/32) and their alternatives: GQA's old cap; MLA with
 # twice the programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32)
-QUICK_SPLITS = {"gqa": ((256, 32), (256, 128)), "mla": ((256, 32), (256, 64), (2048, 32))}
+# GQA entries may carry a third number, keys per loop step (tile_tokens; default GQA_TILE_TOKENS)
+QUICK_SPLITS = {"gqa": ((256, 32), (256, 128), (256, 128, 16), (256, 128, 32), (128, 256), (512, 64)),
+                "mla": ((256, 32), (256, 64), (2048, 32))}
 
 
 class Bench:
@@ -370,6 +372,7 @@ class Bench:
                             out = torch.empty(batch, a.num_heads, a.v_head_dim, device=self.dev, dtype=q.dtype)
                             run = lambda s: attention_triton.paged_decode_gqa(q, cache, table, lens, a.scale,
                                                                               split_tokens=s[0], max_splits=s[1],
+                                                                              tile_tokens=s[2] if len(s) > 2 else None,
                                                                               out=out)
                         else:
                             a = self.mla
@@ -394,9 +397,10 @@ class Bench:
                             partials = batch * heads * used * (width + 2) * 4 * 2      # written + read
                             ms, graphed = self.time_ms(lambda: run(s))
                             gbps = need / ms / 1e6
-                            by_split[f"{s[0]}/{s[1]}"] = gbps
+                            by_split["/".join(map(str, s))] = gbps
                             self.records.append(dict(kind="decode", arch=arch, ctx=ctx, batch=batch, fmt=fname,
-                                                     split_tokens=s[0], max_splits=s[1], ms=ms, kv_bytes=need,
+                                                     split_tokens=s[0], max_splits=s[1],
+                                                     tile_tokens=s[2] if len(s) > 2 else None, ms=ms, kv_bytes=need,
                                                      partial_bytes=partials, gbps=gbps,
                                                      frac_of_copy=gbps / copy_gbps, graph=graphed,
                                                      tflops=flops_per_token * ctx * batch / ms / 1e9))
@@ -553,7 +557,8 @@ class Bench:
                     best[key] = r
         for (arch, ctx, batch, fmt), r in best.items():
             s = sdpa.get((arch, ctx, batch), {})
-            lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {r['split_tokens']}/{r['max_splits']} | {r['ms']:.3f} "
+            tile = f"/{r['tile_tokens']}" if r.get("tile_tokens") else ""
+            lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {r['split_tokens']}/{r['max_splits']}{tile} | {r['ms']:.3f} "
                          f"| {r['gbps']:.0f} "
                          f"| {r['frac_of_copy']:.0%} | {r.get('tflops', float('nan')):.0f} "
                          f"| {s.get('gbps', float('nan')):.0f} |")

@@ -70,6 +70,8 @@ DEFAULT_MAX_SPLITS = 32
 # 33% of copy at 32K). MLA keeps DEFAULT_MAX_SPLITS: its partials (128 heads x 512 fp32 = 256 KB
 # per split) cost as much HBM traffic as ~230 tokens of bf16 latent.
 GQA_DEFAULT_MAX_SPLITS = 128
+# GQA decode keys per loop step (whole pages): see _gqa_decode_tile
+GQA_TILE_TOKENS = 64
 # MLA decode tiling (see _mla_decode_split_kernel): heads per program, tokens per tile, and the
 # launch shape; chosen from sm_90 AOT register / shared-memory counts (tests/kernels/aot_compile.py)
 MLA_BLOCK_H = 64
@@ -140,29 +142,34 @@ def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b
 
 
 @triton.jit
-def _gqa_decode_page(q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
+def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                      s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-                     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr,
-                     GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
-    """One page of one KV head for the G query heads: the online-softmax update. The caller's
-    page range holds keys (no branch here: a branch in the loop body would stop Triton from
-    pipelining the loads across pages). fp8 scales stay out of the dots: per-tensor ones are in
-    qk_scale (K) and applied to the output by the caller (V); one scale per token and head
-    (group = head dim) multiplies the score columns (K) and P's columns (V)."""
-    start = page * BLOCK_SIZE
-    blk = tl.load(bt_ptr + b * s_btb + page).to(tl.int64)
-    pos = start + tok
-    tmask = (pos < n) & (pos >= lo_tok)
-    k = _gqa_load_operand(k_ptr, ks_ptr, blk, tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+                     SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
+    """PAGES pages (from page0, none at or past `last`) of one KV head for the G query heads: the
+    online-softmax update. Several pages per step give each load and dot enough tokens to keep
+    the memory system busy (one 16-token page per step read 36% of copy at batch 1, 32K).
+    The caller's page range holds keys (no branch here: a branch in the loop body would stop
+    Triton from pipelining the loads across steps). fp8 scales stay out of the dots: per-tensor
+    ones are in qk_scale (K) and applied to the output by the caller (V); one scale per token and
+    head (group = head dim) multiplies the score columns (K) and P's columns (V)."""
+    t = tl.arange(0, PAGES * BLOCK_SIZE)
+    page = page0 + t // BLOCK_SIZE
+    tok = t % BLOCK_SIZE
+    inside = page < last
+    blk = tl.load(bt_ptr + b * s_btb + page, mask=inside, other=0).to(tl.int64)
+    pos = page * BLOCK_SIZE + tok
+    tmask = inside & (pos < n) & (pos >= lo_tok)
+    k = _gqa_load_operand(k_ptr, ks_ptr, blk[:, None], tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
                           D, SCALE_KIND, GROUP_K, BF16_DOT)
-    s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                          # [BLOCK_G, BLOCK_SIZE]
+    s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                          # [BLOCK_G, PAGES * BLOCK_SIZE]
     if (SCALE_KIND == 2) & (GROUP_K == D):
         s = s * tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
     s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
-    v = _gqa_load_operand(v_ptr, vs_ptr, blk, tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
+    v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
                           DV, SCALE_KIND, GROUP_V, BF16_DOT)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if (SCALE_KIND == 2) & (GROUP_V == DV):
@@ -182,7 +189,7 @@ def _gqa_decode_split_kernel(
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
-        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr):
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -192,7 +199,6 @@ def _gqa_decode_split_kernel(
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
-        tok = tl.arange(0, BLOCK_SIZE)
         qh = h * G + g
         qd = tl.bfloat16 if BF16_DOT else tl.float32
         q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
@@ -212,17 +218,17 @@ def _gqa_decode_split_kernel(
         if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
             page = first
             while page < last:
-                m_i, l_i, acc = _gqa_decode_page(
-                    q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
+                m_i, l_i, acc = _gqa_decode_tile(
+                    q, m_i, l_i, acc, page, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-                    D, DV, BLOCK_SIZE, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
-                page += 1
+                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+                page += PAGES
         else:
-            for page in range(first, last):
-                m_i, l_i, acc = _gqa_decode_page(
-                    q, m_i, l_i, acc, page, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, tok,
+            for page in range(first, last, PAGES):
+                m_i, l_i, acc = _gqa_decode_tile(
+                    q, m_i, l_i, acc, page, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-                    D, DV, BLOCK_SIZE, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
         if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
             acc = acc * tl.load(vs_ptr)
         # workspace [B, Hq, S]: S from the grid, so one compiled kernel serves every table width
@@ -377,7 +383,7 @@ def _splits(block_tables: torch.Tensor, bs: int, split_tokens: int | None, max_s
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     tile_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -409,7 +415,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         *sk[:3], *sv[:3], block_tables.stride(0), float(scale), pages_min,
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
-        GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET)
+        GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
+        PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs))
     _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                   HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
     return out
