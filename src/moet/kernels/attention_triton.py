@@ -240,6 +240,31 @@ def _gqa_decode_split_kernel(
 
 
 @triton.jit
+def _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
+                   R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, BF16_DOT: tl.constexpr):
+    """(latent [BLOCK_N, BLOCK_R], rope [BLOCK_N, BLOCK_P]) of BLOCK_N tokens at (page blk, row
+    off), masked by tmask, in the dot operand dtype; shared by MLA decode and prefill."""
+    lat = tl.load(lat_ptr + (blk * s_lb + off * s_lt)[:, None] + r[None, :],
+                  mask=tmask[:, None] & (r[None, :] < R), other=0.0)
+    rope = tl.load(rope_ptr + (blk * s_rb + off * s_rt)[:, None] + p_[None, :],
+                   mask=tmask[:, None] & (p_[None, :] < P), other=0.0)
+    if SCALE_KIND == 2:
+        # fp8_ds_mla: NG per-token group scales, loaded once per tile as [BLOCK_N, NG] and
+        # broadcast over each group (no per-element scale gather); e4m3 * scale in fp32, then the
+        # operand dtype. BLOCK_R == NG * GROUP (checked by the launchers)
+        g = tl.arange(0, NG)
+        sc = tl.load(ls_ptr + (blk * ss_b + off * ss_t)[:, None] + g[None, :], mask=tmask[:, None], other=0.0)
+        lat = tl.reshape(tl.reshape(lat.to(tl.float32), [BLOCK_N, NG, GROUP]) * sc[:, :, None], [BLOCK_N, BLOCK_R])
+    # operands: bf16 (e4m3 -> bf16 is exact; a per-tensor fp8 scale is folded into qk_scale and
+    # into the output, outside the dots) or fp32 for the exact path
+    if BF16_DOT:
+        return lat.to(tl.bfloat16), rope.to(tl.bfloat16)
+    else:
+        return lat.to(tl.float32), rope.to(tl.float32)
+
+
+@triton.jit
 def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
                      s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
                      R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -253,25 +278,8 @@ def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_
     tmask = pos < t_end
     blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     off = (pos % BLOCK_SIZE).to(tl.int64)
-    lat = tl.load(lat_ptr + (blk * s_lb + off * s_lt)[:, None] + r[None, :],
-                  mask=tmask[:, None] & (r[None, :] < R), other=0.0)
-    rope = tl.load(rope_ptr + (blk * s_rb + off * s_rt)[:, None] + p_[None, :],
-                   mask=tmask[:, None] & (p_[None, :] < P), other=0.0)
-    if SCALE_KIND == 2:
-        # fp8_ds_mla: NG per-token group scales, loaded once per tile as [BLOCK_N, NG] and
-        # broadcast over each group (no per-element scale gather); e4m3 * scale in fp32, then the
-        # operand dtype. BLOCK_R == NG * GROUP (checked by the launcher)
-        g = tl.arange(0, NG)
-        sc = tl.load(ls_ptr + (blk * ss_b + off * ss_t)[:, None] + g[None, :], mask=tmask[:, None], other=0.0)
-        lat = tl.reshape(tl.reshape(lat.to(tl.float32), [BLOCK_N, NG, GROUP]) * sc[:, :, None], [BLOCK_N, BLOCK_R])
-    # operands: bf16 (e4m3 -> bf16 is exact; a per-tensor fp8 scale is folded into qk_scale and
-    # into the output, outside the dots) or fp32 for the exact path
-    if BF16_DOT:
-        lat = lat.to(tl.bfloat16)
-        rope = rope.to(tl.bfloat16)
-    else:
-        lat = lat.to(tl.float32)
-        rope = rope.to(tl.float32)
+    lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
+                               R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
     # transposed: tokens are the M dimension, heads N; queries are the B operand (shared memory)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, BLOCK_H]
     s = tl.where(tmask[:, None], s, float("-inf"))

@@ -35,7 +35,8 @@ import triton.language as tl
 
 from moet.errors import ConfigError
 from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS, _SCALE_BLOCK,
-                                           _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mma, _pow2)
+                                           _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mla_load_tile, _mma,
+                                           _pow2)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -54,20 +55,8 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
     tmask = kpos <= last
     blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     off = (kpos % BLOCK_SIZE).to(tl.int64)
-    lat = tl.load(lat_ptr + (blk * s_lb + off * s_lt)[:, None] + r[None, :],
-                  mask=tmask[:, None] & (r[None, :] < R), other=0.0)
-    rope = tl.load(rope_ptr + (blk * s_rb + off * s_rt)[:, None] + p_[None, :],
-                   mask=tmask[:, None] & (p_[None, :] < P), other=0.0)
-    if SCALE_KIND == 2:           # fp8_ds_mla: group scales once per tile, broadcast over the group
-        g = tl.arange(0, NG)
-        sc = tl.load(ls_ptr + (blk * ss_b + off * ss_t)[:, None] + g[None, :], mask=tmask[:, None], other=0.0)
-        lat = tl.reshape(tl.reshape(lat.to(tl.float32), [BLOCK_N, NG, GROUP]) * sc[:, :, None], [BLOCK_N, BLOCK_R])
-    if BF16_DOT:
-        lat = lat.to(tl.bfloat16)
-        rope = rope.to(tl.bfloat16)
-    else:
-        lat = lat.to(tl.float32)
-        rope = rope.to(tl.float32)
+    lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
+                               R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
     s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
