@@ -311,6 +311,8 @@ def test_config_table_lookup(monkeypatch):
             for cfg in buckets.values():
                 c = MoEConfig.from_json(cfg)
                 assert MoEConfig.from_json(c.to_json()) == c and c.BM >= 1 and c.BM & (c.BM - 1) == 0
+    pdl = MoEConfig(1, GemmConfig(), GemmConfig(), pdl=True)
+    assert MoEConfig.from_json(pdl.to_json()) == pdl and "pdl" not in MoEConfig(1, GemmConfig(), GemmConfig()).to_json()
     fake = {"version": 1, "devices": {"GPU X": {"w2 H64 I32": {
         "8": MoEConfig(16, GemmConfig(16), GemmConfig(32)).to_json(),
         "64": MoEConfig(16, GemmConfig(64), GemmConfig(64)).to_json(),

@@ -52,7 +52,7 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
 BS = 16                                    # tokens per page (vLLM's default)
 # decode (split_tokens, max_splits) swept: one compiled kernel serves them all (runtime args)
 SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (256, 8), (256, 128))
-# --quick: the defaults (GQA 256/128, MLA 256/32) and their alternatives: GQA's old cap; MLA with
+# --quick: the defaults (GQA 256/32 since run 4, MLA 256/32) and alternatives: GQA's run-1 cap; MLA with
 # twice the programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32)
 # GQA entries may carry a third number, keys per loop step (tile_tokens; default GQA_TILE_TOKENS)
 QUICK_SPLITS = {"gqa": ((256, 32), (256, 128), (256, 128, 16), (256, 128, 32), (128, 256), (512, 64)),

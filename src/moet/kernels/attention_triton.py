@@ -64,12 +64,11 @@ _EMULATE_BF16_DOT = tl.constexpr(_INTERPRET)
 # Upper bound on the splits of one sequence (its split length grows past split_tokens beyond
 # that): bounds the fp32 partials, B * heads * MAX_SPLITS * (Dv + 2), whatever the table width.
 DEFAULT_MAX_SPLITS = 32
-# GQA's partials are small (Hq * (Dv + 2) fp32 per split: ~3% of the KV of a 256-token split at
-# Qwen3-30B-A3B's shape), so a long batch-1 sequence may use many more splits: 32 splits x 4 KV
-# heads was 128 programs of 4 warps on 132 SMs, too few to keep loads in flight (H200 run 1:
-# 33% of copy at 32K). MLA keeps DEFAULT_MAX_SPLITS: its partials (128 heads x 512 fp32 = 256 KB
-# per split) cost as much HBM traffic as ~230 tokens of bf16 latent.
-GQA_DEFAULT_MAX_SPLITS = 128
+# GQA: with one 16-token page per loop step, 32 splits x 4 KV heads (128 programs of 4 warps on
+# 132 SMs) could not keep loads in flight and 128 splits won (H200 run 1: 33% of copy at 32K).
+# With 64-token steps (GQA_TILE_TOKENS) fewer, longer splits pipeline better: H200 run 4 at 32K,
+# bf16, 256/32 vs 256/128: batch 1 1,447 vs 1,108 GB/s, batch 32 4,045 vs 3,582 GB/s.
+GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
 # MLA decode tiling (see _mla_decode_split_kernel): heads per program, tokens per tile, and the

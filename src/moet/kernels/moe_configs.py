@@ -38,20 +38,27 @@ class MoEConfig:
     BM: int                 # pairs per tile (tokens padded to this; one slot per tile)
     gate_up: GemmConfig
     down: GemmConfig
+    # programmatic dependent launch between the layer's kernels (sm_90+): each kernel's launch
+    # overlaps the one before; pays off where the kernels are short (small models at T = 1)
+    pdl: bool = False
 
     def to_json(self) -> dict:
-        return {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+        d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+        if self.pdl:
+            d["pdl"] = True
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "MoEConfig":
-        return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]))
+        return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:
-    """The H200 tuning's winners (tools/kernel_lab/moe_tune_h200_2026-11-29.json), which were
-    the same or within 5% across the three model shapes and both formats."""
+    """The H200 tuning's winners (tools/kernel_lab/moe_tune_h200_2026-11-29*.json): decode from
+    run 4 (one-pair tiles, gate/up split in two; the same or within 3% across the three model
+    shapes and both formats at T = 1), prefill from run 3."""
     if num_pairs <= SMALL_ALIGN_MAX_PAIRS:     # decode: few tokens per expert, stream the weights
-        return MoEConfig(16, GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 32, 1, 2, 4))
+        return MoEConfig(1, GemmConfig(32, 32, 2, 2, 4), GemmConfig(32, 32, 1, 2, 4))
     return MoEConfig(64, GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3))
 
 

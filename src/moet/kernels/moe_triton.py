@@ -64,10 +64,6 @@ FMT_W2 = 0
 FMT_FP4 = 1
 # prefill workspaces (fp32 partial outputs [SPLIT_K, P, H]) are capped by chunking the tokens
 MAX_WORKSPACE_BYTES = 1 << 30
-# Launch the layer's kernels with programmatic dependent launch on the GPU (each waits for the
-# one before with griddepcontrol.wait; the launch gaps overlap work). Measured by the tuner
-# (moet.bench.moe_kernel_tune, "pdl" rows) before it became the default.
-PDL = False
 
 
 # ==================================================================================== decoders
@@ -481,9 +477,11 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     p = t * k
     dev = hidden.device
     use_asm = dev.type == "cuda"
-    pdl = dict(PDL=use_asm and PDL, **({"launch_pdl": PDL} if use_asm else {}))
     if config is None:
         config = lookup(fname, h, i, p, _device_name(dev))
+    # programmatic dependent launch (config.pdl, table-driven): every kernel of the layer starts
+    # with griddepcontrol.wait, so the next launch overlaps the kernel before
+    pdl = dict(PDL=use_asm and config.pdl, **({"launch_pdl": config.pdl} if use_asm else {}))
     bm, cg, cd = config.BM, config.gate_up, config.down
     ids = topk_ids.reshape(-1).contiguous()
     table = slot_table.contiguous()
