@@ -16,6 +16,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("generate", "moet.generate_cli", "generate text offline from a checkpoint (default: the shipped moet-tiny)"),
     ("serve", "moet.serve.serve_cli", "OpenAI-compatible HTTP server (default: the shipped moet-tiny)"),
     ("inspect", "moet.checkpoint.inspect_cli", "family, parameter counts, bytes per format and what fits where"),
+    ("plan", "moet.store.plan_cli", "W2 experts per tier (GPU / host arena / disk) and predicted decode tok/s"),
     ("probe", "moet.probe.cli", "quality probes: code loss, facts, arithmetic, needle, tool calls, MTP"),
     ("quant-study", "moet.quant.study_cli", "codebook study of a checkpoint's routed experts (SPEC 2.1)"),
 ]

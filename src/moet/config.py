@@ -103,6 +103,10 @@ class EngineConfig:
     rebuild_pack: bool = _knob(False, "discard the pack and convert the checkpoint's experts again")
     o_direct: bool = _knob(False, "read pack rows with O_DIRECT (bypasses the page cache; the pack's "
                                   "file system must allow it)")
+    expert_stats_interval_s: float = _knob(
+        10.0, "with the expert store: log one INFO line of residency statistics (cache and arena hit rates, "
+              "bytes moved per token, replay passes per step, fetch latency, prefetch accuracy) every this many "
+              "seconds of engine steps; 0 = off")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -147,6 +151,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not v >= 0:
                 raise ConfigError(f"{name}={v!r} must be >= 0 (or unset)")
+        if not self.expert_stats_interval_s >= 0:
+            raise ConfigError(f"expert_stats_interval_s={self.expert_stats_interval_s!r} must be >= 0 (0 = off)")
         if not isinstance(self.miss_tolerance, int) or self.miss_tolerance < 0:
             raise ConfigError(f"miss_tolerance={self.miss_tolerance!r} must be an integer >= 0")
 

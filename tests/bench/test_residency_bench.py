@@ -25,6 +25,10 @@ def test_residency_bench_cpu_smoke(tmp_path):
         assert t0["runs"]["1"]["decode_tok_s"] > 0 and t0["counters"]["tolerated_pairs"] == 0
         assert 0 <= t0["hit_rate"] < 1 and t0["passes_per_step"] > 1 and t0["bytes_fetched_per_generated_token"] > 0
         assert t8["generated"] == t0["generated"] and t0["pcie_bound_tok_s_55GBps"] > 0
+        plan = t0["plan"]["1"]        # moet plan's prediction for this configuration, and the ratio
+        assert plan["predicted_tok_s"] > 0 and plan["measured_over_predicted"] > 0
+        assert plan["predicted_hit_rate"] == 0.5 and plan["measured_hit_rate"] == t0["hit_rate"]
+    assert m["resident"]["plan"]["1"]["predicted_hit_rate"] == 1.0
     assert half["cache+pack+small arena"]["host_arena_gb"] == 0.0    # every miss read from the pack
     assert r["host_peak_rss_gb"] > 0
     acc = r["accelerate"]             # the transformers + accelerate baseline, or why it is missing

@@ -37,6 +37,10 @@ to uniformly: hit rates here are a worst case for a cache (real routers are skew
    box has no network: `pip download accelerate==1.15.0 --no-deps -d .whl/bench` here, carry
    .whl/bench (git-ignored) with the run and `pip install --no-deps .whl/bench/accelerate-*.whl`
    first; without it the stage is skipped with that message.
+Every decode measurement of stages 3-4 also records `moet plan`'s prediction for that
+configuration (store/plan.py: the same slots, arena, batch, context and miss tolerance; HBM and
+disk bandwidths at their defaults, host-to-device at stage 0's measurement) and
+measured / predicted, under "plan" next to the runs.
 --cpu-smoke: a tiny shape on CPU, cards "50%,100%" (tests this harness; numbers meaningless).
 """
 from __future__ import annotations
@@ -281,8 +285,48 @@ def counters(res) -> dict:
             "arena_hits": a.hits, "arena_misses": a.misses}
 
 
+def plan_facts(model, key: str, dense_bytes: int, row_bytes: int):
+    """store/plan.py's ModelFacts of the bench model (random weights, no checkpoint)."""
+    from moet.store import plan as P
+
+    spec = model.spec
+    elem = next(model.parameters()).element_size()
+    return P.ModelFacts(name=key, moe_layers=len(moe_blocks(model)), experts=spec.router.num_experts,
+                        top_k=spec.router.top_k, row_bytes=row_bytes, dense_bytes=dense_bytes,
+                        embedding_bytes=0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size * elem,
+                        kv_bytes_per_token=P.kv_bytes_per_token_of(spec))
+
+
+def plan_bandwidths(gbps: float | None):
+    from moet.store import plan as P
+
+    bw = P.Bandwidths()
+    if gbps:
+        bw.override("h2d_pinned_gbps", gbps, "measured in this run (residency_bench stage 0)")
+    return bw
+
+
+def predicted(facts, gbps: float | None, slots: int, arena_bytes: int, args, runs: dict, miss_tolerance: int = 0,
+              hit_rate: float | None = None) -> dict:
+    """The plan's prediction per measured batch, and measured / predicted (store/plan.py compare)."""
+    from moet.store import plan as P
+
+    out = {}
+    context = args.prompt_len + args.decode_tokens // 2           # mean context of the decode steps
+    for b, r in runs.items():
+        pl = P.plan_for_rows(facts, slots, arena_bytes, max_num_seqs=args.batch, batch=int(b), context=context,
+                             miss_tolerance=miss_tolerance, bandwidths=plan_bandwidths(gbps))
+        out[b] = P.compare(pl, r.get("decode_tok_s"), hit_rate)
+        if pl.prediction is not None:
+            out[b].update(predicted_fetch_bytes_per_step=pl.prediction.fetch_bytes_per_step,
+                          predicted_hbm_bytes_per_step=pl.prediction.hbm_bytes_per_step, context=context)
+        else:
+            out[b]["plan_error"] = pl.fit.message
+    return out
+
+
 def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_direct: bool, args, device,
-              max_model_len: int, want: dict, budget: Budget, gbps: float | None) -> dict:
+              max_model_len: int, want: dict, budget: Budget, gbps: float | None, facts=None) -> dict:
     from moet.engine.expert_residency import ExpertResidency
     from moet.engine.llm_engine import LLMEngine
     from moet.store.pack_file import PackFile
@@ -325,6 +369,12 @@ def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_dir
                 pcie_bound_tok_s_measured=(gbps * 1e9 / per_tok) if per_tok and gbps else None,
                 engine_stats=dict(res.stats()))
             r = rec[f"tol{tol}"]
+            if facts is not None:
+                r["plan"] = predicted(facts, gbps, slots, int(arena_gb * 2**30), args, runs, tol, r["hit_rate"])
+                for b, c in r["plan"].items():
+                    if c.get("predicted_tok_s"):
+                        log(f"    plan, batch {b}: predicted {c['predicted_tok_s']:.2f} tok/s (hit rate "
+                            f"{c['predicted_hit_rate']:.3f}), measured / predicted {c['measured_over_predicted'] or 0:.2f}")
             log(f"    hit rate {r['hit_rate'] or 1:.3f}, passes/step {r['passes_per_step'] or 0:.2f}, "
                 f"{per_tok / 2**20:.1f} MiB fetched per generated token, PCIe bound "
                 f"{r['pcie_bound_tok_s_55GBps'] or float('inf'):.1f} tok/s at {PCIE_GBPS:.0f} GB/s")
@@ -362,6 +412,11 @@ def model_stage(cfg: dict, key: str, args, device, work: str, results: dict, pat
     want = correctness_outputs(eng, model.spec.vocab_size, args.prompt_len)
     log("  all resident:")
     rec["resident"] = {"runs": decode_runs(eng, model.spec.vocab_size, args, device, sorted({1, args.batch}))}
+    facts = plan_facts(model, key, dense, layout.row_bytes)
+    rec["resident"]["plan"] = predicted(facts, gbps, total_rows, 0, args, rec["resident"]["runs"])
+    for b, c in rec["resident"]["plan"].items():
+        log(f"    plan, batch {b}: predicted {c['predicted_tok_s'] or 0:.1f} tok/s, measured / predicted "
+            f"{c['measured_over_predicted'] or 0:.2f}")
     del eng
     gc.collect()
     write_json(path, results)
@@ -396,7 +451,7 @@ def model_stage(cfg: dict, key: str, args, device, work: str, results: dict, pat
                 break
             try:
                 c[label] = store_run(label, model, paths, meta, slots, arena_gb, o_direct, args, device, max_model_len,
-                                     want, budget, gbps)
+                                     want, budget, gbps, facts)
             except Exception as exc:               # keep the other configurations' numbers
                 fail(f"{card} {label}: {type(exc).__name__}: {exc}")
                 c[label] = {"error": f"{type(exc).__name__}: {exc}"}

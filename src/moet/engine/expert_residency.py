@@ -15,7 +15,9 @@ block reads through. Each engine step runs under run_with_replay, so strict mode
 the cache at once: `step_token_cap` bounds the scheduler's token budget so that even the worst
 step (every token routed to distinct experts in every layer) fits. With `expert_prefetch` (and a
 cache smaller than the pack) each layer guesses the next layer's experts and fetches them early
-(store/prefetch.py); results are unchanged, accuracy goes to the stats.
+(store/prefetch.py); results are unchanged, accuracy goes to the stats. Every
+`expert_stats_interval_s` seconds (0 = off) one INFO line sums up the store since the last one
+(log_stats: hit rates per tier, bytes moved per token, passes per step, fetch stall, prefetch).
 """
 from __future__ import annotations
 
@@ -119,6 +121,13 @@ class ExpertResidency:
         self.cache: ExpertCache | None = None
         self.tokens = 0
         self.warm_bytes = 0           # fetched at start (not by steps): kept out of the per-token rate
+        self.warm_pack_bytes = 0      # read from the pack at start (hot set preload, warm-up)
+        # fetches after a pass with misses (the stall a step waits for; prefetches excluded)
+        self.step_fetches = 0
+        self.step_fetch_s = 0.0
+        self._log_every = float(getattr(config, "expert_stats_interval_s", 0.0) or 0.0)
+        self._log_t = time.monotonic()
+        self._log_last: dict[str, float] | None = None
         self._closed = False
         try:
             self.arena = HostArena(self.pack, arena_slots(config.host_arena_gb, self.pack.stride, self.total_rows),
@@ -168,6 +177,8 @@ class ExpertResidency:
         elif self.arena is not None and self.arena.hot_keys():
             self.cache.warm(list(reversed(self.arena.hot_keys())))      # most recent first
         self.warm_bytes = self.cache.bytes_fetched
+        self.warm_pack_bytes = self.pack.bytes_read
+        self._log_t, self._log_last = time.monotonic(), self._counters()
         log.info("expert store: pack %s (%s), %d/%d rows in the device cache, %d host arena slots",
                  self.pack.paths.data, "built" if self.pack.built_layers else "reused", self.cache.num_slots,
                  self.total_rows, self.arena.num_slots if self.arena else 0)
@@ -182,9 +193,51 @@ class ExpertResidency:
 
     def run(self, step: Callable[[], T], *, scan: bool, num_tokens: int) -> T:
         """The step, replayed until no expert missed (or at most miss_tolerance pairs did)."""
-        out, _ = run_with_replay(step, self.cache, miss_tolerance=self.miss_tolerance, scan=scan)
+        out, r = run_with_replay(step, self.cache, miss_tolerance=self.miss_tolerance, scan=scan)
         self.tokens += num_tokens
+        if r.rows_fetched:
+            self.step_fetches += 1
+            self.step_fetch_s += r.fetch_s
+        if self._log_every > 0 and time.monotonic() - self._log_t >= self._log_every:
+            self.log_stats()
         return out
+
+    # ------------------------------------------------------------------ statistics
+
+    def _counters(self) -> dict[str, float]:
+        """Monotonic totals the periodic log line takes differences of."""
+        c, a = self.cache, self.arena
+        return {"t": time.monotonic(), "tokens": self.tokens, "steps": c.steps, "passes": c.passes, "pairs": c.pairs,
+                "missed": c.first_pass_missed_pairs, "bytes": c.bytes_fetched, "pack_bytes": self.pack.bytes_read,
+                "arena_hits": a.hits if a else 0, "arena_misses": a.misses if a else 0,
+                "fetches": self.step_fetches, "fetch_s": self.step_fetch_s, "predicted": c.predicted_pairs,
+                "true": c.true_pairs, "routed_predicted": c.routed_pairs_predicted}
+
+    def log_stats(self) -> str | None:
+        """Log (INFO, logger moet.engine) the store's numbers since the last line: GPU cache and host
+        arena hit rates, bytes moved host -> device and read from the pack per computed token,
+        replay passes per step, mean fetch stall per step that fetched, prefetch precision / recall.
+        Returns the line (None before start or when no step ran)."""
+        if self.cache is None:
+            return None
+        now = self._counters()
+        last = self._log_last or {k: 0.0 for k in now}
+        d = {k: now[k] - last[k] for k in now}
+        self._log_t, self._log_last = time.monotonic(), now
+        if not d["steps"]:
+            return None
+        tok = max(1.0, d["tokens"])
+        arena = d["arena_hits"] + d["arena_misses"]
+        pct = lambda x, n: f"{100 * x / n:.1f}%" if n else "-"     # noqa: E731
+        line = (f"expert store, last {d['t']:.1f}s: {int(d['tokens'])} tokens in {int(d['steps'])} steps; "
+                f"hit rate GPU cache {pct(d['pairs'] - d['missed'], d['pairs'])}, host arena "
+                f"{pct(d['arena_hits'], arena)}; moved {d['bytes'] / tok / 2**20:.2f} MiB/token host->GPU, "
+                f"{d['pack_bytes'] / tok / 2**20:.2f} MiB/token from the pack; "
+                f"{d['passes'] / d['steps']:.2f} passes/step; fetch "
+                + (f"{1e3 * d['fetch_s'] / d['fetches']:.2f} ms x {int(d['fetches'])} steps" if d["fetches"] else "none")
+                + f"; prefetch precision {pct(d['true'], d['predicted'])} recall {pct(d['true'], d['routed_predicted'])}")
+        log.info(line)
+        return line
 
     def stats(self) -> dict[str, float]:
         if self.cache is None:
@@ -196,6 +249,12 @@ class ExpertResidency:
             "expert_replays_total": float(c.passes - c.steps),
             # the PCIe bound of a step: these bytes over the measured host-to-device bandwidth
             "expert_bytes_fetched_per_token": (c.bytes_fetched - self.warm_bytes) / self.tokens if self.tokens else 0.0,
+            "pack_bytes_read_per_token": ((self.pack.bytes_read - self.warm_pack_bytes) / self.tokens
+                                          if self.tokens else 0.0),
+            # the stall of a step with misses: its fetch after the pass (prefetches not counted)
+            "expert_step_fetches_total": float(self.step_fetches),
+            "expert_step_fetch_seconds_total": self.step_fetch_s,
+            "expert_step_fetch_latency_ms": 1e3 * self.step_fetch_s / self.step_fetches if self.step_fetches else 0.0,
             "pack_built_layers": float(getattr(self.pack, "built_layers", 0)),
             "pack_open_seconds": self.pack_open_s,
             "host_arena_slots": float(self.arena.num_slots if self.arena else 0),

@@ -8,7 +8,8 @@
 
 Files: pack_file.py (format, I/O, lock), pack_builder.py (streaming first boot, validation),
 host_arena.py, expert_cache.py, replay.py (the miss policy the runner calls), prefetch.py (next
-layer's experts guessed from this layer's hidden state, fetched early).
+layer's experts guessed from this layer's hidden state, fetched early), plan.py (`moet plan`: placement
+per tier and predicted decode tok/s for a GPU / host budget; plan_cli.py its command line).
 """
 from moet.store.expert_cache import ExpertCache, min_cache_slots
 from moet.store.host_arena import HostArena
