@@ -27,15 +27,44 @@ W2_LEVELS = (-4.0, -1.0, 1.0, 4.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def decode_w2(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+_W2_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _w2_lut(layout: str, device: torch.device) -> torch.Tensor:
+    """Level table of one code unit: v1 byte -> 4 levels [256, 4]; nb8 16-bit unit -> 8 levels
+    [65536, 8] (element order), built once per device from the format's own converters."""
+    key = (layout, device)
+    if key not in _W2_LUTS:
+        levels = torch.tensor(W2_LEVELS, dtype=torch.float32)
+        if layout == "v1":
+            v = torch.arange(256, dtype=torch.int32)
+            lut = levels[torch.stack([(v >> (2 * i)) & 3 for i in range(4)], dim=-1).long()]
+        elif layout == "nb8":
+            u = torch.arange(65536, dtype=torch.int32)
+            nb = torch.stack((u & 0xFF, u >> 8), dim=-1).to(torch.uint8)            # little-endian unit
+            v1 = w2.from_nb8(nb).to(torch.int32)
+            v = v1[:, 0] | (v1[:, 1] << 8)
+            lut = levels[torch.stack([(v >> (2 * i)) & 3 for i in range(8)], dim=-1).long()]
+        else:
+            raise ValueError(f"unknown W2 pool layout {layout!r}")
+        _W2_LUTS[key] = lut.to(device)
+    return _W2_LUTS[key]
+
+
+def decode_w2(codes: torch.Tensor, scales: torch.Tensor, layout: str = "v1") -> torch.Tensor:
     """codes uint8 [N, K/4] + scales uint8 [N, K/32] -> float32 [N, K] (exact).
-    Element k = 4j + i sits in bits 2i..2i+1 of byte j; value = level * 2**(scale - 127)."""
+    v1: element k = 4j + i sits in bits 2i..2i+1 of byte j; nb8: the kernels' layout
+    (moet.formats.w2.to_nb8). Value = level * 2**(scale - 127): one table gather per byte (v1)
+    or 16-bit unit (nb8), times the group's power of two (exact: a product of powers of two,
+    rounding only where ldexp would, at overflow to inf or into subnormals exactly)."""
     n, kq = codes.shape
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=codes.device)
-    idx = ((codes.unsqueeze(-1) >> shifts) & 3).reshape(n, kq * 4).long()
-    vals = torch.tensor(W2_LEVELS, dtype=torch.float32, device=codes.device)[idx]
-    exps = (scales.to(torch.int32) - 127).repeat_interleave(32, dim=1)
-    return torch.ldexp(vals, exps)
+    if layout == "v1":
+        vals = _w2_lut("v1", codes.device)[codes.long()]                           # [N, K/4, 4]
+    else:
+        units = codes.view(n, kq // 2, 2).to(torch.int32)
+        vals = _w2_lut(layout, codes.device)[(units[..., 0] | (units[..., 1] << 8)).long()]   # [N, K/8, 8]
+    pow2 = torch.ldexp(torch.ones(scales.shape, dtype=torch.float32, device=codes.device), scales.to(torch.int32) - 127)
+    return (vals.reshape(n, kq * 4 // 32, 32) * pow2.unsqueeze(-1)).reshape(n, kq * 4)
 
 
 def decode_fp4(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -55,11 +84,8 @@ def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
         return pool.gate_up[slot], pool.down[slot]
     if isinstance(pool, W2Pool):
         gu, dn = pool.gate_up_codes[slot], pool.down_codes[slot]
-        if pool.layout == "nb8":          # the kernels' layout: back to v1 (bit-exact)
-            gu, dn = w2.from_nb8(gu), w2.from_nb8(dn)
-        elif pool.layout != "v1":
-            raise ValueError(f"unknown W2 pool layout {pool.layout!r}")
-        return decode_w2(gu, pool.gate_up_scales[slot]), decode_w2(dn, pool.down_scales[slot])
+        return (decode_w2(gu, pool.gate_up_scales[slot], pool.layout),
+                decode_w2(dn, pool.down_scales[slot], pool.layout))
     if isinstance(pool, FP4Pool):
         two_i = pool.gate_up_weight.shape[1]
         # gate rows use scale_2[slot, 0], up rows scale_2[slot, 1]: checkpoints quantize gate
