@@ -358,3 +358,19 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     kinds = [line.split()[0] for line in r.stdout.splitlines()]
     assert kinds.count("gemm") == 4 and {"align", "swiglu", "combine"} <= set(kinds), r.stdout
+
+
+def test_reference_w2_decode_is_the_formats_dequantize_in_both_layouts():
+    """The reference's table decode (one gather per byte / 16-bit unit, times the group's power
+    of two) gives the bits of moet.formats.w2.dequantize, scale bytes 0, 1, 254, 255 included
+    (subnormal and infinite results)."""
+    from moet.kernels.reference import decode_w2
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    codes = torch.randint(0, 256, (9, 64 // 4), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (9, 64 // 32), generator=g, dtype=torch.uint8)
+    scales[0] = torch.tensor([0, 255], dtype=torch.uint8)
+    scales[1] = torch.tensor([1, 254], dtype=torch.uint8)
+    want = w2.dequantize(w2.W2Tensor(codes, scales))
+    for got in (decode_w2(codes, scales), decode_w2(w2.to_nb8(codes), scales, "nb8")):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.isinf(want[0, 32:]).any() and (want[0, :32].abs() < 2.0 ** -120).all()
