@@ -48,7 +48,8 @@ class RunLog:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.train_tiny", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default="full", choices=["full", "full-v2", "full-v3", "full-v4", "smoke", "micro", "micro-v3", "micro-v4"])
+    ap.add_argument("--recipe", default="full", choices=["full", "full-v2", "full-v3", "full-v4", "full-v5", "smoke",
+                                                         "micro", "micro-v3", "micro-v4", "micro-v5"])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--device", default=None, help="default: cuda if available else cpu")
     ap.add_argument("--steps", type=int, default=None, help="override the recipe's step count")

@@ -30,8 +30,8 @@ def _addenda(s: dict) -> str:
 
 
 def _think_note(mix: dict) -> str:
-    """What the think blocks hold: recipe full-v4 trains a lookup line before tool calls."""
-    if not any(k == "tools_v4" for k, _ in mix["task_share"]):
+    """What the think blocks hold: recipes full-v4/v5 train a lookup line before tool calls."""
+    if not any(k in ("tools_v4", "tools_v5") for k, _ in mix["task_share"]):
         return "empty except for arithmetic"
     return ("empty except for arithmetic and tool use: before a call it names the request's purpose, "
             "quotes the listed description that serves it and the function name before that description, "

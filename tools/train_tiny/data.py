@@ -27,12 +27,13 @@ from moet.probe import arithmetic, chat_format, facts, needle, tools
 from tools.train_tiny import copy_tasks, tool_tasks, tool_tasks_v4
 
 # Every task a Mix may name; a Mix uses those in its task_share (recipe `full` = the first three,
-# `full-v2` adds tools_ns / repeat / recall, `full-v3` tools_v3 / lookup, `full-v4` tools_v4).
+# `full-v2` adds tools_ns / repeat / recall, `full-v3` tools_v3 / lookup, `full-v4` tools_v4,
+# `full-v5` tools_v5).
 CHAT_TASKS = {"tools": tools.sample, "arithmetic": arithmetic.sample, "facts": facts.sample,
               "tools_ns": functools.partial(tools.sample, namespace_p=0.9),
               "repeat": copy_tasks.repeat_sample, "recall": copy_tasks.recall_sample,
               "tools_v3": tool_tasks.sample, "lookup": copy_tasks.lookup_sample,
-              "tools_v4": tool_tasks_v4.sample}
+              "tools_v4": tool_tasks_v4.sample, "tools_v5": tool_tasks_v4.sample_v5}
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,11 @@ def _assemble(res: dict[str, list[np.ndarray]], n_rows: int, n_needle: int, mix:
     width = mix.seq_len + 2
     rng = np.random.default_rng(seed)
     chat = [a for k, _ in mix.task_share for a in res.get(k, [])]
+    # A document longer than a row would never fit and stall the chat queue for every later row
+    # (no full recipe has one: the longest, tools_v5, is ~1.3K tokens; micro's 1K rows do).
+    dropped_chat = len(chat)
+    chat = [a for a in chat if len(a) <= width]
+    dropped_chat -= len(chat)
     chat = [chat[i] for i in rng.permutation(len(chat))]
     needles = [a for a in res.get("needle", []) if len(a) <= width]
     dropped_needles = len(res.get("needle", [])) - len(needles)
@@ -196,6 +202,7 @@ def _assemble(res: dict[str, list[np.ndarray]], n_rows: int, n_needle: int, mix:
         rows[r] = np.concatenate(parts)
     stats = dict(counts, rows=n_rows, width=width, chat_pool=len(chat), chat_reused=max(0, ci - len(chat)),
                  needle_pool=len(needles), needles_dropped_too_long=dropped_needles,
+                 chat_dropped_too_long=dropped_chat,
                  plain_stream_tokens=int(len(stream)), plain_epochs=round(counts["plain_tokens"] / max(1, len(stream)), 3))
     log(f"data: assembled {stats}")
     return rows, stats

@@ -30,16 +30,40 @@ model takes the cheaper solution; v4 leaves it none:
 
 Held out exactly as in moet.probe.tools: evaluation namespaces (_is_eval_namespace) can not
 occur, and the held-out name variants can not either, since every canonical word is forbidden.
+
+Recipe full-v5 (same generator, other NameRules; `sample_v5`). Why v4 failed (H200 run
+2026-11-29, runs/full-v4/tool_diag.py): the think line quoted the right description 97.5% and
+the call copied the think line's name 97.5%, but the name after `->` was right 45% on
+training-style names and 0% on the probe's (namespace + canonical words, `girepi_share_price`):
+FORBIDDEN_WORDS made every canonical word unwritable inside a name, so the model loops
+(`girepi_nepi_nepi_...`) or writes an unrelated name (`joinSum` for `population_lookup`). v5
+lets any word occur inside a name while keeping names uninformative (V5_NAMES):
+- 20% of function names are one of the family's trained variants (`population_lookup`, the
+  realistic case), so recalling "weather tools are called get_weather" pays off on at most a
+  fifth of the calls; the other 80% are compounds of pseudo-words, ordinary English words,
+  verbs and canonical words of OTHER families/arguments (a weather tool may be `stock_quote`),
+  never a word of the tool's own family; half of all function names get a namespace word.
+  Argument names likewise (20% a trained variant of their own slot, else a compound without
+  their slot's words). Held out as before: no evaluation namespace (nor any word that could be
+  one, `_could_be_eval_namespace`, unless it is a canonical word), and no held-out variant as a
+  whole name or argument name; but the held-out variants' WORDS now occur inside names.
+- More description -> name lookups per token (the half-learned step): 1-6 requests per tool
+  list (mean 3.3 vs 2.25) and a call prefers a tool not yet called in the conversation
+  (`fresh_targets`), so a later request can not copy an earlier call instead of looking up.
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
+import re
+from dataclasses import dataclass
 
 from moet.probe import arithmetic, facts
 from moet.probe.chat_format import Conversation
 from moet.probe.needle import ADJECTIVES, NOUNS
-from moet.probe.tools import FAMILIES, Family, _is_eval_namespace, _request, _style, _values, _word
+from moet.probe.tools import (FAMILIES, Arg, Family, _is_eval_namespace, _namespace, _request, _style, _values,
+                              _variants, _word)
 
 Rng = random.Random
 
@@ -47,11 +71,12 @@ Rng = random.Random
 # held out): a training name containing one could be recalled from the request's family.
 FORBIDDEN_WORDS = frozenset(w for f in FAMILIES for n in f.names for w in n.split("_")) | frozenset(
     w for f in FAMILIES for a in f.args for n in a.names for w in n.split("_"))
-_VERBS = tuple(w for w in (
+CANONICAL_WORDS = FORBIDDEN_WORDS  # v5 borrows them instead
+_ALL_VERBS = tuple((
     "get set find make run list fetch load save send check show open start stop update delete read write "
     "add remove do call use build apply sync post put scan pick ask track plan book sort count mark tag "
-    "view edit move copy join split merge rank rate lock ping").split()
-    if w not in FORBIDDEN_WORDS and not _is_eval_namespace(w))
+    "view edit move copy join split merge rank rate lock ping").split())
+_VERBS = tuple(w for w in _ALL_VERBS if w not in FORBIDDEN_WORDS and not _is_eval_namespace(w))
 # English words pass the probe's namespace test by chance (crc32 % 5): left out too, so that no
 # word of a training name could be an evaluation namespace.
 _WORDS = tuple(w for w in ADJECTIVES + NOUNS if w not in FORBIDDEN_WORDS and not _is_eval_namespace(w))
@@ -62,38 +87,127 @@ RESULT_P = 0.15           # a final call followed by the tool result and an answ
 SYSTEM_P = 0.15           # conversations that open with a system prompt
 THINK_P = 0.8             # conversations with think lines (the rest: thinking off)
 TURNS = ((1, 0.3), (2, 0.3), (3, 0.25), (4, 0.15))
+TURNS_V5 = ((1, 0.1), (2, 0.15), (3, 0.25), (4, 0.25), (5, 0.15), (6, 0.1))  # mean 3.3
+
+_SYLLABLE_WORD = re.compile(r"([bdfgklmnprstvz][aeiou]){2,3}")
 
 
-def _pseudo(rng: Rng) -> str:
+def _could_be_eval_namespace(word: str) -> bool:
+    """True for words moet.probe.tools._namespace(.., "eval") can draw (2-3 syllables of its
+    alphabet, crc32 % 5 == 0): `time`, `date`, `make`, ... A narrower test than v4's
+    _is_eval_namespace on every word, which left a fifth of all English words unwritable."""
+    return bool(_SYLLABLE_WORD.fullmatch(word)) and _is_eval_namespace(word)
+
+
+@dataclass(frozen=True)
+class NameRules:
+    """How a tool list's function and argument names are drawn.
+
+    A compound (1 + randint(*parts) - 1 words) draws each word from: a pseudo-word (1-3
+    syllables, not in `banned`, never an evaluation namespace) below source_p[0], an English
+    word below source_p[1], a verb below source_p[2], else a word of `canonical` that is not a
+    word of the tool's own family (function names) or own slot (argument names); then a number
+    with number_p. With own_p a name is instead one of the trained canonical variants of its
+    own family / slot; function names get a training namespace word in front with namespace_p.
+    Zero probabilities draw nothing from the RNG: V4_NAMES reproduces v4's stream exactly."""
+    words: tuple[str, ...]
+    verbs: tuple[str, ...]
+    banned: frozenset[str]
+    canonical: tuple[str, ...] = ()
+    source_p: tuple[float, float, float] = (0.45, 0.8, 1.0)
+    fn_parts: tuple[int, int] = (1, 4)
+    arg_parts: tuple[int, int] = (1, 2)
+    number_p: float = 0.1
+    own_p: float = 0.0          # function names and argument names, each drawn independently
+    namespace_p: float = 0.0    # function names only (the probe's argument names have none)
+
+
+V4_NAMES = NameRules(words=_WORDS, verbs=_VERBS, banned=FORBIDDEN_WORDS)
+V5_NAMES = NameRules(
+    words=tuple(w for w in ADJECTIVES + NOUNS if not _could_be_eval_namespace(w) or w in CANONICAL_WORDS),
+    verbs=tuple(w for w in _ALL_VERBS if not _could_be_eval_namespace(w) or w in CANONICAL_WORDS),
+    banned=frozenset(), canonical=tuple(sorted(CANONICAL_WORDS)),
+    source_p=(0.3, 0.55, 0.7), fn_parts=(1, 3), arg_parts=(1, 2), number_p=0.1, own_p=0.2, namespace_p=0.5)
+
+
+def family_words(family: Family) -> frozenset[str]:
+    """Every word of the family's function-name and argument-name variants: a v5 compound for
+    one of its tools borrows none of them (so only own_p of its names point to the family)."""
+    return frozenset(w for n in family.names for w in n.split("_")) | frozenset(
+        w for a in family.args for n in a.names for w in n.split("_"))
+
+
+def slot_words(arg: Arg) -> frozenset[str]:
+    return frozenset(w for n in arg.names for w in n.split("_"))
+
+
+@functools.lru_cache(maxsize=None)
+def _without(pool: tuple[str, ...], exclude: frozenset[str]) -> tuple[str, ...]:
+    return tuple(w for w in pool if w not in exclude)
+
+
+def _pseudo(rng: Rng, banned: frozenset[str] = FORBIDDEN_WORDS) -> str:
     while True:
         w = _word(rng, rng.randint(1, 3))
-        if not _is_eval_namespace(w) and w not in FORBIDDEN_WORDS:
+        if not _is_eval_namespace(w) and w not in banned:
             return w
 
 
-def random_name(rng: Rng, camel: bool, parts: tuple[int, int]) -> str:
-    """A compound identifier nobody could guess from the tool's purpose."""
+def _compound(rng: Rng, parts: tuple[int, int], rules: NameRules, exclude: frozenset[str]) -> list[str]:
+    """`exclude`: words of the tool's own family / the argument's own slot (v4: all forbidden
+    anyway, so its pools and draws are unchanged)."""
+    p_pseudo, p_word, p_verb = rules.source_p
+    banned = rules.banned | exclude
     words = []
     for _ in range(rng.randint(*parts)):
         k = rng.random()
-        words.append(_pseudo(rng) if k < 0.45 else rng.choice(_WORDS) if k < 0.8 else rng.choice(_VERBS))
-    if rng.random() < 0.1:
+        words.append(_pseudo(rng, banned) if k < p_pseudo else rng.choice(_without(rules.words, exclude))
+                     if k < p_word else rng.choice(_without(rules.verbs, exclude)) if k < p_verb
+                     else rng.choice(_without(rules.canonical, exclude)))
+    if rng.random() < rules.number_p:
         words.append(str(rng.randint(0, 99)))
+    return words
+
+
+def random_name(rng: Rng, camel: bool, parts: tuple[int, int], rules: NameRules = V4_NAMES,
+                exclude: frozenset[str] = frozenset()) -> str:
+    """A compound identifier nobody could guess from the tool's purpose."""
+    return _style(_compound(rng, parts, rules, exclude), camel)
+
+
+def function_name(rng: Rng, family: Family, camel: bool, rules: NameRules = V4_NAMES) -> str:
+    """The family's held-out variant never occurs (its words are the family's own, which a
+    compound never borrows); another family's may, as a misleading name."""
+    if rules.own_p and rng.random() < rules.own_p:
+        words = rng.choice(_variants(family.names, "train")).split("_")
+    else:
+        words = _compound(rng, rules.fn_parts, rules, family_words(family))
+    if rules.namespace_p and rng.random() < rules.namespace_p:
+        words = [_namespace(rng, "train")] + words
     return _style(words, camel)
 
 
-def make_tool(rng: Rng, family: Family, camel: bool, taken: set[str]) -> tuple[str, dict[str, str], dict]:
+def argument_name(rng: Rng, arg: Arg, camel: bool, rules: NameRules = V4_NAMES) -> str:
+    if rules.own_p and rng.random() < rules.own_p:
+        words = rng.choice(_variants(arg.names, "train")).split("_")
+    else:
+        words = _compound(rng, rules.arg_parts, rules, slot_words(arg))
+    return _style(words, camel)
+
+
+def make_tool(rng: Rng, family: Family, camel: bool, taken: set[str], rules: NameRules = V4_NAMES
+              ) -> tuple[str, dict[str, str], dict]:
     """-> (name, slot -> argument name, schema), laid out as moet.probe.tools.make_tool lays out
     the probe's schemas. Names are unique within one tool list, argument names within a tool."""
     while True:
-        name = random_name(rng, camel, (1, 4))
+        name = function_name(rng, family, camel, rules)
         if name not in taken:
             taken.add(name)
             break
     arg_names: dict[str, str] = {}
     for a in family.args:
         while True:
-            n = random_name(rng, camel, (1, 2))
+            n = argument_name(rng, a, camel, rules)
             if n not in arg_names.values():
                 arg_names[a.slot] = n
                 break
@@ -122,10 +236,13 @@ def _pick(rng: Rng, table: tuple[tuple[int, float], ...]) -> int:
     return table[-1][0]
 
 
-def sample(rng: Rng) -> Conversation:
+def sample(rng: Rng, names: NameRules = V4_NAMES, turns: tuple[tuple[int, float], ...] = TURNS,
+           fresh_targets: bool = False) -> Conversation:
     """1-5 tools, then 1-4 requests against that list. A request is a call (answered from the
     tool result unless it is the last turn, where RESULT_P are), a decline, or a plain question.
-    meta: the first request's kind (and name/arguments for a call)."""
+    meta: the first request's kind (and name/arguments for a call). The defaults are recipe
+    full-v4's (its recorded stream); `fresh_targets`: a call picks among the listed tools not
+    called yet in this conversation while there are any."""
     n_tools = rng.randint(1, 5)
     fams = rng.sample(FAMILIES, k=n_tools + 4)
     listed, absent = fams[:n_tools], fams[n_tools:]
@@ -135,12 +252,13 @@ def sample(rng: Rng) -> Conversation:
     tools = []
     for f in listed:
         camel = (rng.random() < 0.3) if per_tool_case else camel_list
-        tools.append((f, *make_tool(rng, f, camel, taken)))
+        tools.append((f, *make_tool(rng, f, camel, taken, names)))
     rng.shuffle(tools)
     think = rng.random() < THINK_P
     msgs = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < SYSTEM_P else []
-    n_turns = _pick(rng, TURNS)
+    n_turns = _pick(rng, turns)
     meta: dict = {}
+    called: set[str] = set()
     for turn in range(n_turns):
         last = turn == n_turns - 1
         k = rng.random()
@@ -157,7 +275,9 @@ def sample(rng: Rng) -> Conversation:
                 msgs.append(m if think else {k2: v for k2, v in m.items() if k2 != "reasoning_content"})
             meta = meta or {"kind": "direct"}
         else:
-            fam, name, arg_names, schema = rng.choice(tools)
+            fresh = [t for t in tools if t[1] not in called] if fresh_targets else []
+            fam, name, arg_names, schema = rng.choice(fresh or tools)
+            called.add(name)
             values = _values(rng, fam)
             args = {arg_names[a.slot]: values[a.slot] for a in fam.args if a.slot in values}
             reply = {"role": "assistant", "content": "",
@@ -171,3 +291,8 @@ def sample(rng: Rng) -> Conversation:
                 msgs += [{"role": "tool", "content": json.dumps(result)},
                          {"role": "assistant", "content": fam.answer.format(**values, **result)}]
     return Conversation(msgs, [t[3] for t in tools], think, meta)
+
+
+def sample_v5(rng: Rng) -> Conversation:
+    """Recipe full-v5's tool conversations: V5_NAMES, 1-6 requests per list, fresh targets."""
+    return sample(rng, V5_NAMES, TURNS_V5, fresh_targets=True)
