@@ -2,7 +2,8 @@
 held-out name ever appears in a training tool list, every call and decline is answerable from
 the listed descriptions, the think lines quote the listed description and name and parse back
 through chat_format and the shipped Jinja template, the probe's reply budget holds them, and
-the v4 mix goes through the row builder (a toy-size run of data.build_rows)."""
+the v4 mix goes through the row builder (a toy-size run of data.build_rows). The reply-budget
+check also covers recipe full-v5, which keeps v4's think line (the same think_call)."""
 from __future__ import annotations
 
 import random
@@ -12,6 +13,9 @@ from collections import Counter
 import pytest
 
 from moet.probe import chat_format, tools
+from tests.tiny.tool_names import family_of as _family_of
+from tests.tiny.tool_names import toy_rows
+from tests.tiny.tool_names import words as _words
 from tools.train_tiny import tool_tasks_v4 as v4
 
 N = 2500
@@ -23,13 +27,6 @@ def convs():
     return [v4.sample(rng) for _ in range(N)]
 
 
-def _words(identifier: str) -> list[str]:
-    """snake_case or camelCase -> lower-case words (digits stay a word)."""
-    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", identifier).lower().split("_")
-
-
-def _family_of(schema: dict) -> tools.Family:
-    return next(f for f in tools.FAMILIES if schema["description"] in f.descs)
 
 
 def _listed_names(conv) -> list[str]:
@@ -176,22 +173,11 @@ def test_probe_reply_budget_holds_the_think_line():
 
 def test_v4_mix_goes_through_the_row_builder():
     """Toy-size data stage of recipe micro-v4 (its mix, tiny corpus and tokenizer, one worker)."""
-    from tools.train_tiny import data, tokenizer_build
     from tools.train_tiny.recipe import RECIPES
-    mix = RECIPES["micro-v4"].mix
-    assert dict(mix.task_share) == dict(RECIPES["full-v4"].mix.task_share)
-    rng = random.Random(0)
-    code = [f"def f{i}(x):\n    return x + {i}\n" * 20 for i in range(60)]
-    text = ["Some prose about modules and packages. " * 30 for _ in range(10)]
-    sample = code + text + [chat_format.render_conversation(data.CHAT_TASKS[k](rng))
-                            for k, _ in mix.task_share for _ in range(30)]
-    tok = tokenizer_build.train(sample, 600)
-    mix = type(mix)(**{**mix.__dict__, "fact_prose_docs": 20, "chunk": 20})
-    rows, stats = data.build_rows(tokenizer=tok, code=code, text=text, n_rows=12, mix=mix, seed=1, workers=1,
-                                  log=lambda m: None)
+    assert dict(RECIPES["micro-v4"].mix.task_share) == dict(RECIPES["full-v4"].mix.task_share)
+    tok, mix, rows, stats, joined = toy_rows("micro-v4", 600, 12)
     assert rows.shape == (12, mix.seq_len + 2) and rows.max() < tok.get_vocab_size()
     assert stats["chat_docs"] > 0 and stats["chat_tokens"] > 0.3 * rows.size
-    joined = "".join(tok.decode_batch(rows.astype(int).tolist(), skip_special_tokens=False))
     assert "<tool_call>" in joined and "<tools>" in joined
     assert re.search(r"<think>[a-z ]+: \"[^\"]+\" -> \w+</think>", joined)  # a call's think line
     assert re.search(r"<think>[a-z ]+: none</think>", joined)             # a decline's

@@ -14,6 +14,9 @@ from collections import Counter
 import pytest
 
 from moet.probe import chat_format, tools
+from tests.tiny.tool_names import family_of as _family_of
+from tests.tiny.tool_names import toy_rows
+from tests.tiny.tool_names import words as _words
 from tools.train_tiny import tool_tasks_v4 as tt
 
 N = 2500
@@ -26,12 +29,6 @@ def convs():
     return [tt.sample_v5(rng) for _ in range(N)]
 
 
-def _words(identifier: str) -> list[str]:
-    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", identifier).lower().split("_")
-
-
-def _family_of(fn: dict) -> tools.Family:
-    return next(f for f in tools.FAMILIES if fn["description"] in f.descs)
 
 
 def _slots(fn: dict) -> list[tuple[tools.Arg, str]]:
@@ -182,48 +179,15 @@ def test_calls_follow_the_descriptions_and_targets_are_fresh(convs):
     assert calls / N > 2.0 and repeats < 0.3 * calls
 
 
-def test_probe_reply_budget_holds_the_think_line():
-    """The tools probe generates 96 new tokens; v5 keeps v4's think line, so the longest ideal
-    held-out reply (think line + call + <|end|>) must still fit with a margin (v2's tokenizer)."""
-    from tokenizers import Tokenizer
-
-    from moet.probe.loader import default_checkpoint
-    tok = Tokenizer.from_file(str(default_checkpoint() / "tokenizer.json"))
-    lens = []
-    for c in tools.eval_cases(150):
-        if c.meta["kind"] != "call":
-            continue
-        fn = next(t["function"] for t in c.tools if t["function"]["name"] == c.meta["name"])
-        reply = {"role": "assistant", "content": "",
-                 "reasoning_content": tt.think_call(_family_of(fn), fn["description"], fn["name"]),
-                 "tool_calls": [{"type": "function", "function": {"name": fn["name"], "arguments": c.meta["arguments"]}}]}
-        prompt = chat_format.render_conversation(c, add_generation_prompt=True)
-        full = chat_format.render(c.messages + [reply], c.tools)
-        parsed = chat_format.parse_reply(full[len(prompt):])
-        assert tools.score(parsed, c.meta)["correct"]
-        lens.append(len(tok.encode(full[len(prompt):], add_special_tokens=False).ids))
-    assert len(lens) == 90 and max(lens) <= 84, max(lens)
-
-
 def test_v5_mix_goes_through_the_row_builder():
     """Toy-size data stage of recipe micro-v5 (its mix, tiny corpus and tokenizer, one worker);
-    documents longer than a row are dropped instead of stalling the chat queue."""
-    from tools.train_tiny import data, tokenizer_build
+    documents longer than a row are dropped instead of stalling the chat queue. (The probe's
+    reply budget for v5's think line is test_tool_tasks_v4's: the same think_call.)"""
     from tools.train_tiny.recipe import RECIPES
-    mix = RECIPES["micro-v5"].mix
-    assert dict(mix.task_share) == dict(RECIPES["full-v5"].mix.task_share)
-    rng = random.Random(0)
-    code = [f"def f{i}(x):\n    return x + {i}\n" * 20 for i in range(60)]
-    text = ["Some prose about modules and packages. " * 30 for _ in range(10)]
-    sample = code + text + [chat_format.render_conversation(data.CHAT_TASKS[k](rng))
-                            for k, _ in mix.task_share for _ in range(30)]
-    tok = tokenizer_build.train(sample, 1024)  # v5's conversations are long in a tiny vocabulary
-    mix = type(mix)(**{**mix.__dict__, "fact_prose_docs": 20, "chunk": 20})
-    rows, stats = data.build_rows(tokenizer=tok, code=code, text=text, n_rows=32, mix=mix, seed=1, workers=1,
-                                  log=lambda m: None)
+    assert dict(RECIPES["micro-v5"].mix.task_share) == dict(RECIPES["full-v5"].mix.task_share)
+    tok, mix, rows, stats, joined = toy_rows("micro-v5", 1024, 32)   # long conversations, tiny vocabulary
     assert rows.shape == (32, mix.seq_len + 2) and rows.max() < tok.get_vocab_size()
     assert stats["chat_docs"] > 32 and stats["chat_tokens"] > 0.3 * rows.size
-    joined = "".join(tok.decode_batch(rows.astype(int).tolist(), skip_special_tokens=False))
     assert "<tool_call>" in joined and "<tools>" in joined
     assert re.search(r"<think>[a-z ]+: \"[^\"]+\" -> \w+</think>", joined)
 

@@ -341,42 +341,26 @@ def main():
                     if (sname, t) in tune:
                         base, gus, dns = candidates(regime, fmt)
                         best, best_us, tried = base, float("inf"), []
-                        if regime == "decode":       # token tile first: it decides occupancy
-                            for bm in decode_tile_sizes(p, e):
-                                if left() < 0:
-                                    break
-                                c = replace(base, BM=bm)
+
+                        def sweep(make, options):
+                            """Greedy: time make(best, o) for each option, keep the fastest."""
+                            nonlocal best, best_us
+                            for o in options:
+                                c = make(best, o)
+                                if (c == best and best_us < float("inf")) or left() < 0:
+                                    continue
                                 r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 tried.append({"cfg": c.to_json(), **r})
                                 if r["us"] < best_us:
                                     best, best_us = c, r["us"]
                                 print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us {r['GBps']:.0f} GB/s", flush=True)
-                        for gu in gus:
-                            c = replace(best, gate_up=gu)
-                            if (c == best and best_us < float("inf")) or left() < 0:
-                                continue
-                            r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
-                            tried.append({"cfg": c.to_json(), **r})
-                            if r["us"] < best_us:
-                                best, best_us = c, r["us"]
-                            print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us {r['GBps']:.0f} GB/s", flush=True)
-                        for dn in dns:
-                            c = replace(best, down=dn)
-                            if c == best or left() < 0:
-                                continue
-                            r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
-                            tried.append({"cfg": c.to_json(), **r})
-                            if r["us"] < best_us:
-                                best, best_us = c, r["us"]
-                            print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us {r['GBps']:.0f} GB/s", flush=True)
+
+                        if regime == "decode":       # token tile first: it decides occupancy
+                            sweep(lambda b, bm: replace(b, BM=bm), decode_tile_sizes(p, e))
+                        sweep(lambda b, gu: replace(b, gate_up=gu), gus)
+                        sweep(lambda b, dn: replace(b, down=dn), dns)
                         if regime == "prefill":          # larger token tiles
-                            for bm in (16, 32, 128):
-                                c = replace(best, BM=bm)
-                                r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
-                                tried.append({"cfg": c.to_json(), **r})
-                                if r["us"] < best_us:
-                                    best, best_us = c, r["us"]
-                                print(f"    {key} T{t} {c.to_json()} {r['us']:.1f} us", flush=True)
+                            sweep(lambda b, bm: replace(b, BM=bm), (16, 32, 128))
                         rep["tuning"][f"{key}/T{t}"] = tried
                         if regime == "decode" and left() > 0:   # the best config with PDL launches
                             c = replace(best, pdl=True)

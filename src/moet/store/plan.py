@@ -348,6 +348,13 @@ def make_plan(facts: ModelFacts, *, gpu_memory_bytes: int, host_memory_bytes: in
     budget = int(gpu_memory_bytes * gpu_memory_utilization)
     gpu = GpuBudget(gpu_memory_bytes, gpu_memory_utilization, facts.dense_bytes, kv, int(budget * activation_reserve))
     arena = host_memory_bytes // 2 if host_arena_bytes is None else host_arena_bytes
+    return _placed(facts, gpu, host_memory_bytes, arena, max_num_seqs, batch, context, miss_tolerance, zipf,
+                   hit_rate, bw)
+
+
+def _placed(facts: ModelFacts, gpu: GpuBudget, host_memory_bytes: int, arena: int, max_num_seqs: int, batch: int,
+            context: int, miss_tolerance: int, zipf: float, hit_rate: float | None, bw: Bandwidths) -> Plan:
+    """Place the rows for this GPU budget and arena, predict where the fit check passes."""
     tiers, fit = place(facts, gpu, arena, max_num_seqs)
     pred = None
     if fit.ok:
@@ -369,14 +376,8 @@ def plan_for_rows(facts: ModelFacts, gpu_rows: int, host_arena_bytes: int, *, ma
     gpu_rows = min(gpu_rows, facts.rows)
     room = gpu_rows * facts.row_bytes
     gpu = GpuBudget(facts.dense_bytes + room, 1.0, facts.dense_bytes, 0, 0)
-    tiers, fit = place(facts, gpu, host_arena_bytes, max_num_seqs)
-    pred = None
-    if fit.ok:
-        pred = predict(facts, tiers[0].rows, tiers[1].rows, bw, batch=batch, context=context,
-                       miss_tolerance=miss_tolerance, zipf=zipf, hit_rate=hit_rate)
-    return Plan(facts=facts, gpu=gpu, host_memory_bytes=host_arena_bytes, host_arena_bytes=host_arena_bytes,
-                max_num_seqs=max_num_seqs, miss_tolerance=miss_tolerance, tiers=tiers, fit=fit, bandwidths=bw,
-                prediction=pred, zipf=zipf, hit_rate_override=hit_rate)
+    return _placed(facts, gpu, host_arena_bytes, host_arena_bytes, max_num_seqs, batch, context, miss_tolerance,
+                   zipf, hit_rate, bw)
 
 
 def with_hit_rate(plan: Plan, hit_rate: float) -> Plan:
