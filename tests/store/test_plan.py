@@ -87,6 +87,18 @@ def test_prediction_falls_as_the_gpu_budget_shrinks(glm_air):
     assert preds[0].tok_s == pytest.approx(3670e9 / want)
 
 
+def test_kernel_calibration_scales_the_hbm_time(glm_air):
+    """kernel_efficiency divides the bandwidth and pass_overhead_ms adds to every pass."""
+    roof = _plan(glm_air, 96, max_num_seqs=1).prediction
+    cal = P.make_plan(glm_air, gpu_memory_bytes=96 * P.GiB, host_memory_bytes=64 * P.GiB, max_num_seqs=1,
+                      bandwidths=P.Bandwidths(kernel_efficiency=0.4, pass_overhead_ms=2.5)).prediction
+    assert cal.hbm_s == pytest.approx(roof.hbm_s / 0.4 + 2.5e-3)
+    assert cal.tok_s == pytest.approx(1 / (roof.hbm_s / 0.4 + 2.5e-3))
+    with pytest.raises(ValueError, match="efficiency"):
+        P.make_plan(glm_air, gpu_memory_bytes=96 * P.GiB, host_memory_bytes=64 * P.GiB, max_num_seqs=1,
+                    bandwidths=P.Bandwidths(kernel_efficiency=1.5))
+
+
 def test_hit_models_and_tolerance(glm_air):
     uniform = _plan(glm_air, 32).prediction
     skewed = _plan(glm_air, 32, zipf=1.0).prediction

@@ -25,9 +25,10 @@ Decode prediction for one step of `batch` sequences at `context` tokens each:
   fetch time = misses x (row / host-to-device bandwidth) + disk misses x stride / disk bandwidth.
   passes     = 1 + P(more than miss_tolerance pairs miss) (strict replay reruns the step once in
               practice: the first replay fetches everything the pass routed to), misses ~ binomial.
-  step time  = passes x HBM time + fetch time; tok/s = batch / step time. Prefetch overlap, kernel
-              efficiency below the GEMV bandwidth and launch overheads are not modelled:
-              `compare()` reports measured / predicted after a run.
+  step time  = passes x HBM time + fetch time; tok/s = batch / step time. By default the HBM time
+              is the roofline; `kernel_efficiency` (share of the bandwidth the kernels reach) and
+              `pass_overhead_ms` (launches, host work per pass) calibrate it from measured kernels.
+              Prefetch overlap is not modelled; `compare()` reports measured / predicted.
 Distinct experts per layer for a batch: experts x (1 - (1 - top_k / experts)^batch) (uniform).
 """
 from __future__ import annotations
@@ -56,6 +57,11 @@ class Bandwidths:
     h2d_pageable_gbps: float = DEFAULT_BANDWIDTHS["h2d_pageable_gbps"][0]
     disk_gbps: float = DEFAULT_BANDWIDTHS["disk_gbps"][0]
     pinned: bool = True                  # the arena is pinned on CUDA: copies run at the pinned rate
+    # calibration from measured kernels (defaults: the roofline): the share of hbm_gbps the
+    # decode step's kernels reach (e.g. ~0.4 for the W2 MoE layer at T = 1 on the DeepSeek-V3
+    # shape, docs/perf.md), and a fixed cost per forward pass (launches, host work)
+    kernel_efficiency: float = 1.0
+    pass_overhead_ms: float = 0.0
     sources: dict[str, str] = field(default_factory=lambda: {k: v[1] for k, v in DEFAULT_BANDWIDTHS.items()})
 
     def override(self, name: str, gbps: float, source: str) -> None:
@@ -320,7 +326,10 @@ def predict(facts: ModelFacts, gpu_rows: int, host_rows: int, bw: Bandwidths, *,
     disk = max(0.0, 1.0 - hit - arena)
     hbm_bytes = (facts.dense_bytes - facts.embedding_bytes + needed * facts.row_bytes
                  + batch * context * facts.kv_bytes_per_token)
-    hbm_s = hbm_bytes / (bw.hbm_gbps * 1e9)
+    if not 0 < bw.kernel_efficiency <= 1 or bw.pass_overhead_ms < 0:
+        raise ValueError(f"kernel efficiency must be in (0, 1] and the pass overhead >= 0, got "
+                         f"{bw.kernel_efficiency} and {bw.pass_overhead_ms} ms")
+    hbm_s = hbm_bytes / (bw.hbm_gbps * 1e9 * bw.kernel_efficiency) + bw.pass_overhead_ms * 1e-3
     misses = needed * (1 - hit)
     fetch_bytes = misses * facts.row_bytes
     disk_bytes = needed * disk * facts.stride

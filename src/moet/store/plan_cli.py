@@ -106,6 +106,9 @@ def render(plan: P.Plan, summary=None, notes: dict | None = None) -> str:
             f"  predicted  {p.tok_s:.2f} tok/s (all resident: {p.resident_tok_s:.1f} tok/s; fetches alone at "
             f"{bw.h2d_gbps:g} GB/s: " + (f"{p.pcie_bound_tok_s:.1f} tok/s)" if p.pcie_bound_tok_s else "no fetches)"),
         ]
+    lines.append(f"kernels      {100 * bw.kernel_efficiency:g}% of the HBM bandwidth, {bw.pass_overhead_ms:g} ms per pass"
+                 + (" (the roofline; --kernel-efficiency / --pass-overhead-ms calibrate it)"
+                    if bw.kernel_efficiency == 1.0 and bw.pass_overhead_ms == 0 else " (given)"))
     lines.append("bandwidths   (* = the host-to-device rate used; override with --hbm-gbps / --h2d-gbps / "
                  "--h2d-pageable-gbps / --disk-gbps)")
     for name, label in (("hbm_gbps", "HBM"), ("h2d_pinned_gbps", "H2D pinned"),
@@ -133,7 +136,11 @@ def run(args: argparse.Namespace) -> int:
                        "(bf16; --kv-reserve)")
     if args.host_arena is None:
         notes["arena"] = " (half the host memory, the engine's default; --host-arena)"
-    bw = P.Bandwidths(pinned=not args.pageable)
+    if not 0 < args.kernel_efficiency <= 1 or args.pass_overhead_ms < 0:
+        raise ConfigError(f"--kernel-efficiency must be in (0, 1] and --pass-overhead-ms >= 0, got "
+                          f"{args.kernel_efficiency} and {args.pass_overhead_ms}")
+    bw = P.Bandwidths(pinned=not args.pageable, kernel_efficiency=args.kernel_efficiency,
+                      pass_overhead_ms=args.pass_overhead_ms)
     for name in ("hbm_gbps", "h2d_gbps", "h2d_pageable_gbps", "disk_gbps"):
         v = getattr(args, name)
         if v is not None:
@@ -187,5 +194,10 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--h2d-pageable-gbps", type=float, default=None, help="pageable host-to-device bandwidth in GB/s")
     p.add_argument("--pageable", action="store_true", help="the arena is not pinned: copies at the pageable rate")
     p.add_argument("--disk-gbps", type=float, default=None, help="pack read bandwidth in GB/s")
+    p.add_argument("--kernel-efficiency", type=float, default=1.0, metavar="FRACTION",
+                   help="share of the HBM bandwidth the decode kernels reach (default 1.0: the roofline; "
+                        "docs/perf.md has measured values)")
+    p.add_argument("--pass-overhead-ms", type=float, default=0.0, metavar="MS",
+                   help="fixed cost per forward pass: launches and host work (default 0)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
