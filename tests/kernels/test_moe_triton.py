@@ -374,3 +374,16 @@ def test_reference_w2_decode_is_the_formats_dequantize_in_both_layouts():
     for got in (decode_w2(codes, scales), decode_w2(w2.to_nb8(codes), scales, "nb8")):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.isinf(want[0, 32:]).any() and (want[0, :32].abs() < 2.0 ** -120).all()
+
+
+def test_table_tile_grows_with_pairs_per_expert():
+    """A decode config tuned at T = 1 (BM 1) used for many pairs per expert gets a larger token
+    tile (each expert's weights read once per tile); tuned tiles are never lowered, prefill untouched."""
+    mt = _mt()
+    one = MoEConfig(1, GemmConfig(), GemmConfig())
+    assert mt.fit_token_tile(one, 8, 256) is one                       # 1 pair per expert
+    assert mt.fit_token_tile(one, 256, 128) is one                     # 2 per expert: BM 1 measured fine
+    assert mt.fit_token_tile(one, 512, 128).BM == 4
+    assert mt.fit_token_tile(one, 128, 16).BM == 8                     # moet-tiny at batch 32
+    assert mt.fit_token_tile(MoEConfig(8, GemmConfig(), GemmConfig()), 64, 64).BM == 8
+    assert mt.fit_token_tile(one, 4096, 128) is one                    # prefill regime: its own table

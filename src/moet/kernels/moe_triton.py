@@ -51,6 +51,8 @@ moet.bench.moe_kernel_tune). Measured speed and its limits: docs/perf.md.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import replace
 
 import torch
 import triton
@@ -467,6 +469,19 @@ def _check_shapes(hidden: torch.Tensor, fmt: int, ops) -> tuple[int, int]:
     return h, i
 
 
+def fit_token_tile(config: MoEConfig, pairs: int, num_slots: int) -> MoEConfig:
+    """A table config tuned at fewer pairs than this call (the nearest bucket is smaller) can carry
+    a token tile far below the pairs each expert now gets: BM 1 at 4 pairs per expert reads every
+    expert's weights 4 times. Raise BM to the mean pairs per active slot (power of two, <= 16) when
+    the tile is below half of it; never lower a tuned tile."""
+    if pairs > SMALL_ALIGN_MAX_PAIRS:
+        return config
+    mean = pairs / max(1, min(pairs, num_slots))
+    if config.BM >= mean / 2:
+        return config
+    return replace(config, BM=min(16, 1 << int(math.log2(mean))))
+
+
 def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_limit,
          config: MoEConfig | None, out: torch.Tensor) -> None:
     fmt, fname = _format(pool)
@@ -478,7 +493,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     dev = hidden.device
     use_asm = dev.type == "cuda"
     if config is None:
-        config = lookup(fname, h, i, p, _device_name(dev))
+        config = fit_token_tile(lookup(fname, h, i, p, _device_name(dev)), p, gu_q.shape[0])
     # programmatic dependent launch (config.pdl, table-driven): every kernel of the layer starts
     # with griddepcontrol.wait, so the next launch overlaps the kernel before
     pdl = dict(PDL=use_asm and config.pdl, **({"launch_pdl": config.pdl} if use_asm else {}))
