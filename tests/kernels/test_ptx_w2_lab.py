@@ -1,0 +1,151 @@
+"""CPU tests of the PTX W2 decode-GEMV lab (tools/kernel_lab/ptx_w2): fm8 layout round trips,
+the per-lane emulator against the torch reference, and that the generated PTX assembles for sm_90a."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+LAB = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "kernel_lab", "ptx_w2")
+sys.path.insert(0, os.path.abspath(LAB))
+
+import emulate as E  # noqa: E402
+import gen_ptx as G  # noqa: E402
+import layout as L  # noqa: E402
+
+
+def _rand(n, k, t, seed):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (n, k // 4), dtype=np.uint8)
+    scales = rng.integers(100, 140, (n, k // 32), dtype=np.uint8)
+    xb, xs = E.quantize_x(torch.from_numpy(rng.standard_normal((t, k)).astype(np.float32)))
+    return codes, scales, xb, xs
+
+
+@pytest.mark.parametrize("n,k", [(8, 256), (24, 768), (16, 2048)])
+def test_layout_round_trip(n, k):
+    codes, scales, xb, _ = _rand(n, k, 5, n + k)
+    cf, sf, xf = L.to_fm8_codes(codes), L.to_fm8_scales(scales), L.to_xfm(xb)
+    assert cf.shape == (n // 8, k // 256, 32, 16) and cf.nbytes == codes.nbytes
+    assert sf.shape == (n // 8, k // 256, 4, 16) and sf.nbytes == scales.nbytes
+    np.testing.assert_array_equal(L.from_fm8_codes(cf, n, k), codes)
+    np.testing.assert_array_equal(L.from_fm8_scales(sf, n, k), scales)
+    np.testing.assert_array_equal(L.from_xfm(xf, 5, k), xb)
+    # torch fast paths are the same bytes
+    np.testing.assert_array_equal(L.to_fm8_codes_torch(torch.from_numpy(codes)).numpy(), cf)
+    np.testing.assert_array_equal(L.to_fm8_scales_torch(torch.from_numpy(scales)).numpy(), sf)
+    np.testing.assert_array_equal(L.to_xfm_torch(torch.from_numpy(xb)).numpy(), xf)
+
+
+def test_layout_matches_docstring_positions():
+    """Independent spot check of the documented bit positions: one non-zero code at a time."""
+    n, k = 16, 512
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        row, kk, code = int(rng.integers(n)), int(rng.integers(k)), int(rng.integers(1, 4))
+        c = np.zeros((n, k), np.uint8)
+        c[row, kk] = code
+        fm = L.to_fm8_codes(L.pack_v1(c)).view("<u4").reshape(n // 8, k // 256, 32, 4)
+        i, g = divmod(row, 8)
+        ch, r = divmod(kk, 256)
+        grp, kin = divmod(r, 32)
+        q, jh = divmod(grp, 2)
+        half, kq = divmod(kin, 16)
+        t, nb = divmod(kq, 4)
+        bit = 4 * (4 * jh + nb) + 2 * half
+        expect = np.zeros_like(fm)
+        expect[i, ch, 4 * g + t, q] = code << bit
+        np.testing.assert_array_equal(fm, expect)
+
+
+def test_prmt_semantics():
+    a, b = np.uint32(0x33221100), np.uint32(0x77665544)
+    assert int(E.prmt(a, b, 0x3210)) == 0x33221100
+    assert int(E.prmt(a, b, 0x7654)) == 0x77665544
+    assert int(E.prmt(a, b, 0x0004)) == 0x00000044 | (0x00 << 8)
+    assert int(E.prmt(np.uint32(0x80), np.uint32(0), 0x8888)) == 0xFFFFFFFF  # sign replicate of 0x80
+    assert int(E.prmt(np.uint32(0x7F), np.uint32(0), 0x0008)) == 0x7F7F7F00  # sign of 0x7F is 0
+    assert int(E.prmt(np.uint32(0x12345678), np.uint32(0), 0xFFFF0123)) == 0x78563412  # bits 16.. ignored
+    # the decode: code c selects byte c of the LUT word
+    for c in range(4):
+        assert int(E.prmt(L.LUT, 0, c * 0x1111)) == L.LEVEL_E4M3[c] * 0x01010101
+    assert [E.E4M3[b] for b in L.LEVEL_E4M3] == [-4.0, -1.0, 1.0, 4.0]
+
+
+@pytest.mark.parametrize("n,k,t,warps", [(8, 256, 1, 1), (16, 512, 4, 2), (24, 768, 8, 3), (8, 1024, 3, 4)])
+def test_emulator_matches_reference(n, k, t, warps):
+    codes, scales, xb, xs = _rand(n, k, t, 7 * n + k + t)
+    y = E.gemv(L.to_fm8_codes(codes), L.to_fm8_scales(scales), L.to_xfm(xb), xs, n, k, t, warps)
+    ref = E.reference(codes, scales, xb, xs)
+    assert y.shape == (t, n)
+    err = np.abs(y - ref).max() / np.abs(ref).max()
+    assert err < 1e-6, err
+
+
+def test_emulator_detects_a_wrong_layout():
+    """The check has teeth: swapping the two k-halves of every B fragment (bits 0-1 vs 2-3 of
+    each nibble) must not pass."""
+    n, k, t = 8, 256, 2
+    codes, scales, xb, xs = _rand(n, k, t, 11)
+    w = L.to_fm8_codes(codes).view("<u4").copy()
+    w = ((w & 0x33333333) << 2) | ((w & 0xCCCCCCCC) >> 2)
+    y = E.gemv(w.view(np.uint8), L.to_fm8_scales(scales), L.to_xfm(xb), xs, n, k, t)
+    ref = E.reference(codes, scales, xb, xs)
+    assert np.abs(y - ref).max() / np.abs(ref).max() > 1e-2
+
+
+def test_run_gpu_harness_cpu_dry():
+    import run_gpu
+    assert all(r["ok"] for r in run_gpu.cpu_dry())
+
+
+@pytest.mark.skipif(G._bin_dir() is None, reason="ptxas not found: the triton wheel (triton==3.6.0) ships it")
+@pytest.mark.parametrize("nt,warps", [(1, 4), (2, 4)])
+def test_ptx_assembles_for_sm90a(nt, warps):
+    r = G.report(nt, warps)
+    assert r["spill_stores"] == 0
+    assert r["loop_instr"] > 0
+    assert any(op.startswith("HMMA") or op.startswith("QMMA") for op in r["loop_hist"])
+
+
+# ----------------------------------------------------------------------------- next-step design (emulate_next)
+
+def test_next_layout_is_a_permutation():
+    import emulate_next as N
+    n, k = 32, 512
+    row, kk = N._code_index(n, k)
+    flat = (row * k + kk).ravel()
+    assert np.array_equal(np.sort(flat), np.arange(n * k))
+
+
+def test_lut_fold_bytes_exact():
+    """LUT + d * 0x08080808 is the e4m3 of level * 2^d for every d in [-6, 6] (no byte carries)."""
+    import emulate_next as N
+    for ref in (1, 7, 120, 248):
+        for d in range(-N.RANGE, N.RANGE + 1):
+            s = ref + d
+            if not 0 <= s <= 255:
+                continue
+            w = int(N.lut_word(np.uint32(ref), np.uint32(s)))
+            vals = [E.E4M3[(w >> (8 * i)) & 0xFF] for i in range(4)]
+            assert vals == [lv * 2.0 ** d for lv in (-4.0, -1.0, 1.0, 4.0)], (ref, d, hex(w))
+
+
+@pytest.mark.parametrize("n,k,t,lo,hi,zero_block", [(16, 256, 1, 120, 127, False), (32, 512, 8, 100, 140, False),
+                                                    (16, 512, 3, 118, 124, True)])
+def test_next_design_matches_reference(n, k, t, lo, hi, zero_block):
+    import emulate_next as N
+    rng = np.random.default_rng(n + k + t)
+    codes = rng.integers(0, 256, (n, k // 4), dtype=np.uint8)
+    scales = rng.integers(lo, hi, (n, k // 32), dtype=np.uint8)
+    if zero_block:
+        scales[3, 9] = 0          # the quantizer's all-zero block: forces the fallback for its chunk
+    xb, xs = E.quantize_x(torch.from_numpy(rng.standard_normal((t, k)).astype(np.float32)))
+    y, stats = N.gemv(codes, scales, xb, xs, t)
+    ref = E.reference(codes, scales, xb, xs)
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-6
+    if zero_block:
+        assert stats["fast_chunks"] >= 1 and stats["fallback_chunks"] >= 1
