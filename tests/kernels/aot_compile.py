@@ -33,7 +33,7 @@ def main() -> None:
         # GLM-4.5-like: 96 q heads / 8 kv heads, head_dim 128, pages of 16, sliding window on the bf16 one
         const = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
                      MAX_SPLITS=32, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
-                     GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4)
+                     GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=bool(kind))
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const)

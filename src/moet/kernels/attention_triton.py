@@ -124,7 +124,8 @@ def _split_pages(n, PAGES_MIN, MAX_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexp
 
 @triton.jit
 def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
-                      DIM: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr):
+                      DIM: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr,
+                      OP_F16: tl.constexpr):
     """[BLOCK_SIZE, BLOCK_D] of one page for head h in the dot operand dtype. Stored values as
     they are (e4m3 -> bf16 is exact) except a per-group scale finer than the head, which is
     applied here per element; per-tensor and per-token-head scales are folded in by the caller."""
@@ -134,7 +135,9 @@ def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b
     else:
         x = tl.load(ptr + blk * s_b + tok[:, None] * s_t + h * s_h + d[None, :],
                     mask=tmask[:, None] & (d[None, :] < DIM), other=0.0)
-    if BF16_DOT:
+    if OP_F16:
+        return x.to(tl.float16)
+    elif BF16_DOT:
         return x.to(tl.bfloat16)
     else:
         return x.to(tl.float32)
@@ -144,7 +147,8 @@ def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b
 def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                      s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
-                     SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
+                     SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr,
+                     OP_F16: tl.constexpr):
     """PAGES pages (from page0, none at or past `last`) of one KV head for the G query heads: the
     online-softmax update. Several pages per step give each load and dot enough tokens to keep
     the memory system busy (one 16-token page per step read 36% of copy at batch 1, 32K).
@@ -160,7 +164,7 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
     pos = page * BLOCK_SIZE + tok
     tmask = inside & (pos < n) & (pos >= lo_tok)
     k = _gqa_load_operand(k_ptr, ks_ptr, blk[:, None], tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
-                          D, SCALE_KIND, GROUP_K, BF16_DOT)
+                          D, SCALE_KIND, GROUP_K, BF16_DOT, OP_F16)
     s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                          # [BLOCK_G, PAGES * BLOCK_SIZE]
     if (SCALE_KIND == 2) & (GROUP_K == D):
         s = s * tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
@@ -169,7 +173,7 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
-                          DV, SCALE_KIND, GROUP_V, BF16_DOT)
+                          DV, SCALE_KIND, GROUP_V, BF16_DOT, OP_F16)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if (SCALE_KIND == 2) & (GROUP_V == DV):
         pv = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
@@ -188,7 +192,7 @@ def _gqa_decode_split_kernel(
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
-        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr):
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -199,7 +203,10 @@ def _gqa_decode_split_kernel(
         d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
         qh = h * G + g
-        qd = tl.bfloat16 if BF16_DOT else tl.float32
+        # fp8 caches with tensor-core dots run in f16: e4m3 -> f16 is one exact conversion per two
+        # values, e4m3 -> bf16 went through f16 and a scalar f16 -> bf16 per value (SASS, sm_90:
+        # 7.5 vs 4.1 instructions per KV element), and f16 keeps more of q and P than bf16
+        qd = tl.float16 if OP_F16 else tl.bfloat16 if BF16_DOT else tl.float32
         q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
                     mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(qd)   # operand dtype, once
         qk_scale = scale
@@ -220,14 +227,14 @@ def _gqa_decode_split_kernel(
                 m_i, l_i, acc = _gqa_decode_tile(
                     q, m_i, l_i, acc, page, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
                 page += PAGES
         else:
             for page in range(first, last, PAGES):
                 m_i, l_i, acc = _gqa_decode_tile(
                     q, m_i, l_i, acc, page, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
         if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
             acc = acc * tl.load(vs_ptr)
         # workspace [B, Hq, S]: S from the grid, so one compiled kernel serves every table width
@@ -423,7 +430,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
-        PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs))
+        PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q))
     _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                   HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
     return out

@@ -63,7 +63,7 @@ def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr
     # K/V tiles in the operand dtype, fp8 scales outside the dots where the math allows (as the
     # decode kernel: per-tensor ones in qk_scale / the output, one per token and head on columns)
     k = _gqa_load_operand(k_ptr, ks_ptr, blk[:, None], off, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
-                          D, SCALE_KIND, GROUP_K, BF16_DOT)
+                          D, SCALE_KIND, GROUP_K, BF16_DOT, False)   # prefill: bf16 operands (f16 not measured)
     s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                         # [rows, BLOCK_N]
     if (SCALE_KIND == 2) & (GROUP_K == D):
         s = s * tl.load(ks_ptr + blk * ss_kb + off * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
@@ -78,7 +78,7 @@ def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], off, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
-                          DV, SCALE_KIND, GROUP_V, BF16_DOT)
+                          DV, SCALE_KIND, GROUP_V, BF16_DOT, False)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if (SCALE_KIND == 2) & (GROUP_V == DV):
         p = p * tl.load(vs_ptr + blk * ss_vb + off * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
