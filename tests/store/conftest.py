@@ -8,6 +8,18 @@ from moet.store.pack_file import field_bytes
 from moet.testing.tiny_checkpoint import cached_checkpoint
 
 
+@pytest.fixture(scope="module")
+def qwen40_pack(tmp_path_factory):
+    """(checkpoint, fully resident float32 W2 reference model, its pack) of a tiny Qwen3-MoE with
+    2 MoE layers x 40 experts: enough rows for caches of 10-50%."""
+    from moet.store import open_pack
+    ckpt = open_checkpoint(cached_checkpoint("qwen3_moe", "bf16", tokenizer=False, num_experts=40))
+    ref = load_model(ckpt, expert_format="w2", dtype=torch.float32)
+    pack = open_pack(ckpt, str(tmp_path_factory.mktemp("packs")))
+    yield ckpt, ref, pack
+    pack.close()
+
+
 @pytest.fixture(scope="session")
 def ds_ckpt():
     """DeepSeek-V3 tiny: 2 MoE layers + 1 MoE MTP layer, 8 experts, float32 on disk."""

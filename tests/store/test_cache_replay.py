@@ -5,24 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from moet.checkpoint import open_checkpoint
 from moet.errors import ConfigError
 from moet.model import load_model
-from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, open_pack, run_with_replay
+from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, run_with_replay
 from moet.store.expert_cache import cache_slots
-from moet.testing.tiny_checkpoint import cached_checkpoint
 
 CHUNK, DECODE = 2, 4
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    path = cached_checkpoint("qwen3_moe", "bf16", tokenizer=False, num_experts=40)   # 2 MoE layers x 40
-    ckpt = open_checkpoint(path)
-    ref = load_model(ckpt, expert_format="w2", dtype=torch.float32)
-    pack = open_pack(ckpt, str(tmp_path_factory.mktemp("packs")))
-    yield ckpt, ref, pack
-    pack.close()
 
 
 def _generate(model, prompt, cache=None, **replay_kw):
@@ -44,8 +32,8 @@ def _generate(model, prompt, cache=None, **replay_kw):
 
 
 @pytest.mark.parametrize("fraction,policy", [(0.10, "decayed"), (0.25, "decayed"), (0.25, "lru"), (0.50, "decayed")])
-def test_cached_equals_resident_bit_for_bit(setup, fraction, policy):
-    ckpt, ref, pack = setup
+def test_cached_equals_resident_bit_for_bit(qwen40_pack, fraction, policy):
+    ckpt, ref, pack = qwen40_pack
     rows = pack.num_layers * pack.num_experts
     slots = int(rows * fraction)
     assert slots >= min_cache_slots(pack.num_layers, ckpt.spec.router.top_k, 1)
@@ -71,8 +59,8 @@ def test_cached_equals_resident_bit_for_bit(setup, fraction, policy):
     assert st["expert_rows_fetched_total"] == cache.rows_fetched and st["expert_tolerated_misses_total"] == 0
 
 
-def test_miss_tolerance_keeps_step_and_fetches(setup):
-    ckpt, ref, pack = setup
+def test_miss_tolerance_keeps_step_and_fetches(qwen40_pack):
+    ckpt, ref, pack = qwen40_pack
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
     cache = ExpertCache(pack, 40, "cpu")                                   # no arena: straight from the pack
     cache.attach(model_moe_blocks(model))
@@ -89,8 +77,8 @@ def test_miss_tolerance_keeps_step_and_fetches(setup):
     assert torch.equal(out, want) and res.tolerated_misses == 0
 
 
-def test_step_larger_than_cache_refused(setup):
-    ckpt, _, pack = setup
+def test_step_larger_than_cache_refused(qwen40_pack):
+    ckpt, _, pack = qwen40_pack
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
     cache = ExpertCache(pack, 4, "cpu")
     cache.attach(model_moe_blocks(model))
@@ -100,8 +88,8 @@ def test_step_larger_than_cache_refused(setup):
         run_with_replay(lambda: model.forward(ids, 0, kv), cache)
 
 
-def test_needed_after_miss_falls_back_to_exact_layers(setup):
-    _, _, pack = setup
+def test_needed_after_miss_falls_back_to_exact_layers(qwen40_pack):
+    _, _, pack = qwen40_pack
     cache = ExpertCache(pack, 5, "cpu")
     routed = np.zeros((2, 40), dtype=np.int32)
     routed[0, [1, 2, 3]] = 1

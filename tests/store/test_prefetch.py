@@ -8,20 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moet.checkpoint import open_checkpoint
 from moet.model import load_model
-from moet.store import ExpertCache, HostArena, attach_prefetch, model_moe_blocks, open_pack, run_with_replay
-from moet.testing.tiny_checkpoint import cached_checkpoint
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    path = cached_checkpoint("qwen3_moe", "bf16", tokenizer=False, num_experts=40)   # 2 MoE layers x 40
-    ckpt = open_checkpoint(path)
-    ref = load_model(ckpt, expert_format="w2", dtype=torch.float32)
-    pack = open_pack(ckpt, str(tmp_path_factory.mktemp("packs")))
-    yield ckpt, ref, pack
-    pack.close()
+from moet.store import ExpertCache, HostArena, attach_prefetch, model_moe_blocks, run_with_replay
 
 
 def _cached_model(ckpt, pack, slots):
@@ -33,8 +21,8 @@ def _cached_model(ckpt, pack, slots):
 
 
 @pytest.mark.parametrize("fraction", [0.10, 0.25])
-def test_prefetch_bit_identical_and_scored_like_an_independent_count(setup, fraction):
-    ckpt, ref, pack = setup
+def test_prefetch_bit_identical_and_scored_like_an_independent_count(qwen40_pack, fraction):
+    ckpt, ref, pack = qwen40_pack
     spec = ckpt.spec
     model, cache = _cached_model(ckpt, pack, int(pack.num_layers * pack.num_experts * fraction))
     # independent reference: the residual after layer 0's attention, captured from the resident model
@@ -77,8 +65,8 @@ def test_prefetch_bit_identical_and_scored_like_an_independent_count(setup, frac
     assert 0 <= st["expert_prefetch_misses_saved_total"] <= st["expert_prefetch_rows_total"]
 
 
-def test_prefetch_never_evicts_pinned_rows(setup):
-    ckpt, _, pack = setup
+def test_prefetch_never_evicts_pinned_rows(qwen40_pack):
+    ckpt, _, pack = qwen40_pack
     e = pack.num_experts
     _, cache = _cached_model(ckpt, pack, 8)
     cache.begin_pass()
