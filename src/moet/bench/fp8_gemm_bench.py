@@ -28,8 +28,8 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from moet.bench.timing import (Budget, bf16_gemm_tflops, bf16_gemv_bandwidth, device_info, fail, log, out_dir,
-                               time_ms, write_json)
+from moet.bench.timing import (Budget, bench_device, bf16_gemm_tflops, bf16_gemv_bandwidth, device_info, fail, log,
+                               out_dir, time_ms, write_json)
 from moet.formats import fp8_block
 from moet.kernels.fp8_gemm_reference import act_quant_reference, fp8_block_gemm_reference
 
@@ -234,10 +234,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     budget = Budget(args.budget_s)
     smoke = args.cpu_smoke
-    if not smoke and not torch.cuda.is_available():
-        fail("no CUDA device; use --cpu-smoke to exercise the harness on CPU")
+    device = bench_device(smoke)
+    if device is None:
         return 2
-    device = torch.device("cpu" if smoke else "cuda")
     shapes = SMOKE_SHAPES if smoke else SHAPES
     if args.shapes:
         keep = args.shapes.split(",")

@@ -34,7 +34,7 @@ import pkgutil
 import torch
 import torch.nn.functional as F
 
-from moet.bench.timing import Budget, device_info, fail, log, out_dir, time_ms, write_json
+from moet.bench.timing import Budget, bench_device, device_info, fail, log, out_dir, time_ms, write_json
 from moet.kernels.pools import DensePool, FP4Pool, W2Pool
 from moet.kernels.reference import moe_experts_reference
 
@@ -359,10 +359,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     budget = Budget(args.budget_s)
     smoke = args.cpu_smoke
-    if not smoke and not torch.cuda.is_available():
-        fail("no CUDA device; use --cpu-smoke to exercise the harness on CPU")
+    device = bench_device(smoke)
+    if device is None:
         return 2
-    device = torch.device("cpu" if smoke else "cuda")
     if smoke:
         models, args.decode, args.prefill = SMOKE_MODELS, [1, 4], [16]
     else:

@@ -93,3 +93,12 @@ def write_json(path: Path, obj) -> None:
 
 def fail(msg: str) -> None:
     print(f"FAILED: {msg}", file=sys.stderr, flush=True)
+
+
+def bench_device(cpu_smoke: bool) -> torch.device | None:
+    """The device a GPU bench runs on: CPU for --cpu-smoke, else CUDA; None (after saying which
+    flag helps) when there is no CUDA device."""
+    if not cpu_smoke and not torch.cuda.is_available():
+        fail("no CUDA device; use --cpu-smoke to exercise the harness on CPU")
+        return None
+    return torch.device("cpu" if cpu_smoke else "cuda")
