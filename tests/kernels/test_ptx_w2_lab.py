@@ -149,3 +149,100 @@ def test_next_design_matches_reference(n, k, t, lo, hi, zero_block):
     assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-6
     if zero_block:
         assert stats["fast_chunks"] >= 1 and stats["fallback_chunks"] >= 1
+
+
+# ----------------------------------------------------------------------------- wgmma kernel (gen_wgmma + emulate_next)
+
+def _wg_case(n, k, t, seed, lo=114, hi=126, fallback=()):
+    """Canonical W2 (moet.formats.w2 v1) codes / scales: quantize a random float weight, then set
+    the scale bytes to the requested range (and the listed (row, group) bytes) directly."""
+    from moet.formats import w2 as W2F
+    rng = np.random.default_rng(seed)
+    q = W2F.quantize(torch.from_numpy(rng.standard_normal((n, k))))
+    codes = q.codes.numpy().copy()
+    scales = rng.integers(lo, hi + 1, (n, k // 32), dtype=np.uint8)
+    for (r, g, v) in fallback:
+        scales[r, g] = v
+    xb, xs = E.quantize_x(torch.from_numpy(rng.standard_normal((t, k)).astype(np.float32)))
+    return codes, scales, xb, xs
+
+
+@pytest.mark.parametrize("n,k,t", [(64, 256, 1), (128, 768, 5), (64, 2048, 8)])
+def test_wgmma_layouts_round_trip(n, k, t):
+    import emulate_next as N
+    codes, scales, xb, _ = _wg_case(n, k, t, n + k + t, fallback=[(3, 1, 0)])
+    cf, sw, aux, xw = N.wgmma_inputs(codes, scales, xb)
+    assert cf.shape == (n // 16, k // 256, 2, 32, 16) and cf.nbytes == codes.nbytes
+    assert sw.shape == (n // 16, k // 256, 32, 4) and sw.nbytes == scales.nbytes
+    assert aux.shape == (n // 64, k // 256, 64) and xw.shape == (k // 32, 2, 8, 16)
+    np.testing.assert_array_equal(N.from_fa8i_codes(cf, n, k), codes)
+    np.testing.assert_array_equal(N.from_sw8(sw, n, k), scales)
+    np.testing.assert_array_equal(N.from_xw8(xw, t, k), xb)
+    flags = N.fallback_flags(aux)
+    assert flags[0, 0] == 1 and flags.sum() == 1          # the zero scale's (tile, chunk) only
+    T = torch.from_numpy
+    np.testing.assert_array_equal(N.to_fa8i_codes_torch(T(codes)).numpy(), cf)
+    np.testing.assert_array_equal(N.to_sw8_torch(T(scales)).numpy(), sw)
+    np.testing.assert_array_equal(N.to_aux_torch(T(scales)).numpy(), aux)
+    np.testing.assert_array_equal(N.to_xw8_torch(T(xb)).numpy(), xw)
+
+
+def test_wgmma_layout_positions():
+    """Independent spot checks of the documented byte positions (gen_wgmma docstring)."""
+    import emulate_next as N
+    n, k = 64, 512
+    rng = np.random.default_rng(5)
+    scales = rng.integers(0, 256, (n, k // 32), dtype=np.uint8)
+    sw = N.to_sw8(scales)
+    x = rng.integers(0, 256, (8, k), dtype=np.uint8)
+    xw = N.to_xw8(x)
+    for _ in range(50):
+        i, c, g, t, b, h = (int(rng.integers(v)) for v in (n // 16, k // 256, 8, 4, 2, 2))
+        assert sw[i, c, 4 * g + t, 2 * b + h] == scales[16 * i + g + 8 * h, 8 * c + 4 * b + t]
+        j, hh, tok, byte = (int(rng.integers(v)) for v in (k // 32, 2, 8, 16))
+        B, m = divmod(j, 4)
+        assert xw[j, hh, tok, byte] == x[tok, 32 * (4 * B + byte // 4) + 8 * m + 4 * hh + byte % 4]
+    sc = np.full((n, k // 32), 120, np.uint8)
+    sc[17, 3] = 126                                           # row 17 = warp 1, g 1, h 0; chunk 0
+    aux = N.to_aux(sc)
+    assert aux[0, 0, 16 * 1 + 2 * 1 + 0] == 120 and aux[0, 1, 18] == 114 and aux[0, 0, 0] == 114
+
+
+@pytest.mark.parametrize("n,k,t,kg,fallback", [(64, 512, 3, 1, [(5, 9, 0)]), (128, 1024, 8, 2, [(70, 2, 100)]),
+                                               (64, 768, 1, 2, [])])
+def test_wgmma_emulator_matches_reference(n, k, t, kg, fallback):
+    import emulate_next as N
+    codes, scales, xb, xs = _wg_case(n, k, t, 3 * n + k + t, fallback=fallback)
+    cf, sw, aux, xw = N.wgmma_inputs(codes, scales, xb)
+    flags = N.fallback_flags(aux)
+    assert flags.sum() == len(fallback) and (flags == 0).any()
+    y = N.gemv_wgmma(cf, sw, aux, xw, xs, n, k, t, kg)
+    ref = E.reference(codes, scales, xb, xs)
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-6
+
+
+def test_wgmma_emulator_detects_wrong_descriptor_step():
+    """The check has teeth for the descriptor: B read with the two K halves swapped must not pass."""
+    import emulate_next as N
+    n, k, t = 64, 512, 4
+    codes, scales, xb, xs = _wg_case(n, k, t, 9)
+    cf, sw, aux, xw = N.wgmma_inputs(codes, scales, xb)
+    xs2 = xw.copy()
+    xs2[:, [0, 1]] = xw[:, [1, 0]]
+    y = N.gemv_wgmma(cf, sw, aux, xs2, xs, n, k, t)
+    ref = E.reference(codes, scales, xb, xs)
+    assert np.abs(y - ref).max() / np.abs(ref).max() > 1e-2
+
+
+@pytest.mark.skipif(G._bin_dir() is None, reason="ptxas not found: the triton wheel (triton==3.6.0) ships it")
+@pytest.mark.parametrize("mg,kg,fallback", [(1, 1, False), (1, 2, True)])
+def test_wgmma_ptx_assembles_with_qgmma(mg, kg, fallback):
+    import gen_wgmma as GW
+    r = GW.report(mg, kg, fallback)
+    assert r["spill_stores"] == 0
+    assert r["qgmma_register_a"], "no QGMMA with a register A operand in the SASS"
+    assert any(op.startswith("QGMMA") for op in r["loop_hist"])
+    assert not r["f2fp_or_hmma_in_loop"]
+    if not fallback:
+        assert r["instr_per_weight"] <= 1.0, r["instr_per_weight"]
+        assert "R2UR" not in r["loop_hist"], "descriptor not uniform: R2UR per wgmma"

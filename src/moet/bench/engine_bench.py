@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import time
 
 import torch
@@ -72,13 +73,25 @@ def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", see
     with torch.device(device):
         model = CausalLM(spec, torch.bfloat16, load_mtp=False)
     gen = torch.Generator(device=device).manual_seed(seed)
+    # Scaled the way trained models are (GPT-2 / Megatron init): weights ~N(0, 0.02), the
+    # projections that write into the residual stream (o_proj, down_proj, expert down) smaller
+    # by sqrt(2 L). With every branch at full size, the residual stream of a 48-layer random
+    # model grows to rms ~400 and a 2^-9 relative perturbation of the embeddings decorrelates
+    # the final hidden state completely (tools/kernel_lab/engine_diag.py on the H200): such a
+    # model cannot tell a correct engine from a wrong one.
+    depth = math.sqrt(2 * spec.num_layers)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif "bias" in name:
             p.normal_(0.0, 0.02, generator=gen) if p.dim() else p.zero_()
+        elif "o_proj" in name or "down_proj" in name:
+            p.normal_(0.0, 0.02 / depth, generator=gen)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    # UE8M0 scale bytes: W2 levels (+-1, +-4) have rms ~2.9, so 2^-10 .. 2^-6 gives expert
+    # weights of rms ~0.02 like the dense ones; the down projection 2^-log2(sqrt(2L)) lower
+    shift = round(math.log2(depth))
     u8 = dict(dtype=torch.uint8, device=device, generator=gen)
     for mod in model.modules():
         if isinstance(mod, MoE):
@@ -91,7 +104,8 @@ def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", see
                 if t.dtype == torch.uint8 and "scale" not in f:
                     t.copy_(torch.randint(0, 256, t.shape, **u8))              # codes
                 elif t.dtype == torch.uint8:
-                    t.copy_(torch.randint(118, 125, t.shape, **u8))            # UE8M0 2^-9 .. 2^-3
+                    lo = 117 - (shift if f.startswith("down") else 0)
+                    t.copy_(torch.randint(lo, lo + 5, t.shape, **u8))
                 else:
                     t.normal_(0.0, 0.02, generator=gen)
             if mod.gate.e_score_correction_bias is not None:
@@ -169,12 +183,25 @@ def timed_run(eng, reqs, device) -> dict:
             "decode_steps_s": dec_time}
 
 
+def first_token_lps(got: dict[int, float], want: dict[int, float]) -> tuple[int, float]:
+    """(top-20 overlap, max |logprob difference| over the overlap) of two first-token dicts."""
+    both = set(want) & set(got)
+    return len(both), max((abs(got[t] - want[t]) for t in both), default=float("inf"))
+
+
 def check_correctness(eng, model, device, vocab: int) -> dict:
+    """Six identical greedy runs (bit for bit), then the engine's first-token distribution against
+    the contiguous reference loop, held to the model's own bf16 noise floor: the same reference
+    with its embedding output perturbed by 2^-9 relative (two seeds). A random-weight model has
+    nearly flat logits (top-1 / top-2 gaps of a few hundredths), so paged vs contiguous rounding
+    flips argmaxes without anything being wrong (tools/kernel_lab/engine_diag.py); the check
+    compares the top-20 logprobs where both sides have them. Agreement within 2x the floor (+0.05)
+    is "ok"; identical argmaxes and 8-token continuations are reported as information."""
     from moet.sampling_params import SamplingParams
     from moet.testing.reference_loop import ReferenceLoop
 
     ps = [p[:n] for p, n in zip(prompts(4, 300, vocab, 1), (17, 64, 129, 300))]
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
     runs = []
     for _ in range(6):
         done = eng.generate_all([(f"c{i}", p, sp) for i, p in enumerate(ps)])
@@ -184,20 +211,39 @@ def check_correctness(eng, model, device, vocab: int) -> dict:
                      for i in range(len(ps))])
     identical = all(r == runs[0] for r in runs[1:])
     ref = ReferenceLoop(model, None, eng.eos_token_ids, eng.max_model_len)
-    max_dlp, same_ids = 0.0, 0
+    sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=20)
+
+    def ref_first(p, noise_seed=None):
+        hook = None
+        if noise_seed is not None:
+            g = torch.Generator(device=device).manual_seed(noise_seed)
+            hook = model.model.embed_tokens.register_forward_hook(
+                lambda m, i, o: o * (1 + 2 ** -9 * torch.randn(o.shape, device=o.device, generator=g)).to(o.dtype))
+        try:
+            r = ref.generate(p, sp if noise_seed is None else sp1).outputs[0]
+        finally:
+            if hook is not None:
+                hook.remove()
+        return r, {t: v.logprob for t, v in r.logprobs[0].items()}
+
+    eng_ov, eng_dlp, floor_ov, floor_dlp, same_first, same_ids = 20, 0.0, 20, 0.0, 0, 0
     for i, p in enumerate(ps):
-        r = ref.generate(p, sp).outputs[0]
+        r, want = ref_first(p)
         got_ids, got_lps = runs[0][i]
         same_ids += int(got_ids == r.token_ids)
-        first = r.logprobs[0]
-        for t, v in first.items():
-            if t in got_lps[0]:
-                max_dlp = max(max_dlp, abs(got_lps[0][t] - v.logprob))
-        if r.token_ids[0] != got_ids[0]:
-            max_dlp = max(max_dlp, abs(first[r.token_ids[0]].logprob - got_lps[0].get(r.token_ids[0], -1e9)))
-    ok = identical and max_dlp < 0.1
-    return {"six_runs_bit_identical": identical, "first_token_max_abs_dlogprob_vs_reference": max_dlp,
-            "prompts_with_identical_8_tokens_vs_reference": f"{same_ids}/{len(ps)}", "ok": ok}
+        same_first += int(got_ids[0] == r.token_ids[0])
+        ov, d = first_token_lps(got_lps[0], want)
+        eng_ov, eng_dlp = min(eng_ov, ov), max(eng_dlp, d)
+        for seed in (1, 2):
+            ov, d = first_token_lps(ref_first(p, seed)[1], want)
+            floor_ov, floor_dlp = min(floor_ov, ov), max(floor_dlp, d)
+    agrees = eng_ov >= floor_ov - 3 and eng_dlp <= 2 * floor_dlp + 0.05
+    return {"six_runs_bit_identical": identical, "first_token_top20_min_overlap": eng_ov,
+            "first_token_max_abs_dlogprob_on_overlap": eng_dlp,
+            "noise_floor_2^-9_embedding": {"top20_min_overlap": floor_ov, "max_abs_dlogprob": floor_dlp},
+            "reference_agreement_within_noise": agrees,
+            "prompts_with_same_first_token": f"{same_first}/{len(ps)}",
+            "prompts_with_identical_8_tokens_vs_reference": f"{same_ids}/{len(ps)}", "ok": identical and agrees}
 
 
 def bench_model(key: str, name: str, cfg: dict, device, args, budget: Budget, results: dict, path) -> None:
@@ -224,9 +270,11 @@ def bench_model(key: str, name: str, cfg: dict, device, args, budget: Budget, re
     r["correctness"] = c = check_correctness(eng, model, device, vocab)
     log(f"   correctness: {c}")
     write_json(path, results)
-    if not c["ok"]:
-        fail(f"{name}: correctness check failed; timings skipped")
+    if not c["six_runs_bit_identical"]:
+        fail(f"{name}: greedy runs differ run to run; timings skipped")
         return
+    if not c["ok"]:                 # timings still taken: they do not depend on the values
+        fail(f"{name}: first-token logprobs differ from the reference beyond the noise floor (timed anyway, flagged)")
 
     # single stream
     if budget.ok(60):

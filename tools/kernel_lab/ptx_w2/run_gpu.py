@@ -178,14 +178,26 @@ def time_shape(kern, n, k, t, gen, dev, reps=64):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--budget-s", type=float, default=200)
-    ap.add_argument("--configs", default="2x4,1x4,2x8", help="NTxW list")
+    ap.add_argument("--budget-s", type=float, default=150)
+    ap.add_argument("--configs", default="2x4", help="mma.sync baseline NTxW list (full sweep: 2x4,1x4,2x8)")
+    ap.add_argument("--wg-configs", default="1x1,1x1s4,1x2s4",
+                    help="wgmma kernel configs MGxKG[sST]: row warpgroups x K-split warpgroups [cp.async ring stages]")
+    ap.add_argument("--wg-share", type=float, default=0.65, help="fraction of the budget the wgmma part may start in")
+    ap.add_argument("--only-wgmma", action="store_true", help="skip the mma.sync baseline")
+    ap.add_argument("--skip-wgmma", action="store_true", help="only the mma.sync baseline")
     ap.add_argument("--tokens", default="1,4,8")
     ap.add_argument("--watchdog-s", type=float, default=0, help="default: budget + 120")
-    ap.add_argument("--cpu-dry", action="store_true", help="no GPU: harness checks with the emulator, tiny shapes")
+    ap.add_argument("--cpu-dry", action="store_true", help="no GPU: assemble + emulator checks, tiny shapes")
     a = ap.parse_args()
     if a.cpu_dry:
-        return cpu_dry()
+        import run_wgmma
+        out = {}
+        if not a.skip_wgmma:
+            out["wgmma"] = run_wgmma.cpu_dry(tuple(a.wg_configs.split(",")))
+        if not a.only_wgmma:
+            out["mma_sync"] = cpu_dry()
+        print("cpu-dry: all checks passed")
+        return out
     t_start = time.time()
     faulthandler.dump_traceback_later(a.watchdog_s or a.budget_s + 120, exit=True)
     os.makedirs(a.out, exist_ok=True)
@@ -198,36 +210,48 @@ def main():
            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "runs": []}
     path = os.path.join(a.out, "ptx_w2_results.json")
     failures = []
+    if not a.skip_wgmma:
+        import run_wgmma
+        try:
+            run_wgmma.run(res, path, a, t_start, gen, dev, cu, failures)
+        except Exception as ex:        # keep the baseline alive; the failure is recorded and fails the run
+            import traceback
+            traceback.print_exc()
+            failures.append({"wgmma": f"{type(ex).__name__}: {ex}"[:500]})
+            res["wgmma_error"] = failures[-1]["wgmma"]
+        json.dump(res, open(path, "w"), indent=1)
     shapes = [(4096, 7168), (7168, 2048), (32768, 7168), (57344, 2048)]
     toks = [int(v) for v in a.tokens.split(",")]
-    for cfg in a.configs.split(","):
+    for cfg in ([] if a.only_wgmma else a.configs.split(",")):
         nt, w = (int(v) for v in cfg.split("x"))
         if time.time() - t_start > a.budget_s:
             print(f"budget reached, skipping {cfg}")
             break
         kern = Kernel(cu, nt, w)
-        print(f"== NT {nt} W {w}: ptxas {kern.log.strip().splitlines()[-1] if kern.log.strip() else ''}")
+        print(f"== mma.sync NT {nt} W {w}: ptxas {kern.log.strip().splitlines()[-1] if kern.log.strip() else ''}")
         for n, k in shapes:
             for t in toks:
                 if time.time() - t_start > a.budget_s:
                     break
-                r = {"nt": nt, "warps": w, "N": n, "K": k, "T": t}
+                r = {"kernel": "mma_sync", "nt": nt, "warps": w, "N": n, "K": k, "T": t}
                 r.update(check(kern, n, k, t, gen, dev))
                 if not r["ok"]:
                     failures.append(r)
                     print("FAIL", r)
                 else:
                     r.update(time_shape(kern, n, k, t, gen, dev))
-                    print(f"N {n:6d} K {k:5d} T {t}: relerr {r['relerr']:.2e} {r['us']:8.2f} us "
+                    print(f"mma.sync N {n:6d} K {k:5d} T {t}: relerr {r['relerr']:.2e} {r['us']:8.2f} us "
                           f"{r['GBps']:7.0f} GB/s  bf16-eq {r['bf16_eq_GBps']:7.0f} GB/s  {r['pct_of_bf16']:5.1f}%")
                 res["runs"].append(r)
                 json.dump(res, open(path, "w"), indent=1)
     res["failures"] = len(failures)
-    json.dump(res, open(path, "w"), indent=1)
+    res["failure_list"] = failures
+    res["wall_s"] = round(time.time() - t_start, 1)
+    json.dump(res, open(path, "w"), indent=1, default=str)
     faulthandler.cancel_dump_traceback_later()
     if failures:
         raise SystemExit(f"{len(failures)} check(s) FAILED; see {path}")
-    print("all checks passed;", path)
+    print(f"all checks passed in {res['wall_s']} s;", path)
 
 
 def cpu_dry() -> list[dict]:
