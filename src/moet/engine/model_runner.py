@@ -61,6 +61,8 @@ class ModelRunner:
         self.residency = residency
         self.model = model
         self.device = device
+        if device.type == "cuda":       # one q/k/v GEMV per layer instead of three (decode is launch-bound)
+            model.fuse_projections()
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.kv_format = kv_format_for(config.kv_cache_dtype, model.dtype)

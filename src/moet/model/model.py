@@ -38,17 +38,33 @@ class DecoderLayer(nn.Module):
         # layer's attention to guess the next layer's experts; None = no store / prefetch off
         self.expert_prefetch = None
 
-    def forward(self, x, cos, sin, cache, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+    # Residual stream as vLLM carries it: a layer takes (delta, x) -- the previous layer's MLP
+    # output and the residual before it -- and returns its own (delta, x). The add in front of
+    # each norm is then fused into the norm (RMSNorm.add: one kernel on CUDA). delta None: x is
+    # the embedding. The sums are the same bf16 adds as x + attn(...), x + mlp(...).
+
+    def step(self, delta, x, cos, sin, cache, start):
+        h, x = self.input_layernorm.add(delta, x) if delta is not None else (self.input_layernorm(x), x)
+        h, x = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, cache, start), x)
         if self.expert_prefetch is not None:
             self.expert_prefetch(x)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(h), x
+
+    def step_paged(self, delta, x, cos, sin, batch: AttentionBatch, kv, split_tokens: int):
+        h, x = self.input_layernorm.add(delta, x) if delta is not None else (self.input_layernorm(x), x)
+        h, x = self.post_attention_layernorm.add(
+            self.self_attn.forward_paged(h, cos, sin, batch, kv, split_tokens), x)
+        if self.expert_prefetch is not None:
+            self.expert_prefetch(x)
+        return self.mlp(h), x
+
+    def forward(self, x, cos, sin, cache, start):
+        delta, x = self.step(None, x, cos, sin, cache, start)
+        return x + delta
 
     def forward_paged(self, x, cos, sin, batch: AttentionBatch, kv, split_tokens: int):
-        x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, batch, kv, split_tokens)
-        if self.expert_prefetch is not None:
-            self.expert_prefetch(x)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta, x = self.step_paged(None, x, cos, sin, batch, kv, split_tokens)
+        return x + delta
 
 
 class SharedHead(nn.Module):
@@ -97,6 +113,11 @@ class CausalLM(nn.Module):
         # (kernels/attention_ops.py says why)
         self.split_tokens = DEFAULT_SPLIT_TOKENS
 
+    def fuse_projections(self) -> int:
+        """Fused q/k/v weights for every GQA layer (GQAttention.fuse_qkv): call once the weights
+        are loaded and on their device. -> number of layers fused."""
+        return sum(a.fuse_qkv() for a in self._attention_layers() if isinstance(a, GQAttention))
+
     # ------------------------------------------------------------------ caches
 
     def new_cache(self, max_len: int, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -141,9 +162,10 @@ class CausalLM(nn.Module):
         Logits: self.logits(hidden[batch.logits_indices])."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        delta = None
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_paged(x, cos, sin, batch, kv[i], self.split_tokens)
-        return x
+            delta, x = layer.step_paged(delta, x, cos, sin, batch, kv[i], self.split_tokens)
+        return x + delta
 
     def mtp_forward_paged(self, j: int, next_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch,
                           kv: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,9 +187,10 @@ class CausalLM(nn.Module):
         positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        delta = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache[i], start)
-        return x
+            delta, x = layer.step(delta, x, cos, sin, cache[i], start)
+        return x + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))

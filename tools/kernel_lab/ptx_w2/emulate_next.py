@@ -158,7 +158,7 @@ def gemv(codes_v1, scales, x_bytes, x_scale, t):
 # and the kg-ordered split-K sum.
 
 WG_ROWS = 64
-FALLBACK = 255     # aux value of every byte of a (64-row tile, chunk) that takes the exact fallback
+FALLBACK = 0       # aux value of every byte of a (64-row tile, chunk) that takes the exact fallback (ref >= 1)
 
 
 def _check_wg(n, k):
@@ -323,40 +323,41 @@ def warpgroup_chunks(cf, sw, aux, smem, tile, chunks, kstep=128):
         awb = aux[tile, c].reshape(4, 8, 2)[:, g, :]                                    # LDG.U16 per lane
         aw = (awb[..., 0].astype(U32) | (awb[..., 1].astype(U32) << U32(8)))           # [4, 32]
         base = c * 2048
-        fb = bool((aw == 0xFFFF).all())
-        assert fb == bool((aw == 0xFFFF).any()), "fallback flag not warpgroup-uniform"
-        if not fb:
-            z = np.zeros_like(aw)
-            rg, rg8 = prmt(aw, z, 0x0000), prmt(aw, z, 0x1111)
-            bg = (U32(LUT) + rg * U32(0xFFFFFFF8)).astype(U32)                          # IMAD rg, -8, LUT
-            bg8 = (U32(LUT) + rg8 * U32(0xFFFFFFF8)).astype(U32)
-            lg = [(prmt(swd, z, 0x1111 * 2 * b) * U32(8) + bg).astype(U32) for b in range(2)]
-            lh = [(prmt(swd, z, 0x1111 * (2 * b + 1)) * U32(8) + bg8).astype(U32) for b in range(2)]
-            d = None
-            for b in range(2):
-                for m in range(4):
-                    a = _decode_word(cw[..., 4 * b + m], lg[b], lh[b])
-                    d = wgmma_m64n8k32(a, smem, base + (4 * b + m) * 256, kstep, d)
-            f = ((aw & U32(0xFF)) << U32(23)).view(np.float32), ((aw & U32(0xFF00)) << U32(15)).view(np.float32)
-            cur = (d, f[0], f[1])
-        else:
+        fb = bool((aw == 0).all())
+        assert fb == bool((aw == 0).any()), "fallback flag not warpgroup-uniform"
+        # fast path, always; a flagged chunk runs it with LUT 0 (D = 0) and f = 0
+        z = np.zeros_like(aw)
+        rg, rg8 = prmt(aw, z, 0x0000), prmt(aw, z, 0x1111)
+        bg = (U32(LUT) + rg * U32(0xFFFFFFF8)).astype(U32)                              # IMAD rg, -8, LUT
+        bg8 = (U32(LUT) + rg8 * U32(0xFFFFFFF8)).astype(U32)
+        lg = [(prmt(swd, z, 0x1111 * 2 * b) * U32(8) + bg).astype(U32) for b in range(2)]
+        lh = [(prmt(swd, z, 0x1111 * (2 * b + 1)) * U32(8) + bg8).astype(U32) for b in range(2)]
+        if fb:
+            lg, lh = [z, z], [z, z]
+        d = None
+        for b in range(2):
+            for m in range(4):
+                a = _decode_word(cw[..., 4 * b + m], lg[b], lh[b])
+                d = wgmma_m64n8k32(a, smem, base + (4 * b + m) * 256, kstep, d)
+        f = ((aw & U32(0xFF)) << U32(23)).view(np.float32), ((aw & U32(0xFF00)) << U32(15)).view(np.float32)
+        cur = (d, f[0], f[1])
+        if pend is not None:                      # wait_group 1, FFMA of the previous chunk
+            d0, fg, fg8 = pend
+            for q in range(4):
+                acc[..., q] = fma32(d0[..., q], fg if q < 2 else fg8, acc[..., q])
+        if fb:                                    # the out-of-line fallback block (mma.sync per warp)
             for b in range(2):
                 for tp in range(4):
                     lt = np.where(t == tp, U32(LUT), U32(0)).astype(U32)[None, :].repeat(4, 0)
-                    d = None
+                    dd = None
                     for m in range(4):
-                        d = wgmma_m64n8k32(_decode_word(cw[..., 4 * b + m], lt, lt), smem,
-                                           base + (4 * b + m) * 256, kstep, d)
+                        dd = wgmma_m64n8k32(_decode_word(cw[..., 4 * b + m], lt, lt), smem,
+                                            base + (4 * b + m) * 256, 128, dd)   # reads the tile directly
                     sx = swd[:, (lane & 0x1C) + tp]                                     # shfl.idx
                     fg = (((sx >> U32(16 * b)) & U32(0xFF)) << U32(23)).view(np.float32)
                     fg8 = (((sx >> U32(16 * b + 8)) & U32(0xFF)) << U32(23)).view(np.float32)
                     for q in range(4):
-                        acc[..., q] = fma32(d[..., q], fg if q < 2 else fg8, acc[..., q])
-            cur = None
-        if pend is not None:                      # wait_group 1, FFMA of the previous chunk
-            d, fg, fg8 = pend
-            for q in range(4):
-                acc[..., q] = fma32(d[..., q], fg if q < 2 else fg8, acc[..., q])
+                        acc[..., q] = fma32(dd[..., q], fg if q < 2 else fg8, acc[..., q])
         pend = cur
     if pend is not None:
         d, fg, fg8 = pend

@@ -7,7 +7,7 @@ emulation of exactly this kernel; tests/kernels/test_ptx_w2_lab.py).
 Kernel `w2_gemv_wgmma(codes, scales, aux, x, x_scale, y, N, K, T, desc)` (pointers global u64):
   codes   uint8 fa8i [N/16, K/256, 2, 32, 16]   lane's 2 x 16 B per chunk = its A words for 8 wgmmas
   scales  uint8 sw8  [N/16, K/256, 32, 4]        lane word: byte 2b + h = s(row g + 8h, group 8c + 4b + t)
-  aux     uint8 ref  [N/64, K/256, 64]           byte 16w + 2g + h = ref(row 16w + g + 8h); all 255 =
+  aux     uint8 ref  [N/64, K/256, 64]           byte 16w + 2g + h = ref(row 16w + g + 8h) (>= 1); all 0 =
                                                  the (64-row tile, chunk) takes the exact fallback
   x       uint8 xw8  [K/32, 2, 8, 16]            e4m3 activations in the smem order wgmma B reads
                                                  (K permuted like the codes; tokens >= T zero)
@@ -21,9 +21,11 @@ Per thread and chunk (128 weights): 2 LDG.128 codes + 1 LDG.32 scales + 1 LDG.U1
 ahead (ping-pong register sets); fast path: 2 PRMT + 2 IMAD (base LUT per row), 4 PRMT + 4 IMAD
 (LUT word per row and group: LUT - 8 ref + 8 s, bytes replicated), 8 x (5 int + 4 PRMT) decode into
 32 A registers (double buffered), wgmma.fence, 8 wgmma m64n8k32 chained in D (first scale-d = 0),
-commit; wait_group 1; 4 FFMA acc += D(c-1) * 2^(ref - 127). Fallback chunk: wait_group 0, then per
-block b and group slot t' a plain-LUT decode on lanes t == t' (LUT 0 = +0 bytes elsewhere), 4 wgmma
-from 0, wait 0, 4 FFMA by the group's 2^(s - 127) (s from lane 4g + t' by shfl).
+commit; wait_group 1; 4 FFMA acc += D(c-1) * 2^(ref - 127). Flagged chunk (aux 0): the same fast
+path with LUT 0 (D = 0, f = 0), then after the FFMA an out-of-line block: per block b, group slot t'
+and MMA m, a plain-LUT decode on lanes t == t' (LUT 0 = +0 bytes elsewhere), mma.sync m16n8k32 with
+B read from the staged x tile, chained over m from 0, then 4 FFMA by the group's 2^(s - 127) (s from
+lane 4g + t' by shfl).
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def unroll_of(pf: int = 1, st: int = 0) -> int:
     return n * 2 // math.gcd(n, 2)
 
 
-def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_90a", pf: int = 1, st: int = 0) -> str:
+def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_90a", pf: int = 1, st: int = 0,
+              maxnreg: int = 0) -> str:
     """pf: (st = 0) how many chunks ahead the code / scale / aux loads run, in pf + 1 register sets.
     st >= 3: instead a ring of st shared-memory stages per warpgroup filled with cp.async (each thread
     copies and later reads back only its own 40 bytes per chunk: no barriers), st - 1 chunks ahead,
@@ -95,6 +98,8 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e("    .param .u64 p_codes, .param .u64 p_scales, .param .u64 p_aux, .param .u64 p_x, .param .u64 p_xs,")
     e("    .param .u64 p_y, .param .u32 p_n, .param .u32 p_k, .param .u32 p_t, .param .u64 p_desc)")
     e(f".reqntid {128 * mg}, {kg}, 1")
+    if maxnreg:
+        e(f".maxnreg {maxnreg}")
     e("{")
     e("    .reg .pred pv, pf, pl, pe, pt;")
     e("    .reg .b32 tid, wg, wt, warp, lane, gq, tq, mgi, kgi, blk, tile, t16, n, k, tt, nch, per, c0, c1, c;")
@@ -103,7 +108,8 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e("    .reg .b64 pc, ps, pa, px, pxs, py, off, a64, cp, sp, ap, dsc, dtm, dbs;")
     e("    .reg .f32 acc<4>, f<4>, v, xsv, fx;")
     e("    .reg .b32 rb, rs, ra, fa<4>, fb0, fb1, fi, ftp, fbb, fxa, fw, fsh;")
-    e("    .reg .pred pb;")
+    e("    .reg .pred pb, pm, pm3;")
+    e("    .reg .b32 fm;")
     e("    .reg .f32 fe<4>, fz;")
     for q in range(nls):
         e(f"    .reg .b32 cw{q}_<8>, sw{q}, aw{q};")
@@ -192,13 +198,15 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e("STAGE:")
     e("    setp.lt.u32 pe, tmp, tmp2;")
     e("    @!pe bra STAGED;")
+    # cp.async: every piece in flight at once (a load -> store loop would wait one L2 round trip per
+    # 16 B piece per thread); the wait below also completes the ring prologue's groups
     e("    mul.wide.u32 off, tmp, 16; add.u64 a64, px, off;")
-    e("    ld.global.nc.v4.u32 {lo, hi, s16, h2}, [a64];")
     e("    shl.b32 sel, tmp, 4; add.u32 sel, sel, xa;")
-    e("    st.shared.v4.u32 [sel], {lo, hi, s16, h2};")
+    e("    cp.async.cg.shared.global [sel], [a64], 16;")
     e(f"    add.u32 tmp, tmp, {nthr};")
     e("    bra.uni STAGE;")
     e("STAGED:")
+    e("    cp.async.wait_all;")
     e("    fence.proxy.async.shared::cta;")
     e("    bar.sync 0;")
     # descriptor: template | ((xsm + c * 2048 + j * 256) >> 4), one u64 add per wgmma below
@@ -222,15 +230,18 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
 
     def body(p, ls, tag):
         A = [f"A{p}_{i}" for i in range(32)]
+        # fast path, always (no branch before the wgmmas: a branch there costs ptxas ~40 registers):
+        # LUT words with the scale folded in; a flagged chunk (aux 0) gets LUT 0 -> D = 0 and f = 0, and
+        # its exact contribution comes from the fallback block after the FFMA below
         if fallback:
-            e(f"    setp.eq.u32 pf, aw{ls}, 0xFFFF;")
-            e(f"    @pf bra.uni FB{tag};")
-        # fast path: LUT words with the scale folded in
+            e(f"    setp.eq.u32 pf, aw{ls}, 0;")
         e(f"    prmt.b32 rg, aw{ls}, 0, 0x0000; prmt.b32 rg8, aw{ls}, 0, 0x1111;")
         e(f"    mad.lo.u32 bg, rg, -8, {LUT:#010x}; mad.lo.u32 bg8, rg8, -8, {LUT:#010x};")
         for b in range(2):
             e(f"    prmt.b32 lg{b}, sw{ls}, 0, {0x1111 * (2 * b):#06x}; mad.lo.u32 lg{b}, lg{b}, 8, bg;")
             e(f"    prmt.b32 lh{b}, sw{ls}, 0, {0x1111 * (2 * b + 1):#06x}; mad.lo.u32 lh{b}, lh{b}, 8, bg8;")
+            if fallback:
+                e(f"    selp.b32 lg{b}, 0, lg{b}, pf; selp.b32 lh{b}, 0, lh{b}, pf;")
         for b in range(2):
             for m in range(4):
                 decode_word(f"cw{ls}_{4*b+m}", f"lg{b}", f"lh{b}", A[16 * b + 4 * m: 16 * b + 4 * m + 4])
@@ -241,11 +252,13 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
             for m in range(4):
                 wgmma(p, A[16 * b + 4 * m: 16 * b + 4 * m + 4], 4 * b + m, b == 0 and m == 0)
         e("    wgmma.commit_group.sync.aligned;")
-        if fallback:
-            e(f"JOIN{tag}:")
-            cur[0] = FBL
-            fallback_block(p, ls, tag)
-            cur[0] = L
+
+    def late_fallback(p, ls, tag):
+        e(f"    @pf bra.uni FB{tag};")
+        e(f"JOIN{tag}:")
+        cur[0] = FBL
+        fallback_block(p, ls, tag)
+        cur[0] = L
 
     def fallback_block(p, ls, tag):
         """Out of line (after the main loop, so the loop body is the fast path alone). Synchronous
@@ -254,28 +267,31 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
         keeps it small: lanes t == t' decode with the plain LUT, the others with LUT 0 (+0 bytes), 4
         chained MMAs from 0, then 4 FFMA by the group's 2^(s - 127) (s from lane 4g + t' by shfl)."""
         e(f"FB{tag}:")
-        e("    wgmma.wait_group.sync.aligned 0;           // chunk c - 1 complete before the join's FFMA")
         e("    and.b32 sel, lane, 0x1C;")
         e("    shl.b32 sx, c, 11; add.u32 sx, sx, xa; mad.lo.u32 sx, gq, 16, sx; mad.lo.u32 sx, tq, 4, sx;")
         e("    mov.u32 fi, 0;")
         e(f"FBL{tag}:")
-        e("    and.b32 ftp, fi, 3; shr.u32 fbb, fi, 2; setp.ne.u32 pb, fbb, 0;")
+        # fi = 16 b + 4 t' + m: one decode + one MMA per trip keeps the register footprint small
+        e("    and.b32 fm, fi, 3; shr.u32 ftp, fi, 2; and.b32 ftp, ftp, 3; shr.u32 fbb, fi, 4;")
         e(f"    setp.eq.u32 pt, tq, ftp; selp.b32 lg0, {LUT:#010x}, 0, pt;")
-        e("    mad.lo.u32 fxa, fbb, 1024, sx;")
-        for m in range(4):
-            e(f"    selp.b32 fw, cw{ls}_{4 + m}, cw{ls}_{m}, pb;")
-            decode_word("fw", "lg0", "lg0", ["fa0", "fa1", "fa2", "fa3"])
-            e(f"    ld.shared.u32 fb0, [fxa+{256 * m}]; ld.shared.u32 fb1, [fxa+{256 * m + 128}];")
-            cin = "{fz, fz, fz, fz}" if m == 0 else "{fe0, fe1, fe2, fe3}"
-            e("    mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {fe0, fe1, fe2, fe3}, "
-              f"{{fa0, fa1, fa2, fa3}}, {{fb0, fb1}}, {cin};")
+        e("    setp.ne.u32 pb, fbb, 0; setp.eq.u32 pm, fm, 0; setp.eq.u32 pm3, fm, 3;")
+        e(f"    selp.b32 fw, cw{ls}_4, cw{ls}_0, pb; selp.b32 fa0, cw{ls}_5, cw{ls}_1, pb;")
+        e(f"    selp.b32 fa1, cw{ls}_6, cw{ls}_2, pb; selp.b32 fa2, cw{ls}_7, cw{ls}_3, pb;")
+        e("    and.b32 fa3, fm, 1; setp.ne.u32 pt, fa3, 0; selp.b32 fw, fa0, fw, pt; selp.b32 fa2, fa2, fa1, pt;")
+        e("    setp.gt.u32 pt, fm, 1; selp.b32 fw, fa2, fw, pt;")
+        decode_word("fw", "lg0", "lg0", ["fa0", "fa1", "fa2", "fa3"])
+        e("    shl.b32 fxa, fbb, 10; add.u32 fxa, fxa, sx; shl.b32 fsh, fm, 8; add.u32 fxa, fxa, fsh;  // wgmma j = 4 b + m")
+        e("    ld.shared.u32 fb0, [fxa]; ld.shared.u32 fb1, [fxa+128];")
+        for q in range(4):
+            e(f"    selp.f32 fe{q}, 0f00000000, fe{q}, pm;")
+        e("    mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {fe0, fe1, fe2, fe3}, "
+          "{fa0, fa1, fa2, fa3}, {fb0, fb1}, {fe0, fe1, fe2, fe3};")
         e(f"    add.u32 tmp, sel, ftp; shfl.sync.idx.b32 fb, sw{ls}, tmp, 0x1f, 0xffffffff;")
         e("    shl.b32 fsh, fbb, 4; shr.u32 fb, fb, fsh; shr.u32 fb8, fb, 8;")
         e("    and.b32 fb, fb, 0xFF; shl.b32 fb, fb, 23; and.b32 fb8, fb8, 0xFF; shl.b32 fb8, fb8, 23;")
-        e("    mov.b32 fx, fb; fma.rn.f32 acc0, fe0, fx, acc0; fma.rn.f32 acc1, fe1, fx, acc1;")
-        e("    mov.b32 fx, fb8; fma.rn.f32 acc2, fe2, fx, acc2; fma.rn.f32 acc3, fe3, fx, acc3;")
-        e(f"    add.u32 fi, fi, 1; setp.lt.u32 pt, fi, 8; @pt bra.uni FBL{tag};")
-        e(f"    mov.f32 f{2*p}, 0f00000000; mov.f32 f{2*p+1}, 0f00000000;")
+        e("    mov.b32 fx, fb; @pm3 fma.rn.f32 acc0, fe0, fx, acc0; @pm3 fma.rn.f32 acc1, fe1, fx, acc1;")
+        e("    mov.b32 fx, fb8; @pm3 fma.rn.f32 acc2, fe2, fx, acc2; @pm3 fma.rn.f32 acc3, fe3, fx, acc3;")
+        e(f"    add.u32 fi, fi, 1; setp.lt.u32 pt, fi, 32; @pt bra.uni FBL{tag};")
         e(f"    bra.uni JOIN{tag};")
 
     def ffma(p):
@@ -299,6 +315,8 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
         body(p, ls, u)
         e("    wgmma.wait_group.sync.aligned 1;")
         ffma(1 - p)                                     # chunk c - 1 (zeros before the first)
+        if fallback:
+            late_fallback(p, ls, u)                     # flagged chunk c: its exact contribution
         e("    add.u32 c, c, 1; add.s64 dbs, dbs, 128; setp.lt.u32 pe, c, c1;")
         if u < unroll - 1:
             e(f"    @!pe bra TAIL{p};")
@@ -386,11 +404,11 @@ def smem_bytes(k: int, mg: int = 1, kg: int = 1, st: int = 0) -> int:
 
 
 def report(mg: int = 1, kg: int = 1, fallback: bool = True, out: str | None = None, arch: str = "sm_90a",
-           pf: int = 1, st: int = 0) -> dict:
+           pf: int = 1, st: int = 0, maxnreg: int = 0) -> dict:
     """Assemble, disassemble and count the main loop. The loop of the build without the fallback is
     exactly the fast path (what every chunk runs unless flagged); the full build's loop also holds
     the two out-of-path fallback blocks, reported separately."""
-    ptx = gen_wgmma(mg, kg, fallback, arch, pf, st)
+    ptx = gen_wgmma(mg, kg, fallback, arch, pf, st, maxnreg)
     unroll = unroll_of(pf, st)
     cubin, log = gen_ptx.assemble(ptx, arch)
     s = gen_ptx.sass(cubin)

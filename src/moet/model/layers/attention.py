@@ -54,6 +54,28 @@ class GQAttention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, eps, dtype)
             self.k_norm = RMSNorm(d, eps, dtype)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None     # fuse_qkv()
+
+    def fuse_qkv(self) -> bool:
+        """One [q; k; v] weight (and bias) for the three projections: one GEMV per decode step
+        instead of three. q/k/v_proj keep their parameters as views into it, so nothing is
+        stored twice and named_parameters() still lists each projection. Call after the weights
+        are loaded and on their device (a later .to() would split the views again). Only plain
+        bf16/fp16/fp32 Linears fuse (an Fp8BlockLinear keeps its own kernel). -> fused?"""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv is not None or any(type(p) is not Linear for p in projs):
+            return self.qkv is not None
+        w = torch.cat([p.weight.data for p in projs])
+        b = torch.cat([p.bias.data for p in projs]) if self.q_proj.bias is not None else None
+        row = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight.data = w[row:row + n]
+            if b is not None:
+                p.bias.data = b[row:row + n]
+            row += n
+        self.qkv = (w, b)
+        return True
 
     def cache_shapes(self, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         s = self.spec
@@ -62,9 +84,16 @@ class GQAttention(nn.Module):
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> rotated q [T, Hq, d], rotated k [T, Hkv, d], v [T, Hkv, d]: what both caches store."""
         s, t = self.spec, x.shape[0]
-        q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        if self.qkv is not None:
+            nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            q, k, v = torch.nn.functional.linear(x, *self.qkv).split([nq, nk, nk], dim=-1)
+            q = q.view(t, s.num_heads, s.head_dim)
+            k = k.view(t, s.num_kv_heads, s.head_dim)
+            v = v.view(t, s.num_kv_heads, s.head_dim)
+        else:
+            q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
+            k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
+            v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v

@@ -1,4 +1,6 @@
-"""RMSNorm exactly as transformers computes it: normalise in fp32, cast back, then scale."""
+"""RMSNorm exactly as transformers computes it: normalise in fp32, cast back, then scale.
+On CUDA one Triton kernel does the same arithmetic (kernels/norm_rope_triton.py), optionally
+fused with the residual add in front of it; on CPU the torch ops below."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +14,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from moet.kernels.norm_rope_triton import rms_norm
+            return rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm residual step: s = residual + x, then (norm(s), s). residual None: (norm(x), x)."""
+        if residual is None:
+            return self(x), x
+        if x.is_cuda:
+            from moet.kernels.norm_rope_triton import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
+        s = residual + x
+        return self(s), s

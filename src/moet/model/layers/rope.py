@@ -61,6 +61,9 @@ class Rotary:
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, d] with the rotated part in the first `rope.dim` dims (all of x for MLA's
         rope slice). cos/sin [T, rope.dim]."""
+        if x.is_cuda:                    # one kernel instead of neg/cat/mul/add (same arithmetic)
+            from moet.kernels.norm_rope_triton import rope
+            return rope(x, cos, sin, self.spec.interleave)
         cos, sin = cos[:, None, :], sin[:, None, :]
         if self.spec.interleave:
             half = cos.shape[-1] // 2

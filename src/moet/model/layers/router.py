@@ -1,11 +1,30 @@
 """Routing rules: which k experts each token uses and with what weights. Mirrors transformers'
-routers op for op (the chosen set must match exactly; near-ties decide it)."""
+routers op for op (the chosen set must match exactly; near-ties decide it).
+
+On CUDA tensors everything after the router GEMV is one Triton kernel
+(moet.kernels.router_triton.router_topk: same set, same weights, its own fixed slot order:
+descending score, lowest expert index first on ties); on CPU the torch ops below, which the
+tests compare with transformers op for op. Picked by device, like kernels/attention_ops.py.
+"""
 from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from moet.checkpoint.spec import RouterSpec
+
+
+@lru_cache(maxsize=1)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _fused(logits: torch.Tensor) -> bool:
+    """True when the selection after the GEMV runs as the Triton kernel (CUDA tensors)."""
+    return logits.device.type == "cuda" and _have_triton()
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
@@ -14,6 +33,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
     if spec.scoring == "softmax":
         # Mixtral / Qwen3-MoE: softmax over all experts (fp32), top-k, optional renormalise
         logits = F.linear(x, weight)
+        if _fused(logits):
+            from moet.kernels.router_triton import router_topk
+            return router_topk(logits, spec)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         w, ids = torch.topk(probs, spec.top_k, dim=-1)
         if spec.norm_topk_prob:
@@ -22,6 +44,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
     # DeepSeek-V3 / GLM: sigmoid scores in fp32; the correction bias steers the choice only;
     # group-limited: keep the topk_group groups whose best-2 sum is largest.
     logits = F.linear(x.float(), weight.float())
+    if _fused(logits):
+        from moet.kernels.router_triton import router_topk
+        return router_topk(logits, spec, correction_bias)
     scores = logits.sigmoid()
     choice = scores + correction_bias if correction_bias is not None else scores
     e, g = spec.num_experts, spec.n_group

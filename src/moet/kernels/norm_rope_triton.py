@@ -1,0 +1,142 @@
+"""Triton forms of the small per-token ops around attention: RMSNorm (optionally fused with the
+residual add before it) and rotary embedding. Why: in eager torch an RMSNorm is 8 kernels (cast,
+pow, mean, add, rsqrt, mul, cast, mul) and a rotation 5 (neg, cat, 2 mul, add); an H200 profile of
+a captured Qwen3-30B-A3B decode step (tools/kernel_lab/engine_h200_2026-11-29) spent ~60 of the
+166 us of each layer in such 1-2 us kernels. Here each is one kernel.
+
+Both reproduce the torch modules' arithmetic step by step (model/layers/norm.py, rope.py):
+  RMSNorm:  h = fp32(x); y = model_dtype(h * rsqrt(mean(h^2) + eps)); out = model_dtype(w * y)
+            with the residual add first, s = model_dtype(x + residual), as torch's bf16 add;
+  rotation: each product rounded to the model dtype, then the sum rounded (what torch's
+            x * cos + rotated * sin does elementwise in bf16).
+Roundings to bf16 are done on the bits (kv_write_triton._bf16_rne) so the interpreter twin in
+the CPU tests computes the same as the GPU. The only difference from torch is the order of the
+fp32 sum in the mean (a tree here), which can move the last bit of rsqrt's input.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moet.kernels.kv_write_triton import _bf16_rne
+
+_OUT_BF16, _OUT_OTHER = 1, 0
+
+
+@triton.jit
+def _round(x, OUT: tl.constexpr, dtype: tl.constexpr):
+    """fp32 -> the model dtype and back to fp32 (the rounding torch applies between ops)."""
+    if OUT == 1:
+        return _bf16_rne(x).to(tl.float32)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, s_x, s_res, s_out, s_sum, eps,
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, OUT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * s_res + cols, mask=m, other=0.0).to(tl.float32)
+        x = _round(r + x, OUT, dtype)
+        if OUT == 1:
+            tl.store(sum_ptr + row * s_sum + cols, _bf16_rne(x), mask=m)
+        else:
+            tl.store(sum_ptr + row * s_sum + cols, x.to(dtype), mask=m)
+    ms = tl.sum(x * x, axis=0) / N
+    y = _round(x * tl.math.rsqrt(ms + eps), OUT, dtype)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    if OUT == 1:
+        tl.store(out_ptr + row * s_out + cols, _bf16_rne(w * y), mask=m)
+    else:
+        tl.store(out_ptr + row * s_out + cols, (w * y).to(dtype), mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] as a 2-D [rows, N] view with a unit last stride (a copy only if it has none)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim. With `residual`: s = residual + x first; returns (norm(s), s).
+    Without: (norm(x), None). Outputs are new tensors of x's shape and dtype."""
+    n = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, n)
+    s2 = r2 = o2                                            # placeholders when there is no residual
+    total = None
+    if residual is not None:
+        r2 = _rows(residual)
+        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        s2 = total.view(-1, n)
+    if x2.shape[0]:
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2, r2, weight, o2, s2, n, x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0), eps,
+            BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
+            OUT=_OUT_BF16 if x.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=4 if n >= 1024 else 1)
+    return out, total
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, s_xt, s_xh, s_ct, s_ot, s_oh,
+                 D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr,
+                 OUT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK)
+    src = x_ptr + t * s_xt + h * s_xh
+    dst = out_ptr + t * s_ot + h * s_oh
+    HALF: tl.constexpr = RD // 2
+    if INTERLEAVE:
+        # out[j] = x[2j] c[j] - x[2j+1] s[j],  out[HALF + j] = x[2j+1] c[j] + x[2j] s[j]  (j < HALF)
+        j = i % HALF
+        first = i < HALF
+        m = i < RD
+        a = tl.load(src + 2 * j + tl.where(first, 0, 1), mask=m, other=0.0).to(tl.float32)
+        b = tl.load(src + 2 * j + tl.where(first, 1, 0), mask=m, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
+        bs = _round(b * s, OUT, dtype)
+        y = _round(_round(a * c, OUT, dtype) + tl.where(first, -bs, bs), OUT, dtype)
+    else:
+        # neox: out[i] = x[i] c[i] + rot[i] s[i], rot = (-x[HALF:RD], x[:HALF]); dims >= RD pass
+        m = i < D
+        rot = i < RD
+        x = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        partner = tl.where(i < HALF, i + HALF, i - HALF)
+        p = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        p = tl.where(i < HALF, -p, p)
+        c = tl.load(cos_ptr + t * s_ct + i, mask=rot, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * s_ct + i, mask=rot, other=0.0).to(tl.float32)
+        y = tl.where(rot, _round(_round(x * c, OUT, dtype) + _round(p * s, OUT, dtype), OUT, dtype), x)
+    if OUT == 1:
+        tl.store(dst + i, _bf16_rne(y), mask=m)
+    else:
+        tl.store(dst + i, y.to(dtype), mask=m)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, d] (any strides with a unit last stride) with cos/sin
+    [T, rope_dim] in x's dtype; the same contract as Rotary.apply. -> a new [T, heads, d] tensor."""
+    t, h, d = x.shape
+    rd = cos.shape[-1]
+    if interleave and rd != d:
+        raise ValueError(f"interleaved rotary over {rd} of {d} dims is not a supported layout")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        _rope_kernel[(t, h)](x, cos, sin, out, h, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
+                             out.stride(1), D=d, RD=rd, BLOCK=triton.next_power_of_2(d), INTERLEAVE=interleave,
+                             OUT=_OUT_BF16 if x.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=1)
+    return out

@@ -1,0 +1,211 @@
+"""The MoE router after its GEMV as ONE Triton kernel: scores, (group-limited) top-k, renormalise,
+scale. `router_topk(logits, spec, correction_bias)` returns what moet.model.layers.router.route
+returns for the same logits; route() calls it for CUDA tensors (the torch ops stay on CPU, where
+the tests compare them op for op with transformers). Importing this module needs triton.
+
+One program per token row, one warp: the whole row (E <= 512 experts) lives in registers.
+
+Softmax path (Qwen3-MoE, Mixtral): the experts are SELECTED on the fp32 logits, not on the
+probabilities: softmax is monotonic, so the set is the one torch.topk picks on the fp32 softmax
+(the only difference: two logits close enough that their fp32 probabilities round to the same
+value are a tie for torch and not for us; either answer is a correct top-k). Weights: the fp32
+softmax (max-subtracted exp / sum) at the chosen experts, divided by their sum if norm_topk_prob,
+then cast to the logits' dtype (bf16 rounds to nearest even, as torch's .to()).
+
+Sigmoid path (DeepSeek-V3, GLM-4.5): scores = 1 / (1 + exp(-logit)) in fp32, choice = scores +
+e_score_correction_bias; with n_group > 1 each group's score is the sum of its two best choices
+and only the topk_group best groups stay eligible; top-k on choice; weights = the scores (not the
+choice) at the chosen experts, / (their sum + 1e-20) if norm_topk_prob, * routed_scaling_factor;
+fp32 weights. The selection must run on the very fp32 values torch compares: on CUDA the exp is
+libdevice's expf (what torch's CUDA sigmoid calls) and the division IEEE round-to-nearest
+(tl.math.div_rn; Triton's `/` is approximate on NVIDIA), so scores and choice are torch's bits.
+Group scores add the two decoded fp32 values, as torch's topk(2).sum() does.
+
+Top-k: k rounds of (max, lowest index among equal maxima, remove), done as ONE int64 max
+reduction per round on a key = (order-preserving int32 image of the fp32 value) << 32 |
+(1024 - index): the largest key is the largest value and, among equal values, the lowest index.
+-0.0 is folded into +0.0 first, so they tie as they do for torch. Deterministic.
+
+OUTPUT ORDER (fixed, not torch.topk's): slot j of a row holds the j-th largest selection value
+(softmax: logit; sigmoid: score + bias), the lowest expert index first among equal values. The
+MoE kernels combine the k slots in slot order, so this fixed order makes the result reproducible;
+the chosen SET equals torch's whenever the k-th and (k+1)-th values differ.
+
+No host synchronisation and fixed-size outputs: CUDA-graph capturable. NaN logits are not
+supported (torch.topk ranks NaN above everything; this kernel does not).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from moet.checkpoint.spec import RouterSpec
+from moet.errors import ConfigError
+
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+_NEG_KEY = tl.constexpr(-(2 ** 63))       # below every real key: removed / not eligible
+
+
+@triton.jit
+def _exp(x, ACCURATE: tl.constexpr):
+    # libdevice's expf is what torch's CUDA kernels call; the interpreter has no libdevice
+    if ACCURATE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, on the bits (finite inputs). Triton's own cast is RNE
+    on the GPU but truncates under TRITON_INTERPRET=1; this form is the same everywhere."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _key(v, idx, ok):
+    """fp32 v, int32 idx -> int64 key ordered by (v, -idx); _NEG_KEY where not ok."""
+    v = tl.where(v == 0.0, 0.0, v)                    # -0.0 -> +0.0: they compare equal
+    b = v.to(tl.int32, bitcast=True)
+    o = tl.where(b < 0, b ^ 0x7FFFFFFF, b)            # int order == float order
+    k = (o.to(tl.int64) << 32) | (1024 - idx).to(tl.int64)       # > 0 for every index < 1024
+    return tl.where(ok, k, _NEG_KEY)
+
+
+@triton.jit
+def _key_value(k):
+    """The fp32 value a key was made from."""
+    o = (k >> 32).to(tl.int32)
+    b = tl.where(o < 0, o ^ 0x7FFFFFFF, o)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
+                   E: tl.constexpr, K: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   GP: tl.constexpr, GSP: tl.constexpr, KP: tl.constexpr,
+                   SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   OUT_BF16: tl.constexpr, ACCURATE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    GS: tl.constexpr = E // G
+    # the row as [groups, experts per group] (one group unless group-limited)
+    g = tl.arange(0, GP)
+    j = tl.arange(0, GSP)
+    idx = g[:, None] * GS + j[None, :]                                   # int32 [GP, GSP]
+    valid = (g[:, None] < G) & (j[None, :] < GS)
+    row = logits_ptr + t * s_lt
+    logit = tl.load(row + idx, mask=valid, other=0.0).to(tl.float32)
+
+    if SIGMOID:
+        score = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + _exp(-logit, ACCURATE))
+        if HAS_BIAS:
+            sel = score + tl.load(bias_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+        else:
+            sel = score
+    else:
+        sel = logit                                    # softmax is monotonic: select on the logits
+    key = _key(sel, idx, valid)
+
+    if G > 1:
+        # group score = best + second best choice of the group; keep the TOPK_GROUP best groups
+        b1 = tl.max(key, axis=1)
+        b2 = tl.max(tl.where(key == b1[:, None], _NEG_KEY, key), axis=1)
+        gkey = _key(_key_value(b1) + _key_value(b2), g, g < G)
+        keep = g < 0
+        for _r in tl.static_range(TOPK_GROUP):
+            gb = tl.max(gkey, axis=0)
+            keep = keep | (gkey == gb)
+            gkey = tl.where(gkey == gb, _NEG_KEY, gkey)
+        key = tl.where(keep[:, None], key, _NEG_KEY)
+
+    kr = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int32)
+    for r in tl.static_range(K):
+        best = tl.max(tl.max(key, axis=1), axis=0)
+        ids = tl.where(kr == r, 1024 - best.to(tl.int32), ids)
+        key = tl.where(key == best, _NEG_KEY, key)
+
+    kmask = kr < K
+    lsel = tl.load(row + ids, mask=kmask, other=0.0).to(tl.float32)    # the chosen logits again
+    if SIGMOID:
+        w = tl.math.div_rn(tl.full(lsel.shape, 1.0, tl.float32), 1.0 + _exp(-lsel, ACCURATE))
+        if NORM:
+            w = tl.math.div_rn(w, tl.zeros_like(w) + (tl.sum(tl.where(kmask, w, 0.0), axis=0) + 1e-20))
+        w = w * scale
+    else:
+        m = tl.max(tl.max(tl.where(valid, logit, float("-inf")), axis=1), axis=0)
+        total = tl.sum(tl.sum(tl.where(valid, _exp(logit - m, ACCURATE), 0.0), axis=1), axis=0)
+        w = tl.math.div_rn(_exp(lsel - m, ACCURATE), tl.zeros_like(lsel) + total)
+        if NORM:
+            w = tl.math.div_rn(w, tl.zeros_like(w) + tl.sum(tl.where(kmask, w, 0.0), axis=0))
+    tl.store(ids_ptr + t * K + kr, ids.to(tl.int64), mask=kmask)
+    if OUT_BF16:
+        tl.store(w_ptr + t * K + kr, _bf16_rne(w), mask=kmask)
+    else:
+        tl.store(w_ptr + t * K + kr, w.to(w_ptr.dtype.element_ty), mask=kmask)
+
+
+def _check(spec: RouterSpec, e: int) -> None:
+    k, g = spec.top_k, spec.n_group
+    if e != spec.num_experts:
+        raise ConfigError(f"router (triton): logits have {e} experts, the router spec says {spec.num_experts}")
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ConfigError(f"router (triton): one program holds a whole row of at most {MAX_EXPERTS} experts, "
+                          f"got {e}; route such models with the torch path")
+    if not 1 <= k <= min(MAX_TOP_K, e):
+        raise ConfigError(f"router (triton): top_k must be in 1..min({MAX_TOP_K}, num_experts), got {k}")
+    if spec.scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"router (triton): unknown scoring {spec.scoring!r} (softmax | sigmoid)")
+    if spec.scoring == "sigmoid" and g > 1:
+        if e % g or e // g < 2:
+            raise ConfigError(f"router (triton): {e} experts do not split into n_group={g} groups of >= 2")
+        if not 1 <= spec.topk_group <= g or spec.topk_group * (e // g) < k:
+            raise ConfigError(f"router (triton): topk_group={spec.topk_group} of n_group={g} groups "
+                              f"({e // g} experts each) cannot hold top_k={k} experts")
+
+
+def router_topk(logits: torch.Tensor, spec: RouterSpec,
+                correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (bf16, fp16 or fp32; the router GEMV's output) -> (ids int64 [T, k],
+    weights [T, k]): weights in the logits' dtype for softmax scoring, fp32 for sigmoid (as
+    route()). Slots ordered by descending selection value, lowest expert index first on ties."""
+    if logits.dim() != 2:
+        raise ConfigError(f"router (triton): logits must be [T, E], got shape {tuple(logits.shape)}")
+    t, e = logits.shape
+    _check(spec, e)
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ConfigError(f"router (triton): logits dtype {logits.dtype} unsupported (bf16, fp16, fp32)")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    sigmoid = spec.scoring == "sigmoid"
+    k = spec.top_k
+    g = spec.n_group if sigmoid and spec.n_group > 1 else 1
+    out_dtype = torch.float32 if sigmoid else logits.dtype
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(t, k, dtype=out_dtype, device=logits.device)
+    if t == 0:
+        return ids, w
+    has_bias = sigmoid and correction_bias is not None
+    if has_bias:
+        if correction_bias.numel() != e:
+            raise ConfigError(f"router (triton): correction bias has {correction_bias.numel()} entries, "
+                              f"expected {e}")
+        bias = correction_bias.reshape(e)
+        bias = bias if bias.is_contiguous() else bias.contiguous()
+    else:
+        bias = logits                                                    # any pointer; never read
+    accurate = logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    _router_kernel[(t,)](
+        logits, bias, ids, w, logits.stride(0), float(spec.routed_scaling_factor if sigmoid else 1.0),
+        E=e, K=k, G=g, TOPK_GROUP=spec.topk_group if g > 1 else 1,
+        GP=triton.next_power_of_2(g), GSP=triton.next_power_of_2(e // g), KP=triton.next_power_of_2(k),
+        SIGMOID=sigmoid, NORM=bool(spec.norm_topk_prob), HAS_BIAS=has_bias,
+        OUT_BF16=out_dtype == torch.bfloat16, ACCURATE=accurate, num_warps=1)
+    return ids, w
