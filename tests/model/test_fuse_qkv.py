@@ -22,8 +22,9 @@ def test_fused_qkv_same_logits_and_shared_storage():
         x = torch.randint(0, 250, (9,))
         ref = _logits(m, x)
         n_params = sum(p.numel() for p in m.parameters())
-        assert m.fuse_projections() == cfg["num_hidden_layers"]
-        assert m.fuse_projections() == cfg["num_hidden_layers"]          # idempotent
+        n_fused = m.fuse_projections()
+        assert n_fused == cfg["num_hidden_layers"] + (cfg is GLM_TINY) * (1 + 1)   # GLM: dense layer 0 + shared expert
+        assert m.fuse_projections() == n_fused                             # idempotent
         got = _logits(m, x)
         assert torch.allclose(got, ref, rtol=0, atol=1e-2 * float(ref.abs().max()))
         assert sum(p.numel() for p in m.parameters()) == n_params

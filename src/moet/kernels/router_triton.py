@@ -128,7 +128,7 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
     kr = tl.arange(0, KP)
     ids = tl.zeros([KP], dtype=tl.int32)
     for r in tl.static_range(K):
-        best = tl.max(tl.max(key, axis=1), axis=0)
+        best = tl.max(key)                                               # whole row
         ids = tl.where(kr == r, 1024 - best.to(tl.int32), ids)
         key = tl.where(key == best, _NEG_KEY, key)
 
@@ -140,8 +140,8 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
             w = tl.math.div_rn(w, tl.zeros_like(w) + (tl.sum(tl.where(kmask, w, 0.0), axis=0) + 1e-20))
         w = w * scale
     else:
-        m = tl.max(tl.max(tl.where(valid, logit, float("-inf")), axis=1), axis=0)
-        total = tl.sum(tl.sum(tl.where(valid, _exp(logit - m, ACCURATE), 0.0), axis=1), axis=0)
+        m = tl.max(tl.where(valid, logit, float("-inf")))
+        total = tl.sum(tl.where(valid, _exp(logit - m, ACCURATE), 0.0))
         w = tl.math.div_rn(_exp(lsel - m, ACCURATE), tl.zeros_like(lsel) + total)
         if NORM:
             w = tl.math.div_rn(w, tl.zeros_like(w) + tl.sum(tl.where(kmask, w, 0.0), axis=0))

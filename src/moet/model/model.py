@@ -114,9 +114,11 @@ class CausalLM(nn.Module):
         self.split_tokens = DEFAULT_SPLIT_TOKENS
 
     def fuse_projections(self) -> int:
-        """Fused q/k/v weights for every GQA layer (GQAttention.fuse_qkv): call once the weights
-        are loaded and on their device. -> number of layers fused."""
-        return sum(a.fuse_qkv() for a in self._attention_layers() if isinstance(a, GQAttention))
+        """Stacked weights where several GEMVs read one input: q/k/v of every GQA layer
+        (GQAttention.fuse_qkv), gate/up of every dense MLP and shared expert (MLP.fuse_gate_up).
+        Call once the weights are loaded and on their device. -> number of modules fused."""
+        n = sum(a.fuse_qkv() for a in self._attention_layers() if isinstance(a, GQAttention))
+        return n + sum(m.fuse_gate_up() for m in self.modules() if isinstance(m, MLP))
 
     # ------------------------------------------------------------------ caches
 

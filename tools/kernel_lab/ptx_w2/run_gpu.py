@@ -5,7 +5,7 @@
 
 First the wgmma kernel (run_wgmma.py: SASS stats, descriptor probe in child processes, checks incl.
 fallback chunks, timing; --wg-configs, --only-wgmma / --skip-wgmma), then the mma.sync baseline below
-(--configs; default 2x4, the full sweep is 2x4,1x4,2x8). --cpu-dry: everything except the launches.
+(--configs, default 2x4,1x4,2x8). --cpu-dry: everything except the launches.
 
 For each config (NT, W) and shape (DeepSeek-V3 per expert: N 4096 x K 7168 gate+up, N 7168 x K 2048
 down; and 8 experts stacked: N 32768 x K 7168, N 57344 x K 2048) and T in 1, 4, 8:
@@ -183,7 +183,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=150)
-    ap.add_argument("--configs", default="2x4", help="mma.sync baseline NTxW list (full sweep: 2x4,1x4,2x8)")
+    ap.add_argument("--configs", default="2x4,1x4,2x8", help="mma.sync baseline NTxW list")
     ap.add_argument("--wg-configs", default="1x1s4,1x2s4,1x1",
                     help="wgmma kernel configs MGxKG[sST]: row warpgroups x K-split warpgroups [cp.async ring stages]")
     ap.add_argument("--wg-share", type=float, default=0.65, help="fraction of the budget the wgmma part may start in")

@@ -14,7 +14,7 @@ from moet.checkpoint.spec import AttentionSpec
 from moet.kernels import attention_ops as ops
 from moet.kernels.kv_cache import GQALayerKV
 from moet.model.attention_batch import AttentionBatch
-from moet.model.layers.linear import Linear
+from moet.model.layers.linear import Linear, fuse_linears
 from moet.model.layers.norm import RMSNorm
 from moet.model.layers.paged_attention import attend_gqa
 from moet.model.layers.rope import Rotary
@@ -57,25 +57,11 @@ class GQAttention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None     # fuse_qkv()
 
     def fuse_qkv(self) -> bool:
-        """One [q; k; v] weight (and bias) for the three projections: one GEMV per decode step
-        instead of three. q/k/v_proj keep their parameters as views into it, so nothing is
-        stored twice and named_parameters() still lists each projection. Call after the weights
-        are loaded and on their device (a later .to() would split the views again). Only plain
-        bf16/fp16/fp32 Linears fuse (an Fp8BlockLinear keeps its own kernel). -> fused?"""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv is not None or any(type(p) is not Linear for p in projs):
-            return self.qkv is not None
-        w = torch.cat([p.weight.data for p in projs])
-        b = torch.cat([p.bias.data for p in projs]) if self.q_proj.bias is not None else None
-        row = 0
-        for p in projs:
-            n = p.weight.shape[0]
-            p.weight.data = w[row:row + n]
-            if b is not None:
-                p.bias.data = b[row:row + n]
-            row += n
-        self.qkv = (w, b)
-        return True
+        """q, k, v as one GEMV (linear.fuse_linears: the projections' parameters become views
+        of the stacked weight). -> fused?"""
+        if self.qkv is None:
+            self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv is not None
 
     def cache_shapes(self, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         s = self.spec

@@ -29,6 +29,26 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def fuse_linears(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One stacked weight (and bias) for Linears that read the same input, so one GEMV replaces
+    several (decode steps are launch-bound). Each Linear's parameters become views into the
+    stacked tensors: nothing is stored twice, named_parameters() is unchanged, and in-place
+    writes through either name land in both. Call after loading, on the final device (a later
+    .to() would split the views). None when any is not a plain Linear (e.g. Fp8BlockLinear)."""
+    if any(type(m) is not Linear for m in linears) or len({m.bias is None for m in linears}) != 1:
+        return None
+    w = torch.cat([m.weight.data for m in linears])
+    b = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = w[row:row + n]
+        if b is not None:
+            m.bias.data = b[row:row + n]
+        row += n
+    return w, b
+
+
 class Fp8BlockLinear(nn.Module):
     """y = x @ W^T (+ bias) with W kept as the checkpoint stores it: weight e4m3 [N, K] and
     weight_scale_inv fp32 [ceil(N/128), ceil(K/128)] (a buffer, loaded with the weight).
@@ -81,6 +101,16 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, False, dtype)
         self.up_proj = Linear(hidden, intermediate, False, dtype)
         self.down_proj = Linear(intermediate, hidden, False, dtype)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None     # fuse_gate_up()
+
+    def fuse_gate_up(self) -> bool:
+        """gate and up as one GEMV (fuse_linears). -> fused?"""
+        if self.gate_up is None:
+            self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            g, u = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
