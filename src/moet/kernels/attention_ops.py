@@ -21,9 +21,13 @@ from moet.kernels import attention_reference as ref
 from moet.kernels import kv_cache
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 
-# Decode split-K partition in tokens (whole pages). 256 is FlashInfer/vLLM's order of magnitude;
-# bench/attention_bench.py sweeps it on the H200 to pick the default.
-DEFAULT_SPLIT_TOKENS = 256
+# Decode split-K partition in tokens (whole pages). It only shapes contexts shorter than
+# split_tokens x max splits (GQA 32): longer ones get max-splits longer splits anyway, which is
+# what bench/attention_bench.py measured at 32K. At the short contexts of most decode steps a
+# split is one 64-token loop step: an H200 profile of a captured Qwen3-30B-A3B decode step
+# (tools/kernel_lab/engine_h200_2026-11-29) had the 256-token splits at 8.7 us per layer for a
+# 150-token context, one program walking four dependent load -> dot -> softmax steps.
+DEFAULT_SPLIT_TOKENS = 64
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
