@@ -104,8 +104,8 @@ def test_router_softmax_bf16_logits(name):
     spec, g = SPECS[name], _gen()
     logits = (torch.randn(9, spec.num_experts, generator=g) * 2).to(torch.bfloat16)
     ids, w = _tri().router_topk(logits.to(DEVICE), spec)
-    # fp32 weights agree within ~1e-6, so the bf16 roundings of them agree within one bf16 step
-    _check(logits, spec, None, ids, w, exact_sets=False, rtol=2 ** -8)
+    # fp32 weights agree within ~1e-6, so the bf16 roundings of them agree within one bf16 step (<= 2**-7 relative)
+    _check(logits, spec, None, ids, w, exact_sets=False, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "dsv3", "glm"])
@@ -152,17 +152,13 @@ from triton.compiler import ASTSource
 from moet.kernels import router_triton as rt
 
 fn = rt._router_kernel
-cases = [  # (logits, weights, constexprs): Qwen3, Mixtral, DeepSeek-V3, GLM-4.5, the 512 / k 16 limit
+cases = [  # (logits, weights, constexprs): Qwen3 (bf16), DeepSeek-V3 (groups), GLM-4.5 (E not a power of 2)
     ("*bf16", "*bf16", dict(E=128, K=8, G=1, TOPK_GROUP=1, GP=1, GSP=128, KP=8, SIGMOID=False, NORM=True,
-                            HAS_BIAS=False, OUT_BF16=True)),
-    ("*bf16", "*bf16", dict(E=8, K=2, G=1, TOPK_GROUP=1, GP=1, GSP=8, KP=2, SIGMOID=False, NORM=True,
                             HAS_BIAS=False, OUT_BF16=True)),
     ("*fp32", "*fp32", dict(E=256, K=8, G=8, TOPK_GROUP=4, GP=8, GSP=32, KP=8, SIGMOID=True, NORM=True,
                             HAS_BIAS=True, OUT_BF16=False)),
     ("*fp32", "*fp32", dict(E=160, K=8, G=1, TOPK_GROUP=1, GP=1, GSP=256, KP=8, SIGMOID=True, NORM=True,
                             HAS_BIAS=True, OUT_BF16=False)),
-    ("*fp32", "*fp32", dict(E=512, K=16, G=1, TOPK_GROUP=1, GP=1, GSP=512, KP=16, SIGMOID=False, NORM=False,
-                            HAS_BIAS=False, OUT_BF16=False)),
 ]
 for lt, wt, const in cases:
     const = dict(const, ACCURATE=True)
@@ -183,7 +179,7 @@ def test_router_kernel_compiles_for_sm90():
     r = subprocess.run([sys.executable, "-c", _AOT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert sum(line.startswith("router") for line in r.stdout.splitlines()) == 5, r.stdout
+    assert sum(line.startswith("router") for line in r.stdout.splitlines()) == 3, r.stdout
 
 
 # ------------------------------------------------------------------------ GPU twin: real sizes
@@ -236,7 +232,7 @@ def test_route_cuda_matches_torch_route(name, t, monkeypatch):
         assert bool(same[untied].all())                                 # no tie at the cut: same set
     a = w.gather(1, ids.sort(1).indices)[same].float()
     b = rw.gather(1, rid.sort(1).indices)[same].float()
-    rtol = 1e-6 if w.dtype == torch.float32 else 2 ** -8
+    rtol = 1e-6 if w.dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(a, b, rtol=rtol, atol=0.0)
     assert same.float().mean() > 0.95
 
