@@ -91,7 +91,12 @@ def test_rope_matches_rotary_apply(dtype, d, rd, interleave):
     x = wide[..., 4:4 + d]
     got = _tri().rope(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), interleave)
     want = rot.apply(x, cos, sin)                             # torch path (CPU tensors)
-    assert got.shape == (t, h, d) and torch.equal(got.cpu(), want)
+    assert got.shape == (t, h, d)
+    if dtype == torch.bfloat16 or DEVICE == "cpu":
+        assert torch.equal(got.cpu(), want)
+    else:       # fp32 on the GPU: the compiler contracts x*c + p*s into one FMA (one rounding
+        # fewer), which shows as many ulps where the two terms cancel: compare to the row scale
+        assert float((got.cpu() - want).abs().max()) <= 1e-6 * float(want.abs().max())
 
 
 def test_rope_rejects_partial_interleave():

@@ -248,3 +248,204 @@ def test_wgmma_ptx_assembles_with_qgmma(mg, kg, st, fallback):
     assert r["instr_per_weight"] <= (1.0 if not fallback else 1.2), r["instr_per_weight"]
     if not fallback:
         assert "R2UR" not in r["loop_hist"], "descriptor not uniform: R2UR per wgmma"
+
+
+# ----------------------------------------------------------------------------- grouped (MoE) layer: emulate_moe, moe_wgmma
+
+def _moe_pool(s, h, i, seed, layout="v1"):
+    """A moet W2Pool of s slots quantized from random weights (moet.formats.w2), file (v1) or
+    kernel (nb8) code layout."""
+    from moet.formats import w2 as W2F
+    from moet.kernels.pools import W2Pool
+    g = torch.Generator().manual_seed(seed)
+
+    def q(n, k):
+        t = W2F.quantize(torch.randn(n, k, generator=g, dtype=torch.float64))
+        return t.codes, t.scales
+    parts = [q(2 * i, h) + q(h, i) for _ in range(s)]
+    gc, gs, dc, ds = (torch.stack([p[j] for p in parts]).contiguous() for j in range(4))
+    if layout == "nb8":
+        return W2Pool(W2F.to_nb8(gc), gs, W2F.to_nb8(dc), ds, "nb8")
+    return W2Pool(gc, gs, dc, ds, "v1")
+
+
+def test_moe_xq_layout():
+    import emulate_moe as EM
+    import emulate_next as N
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (5, 512), dtype=np.uint8)
+    xq = EM.to_xq(x)
+    assert xq.shape == (5, 16, 2, 16)
+    np.testing.assert_array_equal(EM.from_xq(xq), x)
+    # the tile a program stages from rows (3, 0, 4) is xw8 of those tokens in that column order
+    np.testing.assert_array_equal(EM.tile_from_rows(xq, [3, 0, 4]), N.to_xw8(x[[3, 0, 4]]))
+
+
+def test_moe_grouping_runs():
+    """Every pair lands in exactly one run of <= 8 pairs of one expert, in pair order; the PTX's
+    ballot / popc / brev + clz arithmetic (groups_ballot) gives the same runs, also for an expert
+    picked by more than 8 pairs (two runs) and for P = 64."""
+    import emulate_moe as EM
+    rng = np.random.default_rng(2)
+    cases = [np.array([5, 1, 1, 5, 2, 5]), np.full(19, 3), rng.integers(0, 9, 64), rng.integers(0, 256, 64),
+             np.arange(8)]
+    for ids in cases:
+        gr = EM.groups(ids)
+        assert gr == EM.groups_ballot(ids)
+        seen = sorted(q for _, mem in gr for q in mem)
+        assert seen == list(range(len(ids)))
+        for p, mem in gr:
+            assert mem[0] == p and len(mem) <= 8 and len({int(ids[q]) for q in mem}) == 1 and mem == sorted(mem)
+
+
+@pytest.mark.parametrize("layout", ["v1", "nb8"])
+def test_moe_pool_conversion_bit_exact(layout):
+    """W2Pool (v1 / nb8) -> the kernels' pool and back, bit-exact; down K 160 padded to 256 with
+    code 0 and the row's last scale byte; a zero scale byte flags its (64-row tile, chunk) only."""
+    import emulate_next as N
+    import moe_wgmma as MW
+    h, i = 256, 160
+    pool = _moe_pool(2, h, i, 4, layout)
+    pool.gate_up_scales[1, 70, 3] = 0
+    kp = MW.convert_pool(pool)
+    assert (kp.H, kp.I, kp.Ip) == (h, i, 256)
+    assert kp.gu_codes.shape == (2, 2 * i // 16, h // 256, 2, 32, 16) and kp.dn_aux.shape == (2, h // 64, 1, 64)
+    from moet.formats import w2 as W2F
+    for s in range(2):
+        gc, gs, dc, ds = MW.unconvert_slot(kp, s)
+        v1 = (lambda c: W2F.from_nb8(c)) if layout == "nb8" else (lambda c: c)
+        np.testing.assert_array_equal(gc, v1(pool.gate_up_codes[s]).numpy())
+        np.testing.assert_array_equal(gs, pool.gate_up_scales[s].numpy())
+        np.testing.assert_array_equal(dc, v1(pool.down_codes[s]).numpy())
+        np.testing.assert_array_equal(ds, pool.down_scales[s].numpy())
+        full = N.from_sw8(kp.dn_sw[s].numpy(), h, 256)
+        assert (full[:, i // 32:] == full[:, i // 32 - 1:i // 32]).all()
+        assert (N.from_fa8i_codes(kp.dn_codes[s].numpy(), h, 256)[:, i // 4:] == 0).all()
+    fl = [N.fallback_flags(kp.gu_aux[s].numpy()) for s in range(2)]
+    assert fl[0].sum() == 0 and fl[1].sum() == 1 and fl[1][70 // 64, 0] == 1
+
+
+@pytest.mark.parametrize("i,limit", [(160, None), (256, 0.75)])
+def test_moe_layer_emulation_matches_reference(i, limit):
+    """The whole layer over the kernels' bytes (quant, grouped gate/up with a miss, SwiGLU + act
+    quant, grouped down, combine) vs a float64 moe_experts_reference with e4m3 activations at the
+    same two points: expert 1 not resident (miss counted, contributes 0), expert 4 shared by two
+    tokens (one run of 2), a fallback chunk in slot 1's gate/up and slot 2's down."""
+    import emulate_moe as EM
+    import moe_wgmma as MW
+    h, k, t = 256, 2, 3
+    pool = _moe_pool(4, h, i, 10 + i)
+    pool.gate_up_scales[1, 70, 3] = 0          # quantizer's all-zero block -> fallback chunk
+    pool.down_scales[2, 9, 2] = 100            # scale span > 12 in its chunk -> fallback chunk
+    kp = MW.convert_pool(pool)
+    table = torch.tensor([2, -1, 0, 3, 1, -1], dtype=torch.int32)
+    ids = torch.tensor([[0, 4], [4, 2], [1, 3]], dtype=torch.int32)
+    g = torch.Generator().manual_seed(i)
+    tw = torch.rand(t, k, generator=g)
+    hid = torch.randn(t, h, generator=g).to(torch.bfloat16).float()
+    kn = kp.numpy()
+    import emulate_next as N
+    assert N.fallback_flags(kn["gu_aux"][1]).sum() == 1 and N.fallback_flags(kn["dn_aux"][2]).sum() == 1
+    r = EM.layer(hid.numpy(), ids.numpy(), tw.numpy(), table.numpy(), kn, swiglu_limit=limit)
+    ref = EM.reference_e4m3(hid.numpy(), ids.numpy(), tw.numpy(), table.numpy(), pool, swiglu_limit=limit,
+                            act_bytes=EM.from_xq(r["aq"]), act_scale=r["as"])
+    ok = table.numpy()[ids.numpy().reshape(-1)] >= 0
+    assert r["miss"] == ref["miss"] == 1
+    assert np.isnan(r["y"][~ok]).all()          # a missing pair's rows are never written ...
+    assert np.isfinite(r["out_f32"]).all()      # ... nor read
+    rel = lambda a, b: np.abs(a - b).max() / np.abs(b).max()  # noqa: E731
+    assert rel(r["act"][ok], ref["act"][ok]) < 1e-5
+    assert rel(r["y"][ok], ref["y"][ok]) < 1e-6
+    assert rel(r["out"].double().numpy(), ref["out"]) < 4e-3          # bf16 output rounding
+    assert rel(r["out_f32"].astype(np.float64), ref["out"]) < 1e-6
+    # the kernel's act bytes are the reference's own e4m3 quantization of its float64 act (up to
+    # rare last-bit ties: fp32 vs float64 SwiGLU)
+    own = EM.reference_e4m3(hid.numpy(), ids.numpy(), tw.numpy(), table.numpy(), pool, swiglu_limit=limit)
+    sc = np.abs(own["act"]).max(1) / 448
+    rb = torch.from_numpy(np.clip(own["act"] / np.where(sc > 0, sc, 1)[:, None], -448, 448)).to(
+        torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert (EM.from_xq(r["aq"])[:, :i][ok] != rb[ok]).mean() < 0.01
+    assert rel(r["out"].double().numpy(), own["out"]) < 1e-2
+
+
+def test_moe_layer_same_bits_in_any_slot():
+    """Permuting which slot holds which expert (and the tokens' expert order in the runs) leaves
+    every output bit unchanged."""
+    import emulate_moe as EM
+    import moe_wgmma as MW
+    from moet.kernels.pools import W2Pool
+    h, i, k, t = 256, 256, 2, 2
+    pool = _moe_pool(3, h, i, 21)
+    perm = [2, 0, 1]                                       # new slot s holds old slot perm[s]
+    pool2 = W2Pool(*(getattr(pool, f)[perm].contiguous() for f in
+                     ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales")), "v1")
+    table = torch.tensor([0, 1, 2], dtype=torch.int32)
+    table2 = torch.tensor([perm.index(0), perm.index(1), perm.index(2)], dtype=torch.int32)
+    ids = torch.tensor([[0, 2], [2, 1]], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    tw, hid = torch.rand(t, k, generator=g), torch.randn(t, h, generator=g)
+    a = EM.layer(hid.numpy(), ids.numpy(), tw.numpy(), table.numpy(), MW.convert_pool(pool).numpy())
+    b = EM.layer(hid.numpy(), ids.numpy(), tw.numpy(), table2.numpy(), MW.convert_pool(pool2).numpy())
+    assert torch.equal(a["out"].view(torch.int16), b["out"].view(torch.int16))
+
+
+@pytest.mark.skipif(G._bin_dir() is None, reason="ptxas not found: the triton wheel (triton==3.6.0) ships it")
+def test_moe_ptx_assembles():
+    import gen_moe_wgmma as GM
+    r = GM.report(("1x1s4",))
+    g = r["gemv"][0]
+    assert not g["wgmma_serialized"] and g["spill_stores"] == 0 and g["regs"] <= 128
+    assert g["qgmma_register_a"] and not g["f2fp_or_hmma_in_loop"]
+    assert g["instr_per_weight"] <= 1.2, g["instr_per_weight"]
+    for v in r["small"].values():
+        assert v["spill_stores"] == 0 and v["kernel_instr"] > 0
+
+
+def test_moe_quant_index_arithmetic():
+    """moe_quant's per-thread index math (j = u >> 1, h = u & 1, B = j >> 2, m = j & 3, value k =
+    128 B + 8 m + 4 h + 32 tq + ii -> byte 4 tq + ii of piece u) is the xq layout; with the padded
+    tail (k >= K -> 0) as for GLM's down K."""
+    import emulate_moe as EM
+    k, kp = 160, 256
+    v = np.arange(1, k + 1, dtype=np.int64)
+    out = np.zeros(kp, np.int64)
+    for u in range(kp // 16):
+        j, h = u >> 1, u & 1
+        B, m = j >> 2, j & 3
+        for tq in range(4):
+            k0 = (B << 7) + 8 * m + 4 * h + 32 * tq
+            for ii in range(4):
+                out[16 * u + 4 * tq + ii] = v[k0 + ii] if k0 < k else 0
+    pad = np.zeros((1, kp), np.uint8)
+    pad[0, :k] = v
+    np.testing.assert_array_equal(out, EM.to_xq(pad).reshape(-1))
+
+
+def test_run_moe_wgmma_check_path_cpu(monkeypatch):
+    """The device script's check (poisoned workspaces, miss, shared expert, fallback chunks, rerun
+    and reversed-slot identity, float64 reference) through the real launcher, moe_wgmma.MoeWgmma,
+    with libcuda replaced by emulate_moe.FakeCu: every launch's arguments are bound by name and
+    type to the kernel's PTX parameter list and emulated with the launch's grid / block."""
+    import emulate_moe as EM
+    import moe_wgmma as MW
+    import run_moe_wgmma as R
+    monkeypatch.setattr(MW, "_cubin", lambda key, gen: b"")       # no ptxas here (test_moe_ptx_assembles)
+    cus = []
+
+    def make(kp, pdl=False):
+        cus.append(EM.FakeCu())
+        return MW.MoeWgmma(kp, "1x2s4", "1x1s4", cu=cus[-1], pdl=pdl)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        r = R.check(make, 256, 160, 10, 2, 2, torch.device("cpu"), gen, limit=0.5,
+                    make_twin=lambda kp: make(kp, pdl=True))
+    finally:
+        MW._TRACE = None
+    assert r["ok"], r
+    assert r["miss"][0] == 1 and r["fallback_chunks"] >= 2 and r["distinct"] < r["pairs"]
+    names = [ln[0] for ln in cus[0].launches[:5]]
+    assert names == ["moe_quant", "moe_gemv_wgmma", "moe_quant", "moe_gemv_wgmma", "moe_combine"]
+    assert cus[0].launches[1][1:3] == ((2 * 160 // 64, 4), (128, 2)) and cus[0].launches[3][1:3] == ((256 // 64, 4), (128, 1))
+    assert [ln[4] for ln in cus[0].launches[:5]] == [False] * 5
+    assert [ln[4] for ln in cus[-1].launches[:5]] == [False, True, True, True, True]   # the PDL twin
+    assert r["pdl_twin_identical"] and r["pdl_twin_error"] is None

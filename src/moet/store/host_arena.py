@@ -33,9 +33,13 @@ PAGE = 4096
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """uint8 [nbytes], page-aligned: pinned (cudaHostAlloc, page-aligned) or an anonymous mmap."""
     if pin:
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # torch's caching host allocator may hand out a block inside a larger pinned region
+        # (not page-aligned on the H200 box's torch 2.11): over-allocate one page and align the view
+        t = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=True)
+        off = -t.data_ptr() % PAGE
+        t = t[off:off + nbytes]
         if t.data_ptr() % PAGE:
-            raise ConfigError("pinned host memory is not page-aligned here; drop --o-direct")
+            raise ConfigError("pinned host memory could not be page-aligned; drop --o-direct")
         return t
     mm = mmap.mmap(-1, max(nbytes, 1))
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)

@@ -70,13 +70,17 @@ def unroll_of(pf: int = 1, st: int = 0) -> int:
 
 
 def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_90a", pf: int = 1, st: int = 0,
-              maxnreg: int = 0) -> str:
+              maxnreg: int = 0, moe: bool = False) -> str:
     """pf: (st = 0) how many chunks ahead the code / scale / aux loads run, in pf + 1 register sets.
     st >= 3: instead a ring of st shared-memory stages per warpgroup filled with cp.async (each thread
     copies and later reads back only its own 40 bytes per chunk: no barriers), st - 1 chunks ahead,
     one register set; more bytes in flight per SM without registers.
     fallback: emit the exact fallback for flagged chunks (always, for real use; False only to compare
-    the SASS of the fast path)."""
+    the SASS of the fast path).
+    moe: the grouped (MoE) form `moe_gemv_wgmma` (gen_moe_wgmma.py docstring): grid (N / (64 MG), P);
+    program (r, p) serves the run of <= 8 pairs of expert ids[p] that pair p starts (others exit),
+    weights at slot slot_table[ids[p]] of the pools, B column n = x row member_n / xdiv; the same
+    per-warpgroup code otherwise."""
     assert pf >= 1 and (st == 0 or st >= 2)
     nls = 1 if st else pf + 1          # load register sets
     unroll = unroll_of(pf, st)
@@ -94,9 +98,15 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e(".address_size 64")
     e(".extern .shared .align 1024 .b8 xsm[];")
     e("")
-    e(f".visible .entry {KERNEL}(")
-    e("    .param .u64 p_codes, .param .u64 p_scales, .param .u64 p_aux, .param .u64 p_x, .param .u64 p_xs,")
-    e("    .param .u64 p_y, .param .u32 p_n, .param .u32 p_k, .param .u32 p_t, .param .u64 p_desc)")
+    if moe:
+        e(".visible .entry moe_gemv_wgmma(")
+        e("    .param .u64 p_codes, .param .u64 p_scales, .param .u64 p_aux, .param .u64 p_x, .param .u64 p_xs,")
+        e("    .param .u64 p_y, .param .u32 p_n, .param .u32 p_k, .param .u32 p_np, .param .u64 p_desc,")
+        e("    .param .u64 p_ids, .param .u64 p_table, .param .u64 p_miss, .param .u32 p_xdiv)")
+    else:
+        e(f".visible .entry {KERNEL}(")
+        e("    .param .u64 p_codes, .param .u64 p_scales, .param .u64 p_aux, .param .u64 p_x, .param .u64 p_xs,")
+        e("    .param .u64 p_y, .param .u32 p_n, .param .u32 p_k, .param .u32 p_t, .param .u64 p_desc)")
     e(f".reqntid {128 * mg}, {kg}, 1")
     if maxnreg:
         e(f".maxnreg {maxnreg}")
@@ -113,13 +123,22 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e("    .reg .f32 fe<4>, fz;")
     for q in range(nls):
         e(f"    .reg .b32 cw{q}_<8>, sw{q}, aw{q};")
+    if moe:
+        e("    .reg .b32 pr, ex, gs, np, xdiv, slot, mk0, mk1, iv, cs, c2, c3, xm, xm2, xm3, pos, srcsz;")
+        e("    .reg .b64 msk, bef, aft, one, pids, ptab, pmiss, pxr;")
+        e("    .reg .pred pq;")
     for p in range(2):
         e(f"    .reg .b32 A{p}_<32>;")
         e(f"    .reg .f32 D{p}_<4>;")
     e("")
     e("    ld.param.u64 pc, [p_codes]; ld.param.u64 ps, [p_scales]; ld.param.u64 pa, [p_aux];")
     e("    ld.param.u64 px, [p_x]; ld.param.u64 pxs, [p_xs]; ld.param.u64 py, [p_y]; ld.param.u64 dtm, [p_desc];")
-    e("    ld.param.u32 n, [p_n]; ld.param.u32 k, [p_k]; ld.param.u32 tt, [p_t];")
+    if moe:
+        e("    ld.param.u32 n, [p_n]; ld.param.u32 k, [p_k]; ld.param.u32 np, [p_np]; ld.param.u32 xdiv, [p_xdiv];")
+        e("    ld.param.u64 pids, [p_ids]; ld.param.u64 ptab, [p_table]; ld.param.u64 pmiss, [p_miss];")
+        e("    cvta.to.global.u64 pids, pids; cvta.to.global.u64 ptab, ptab;")
+    else:
+        e("    ld.param.u32 n, [p_n]; ld.param.u32 k, [p_k]; ld.param.u32 tt, [p_t];")
     e("    cvta.to.global.u64 pc, pc; cvta.to.global.u64 ps, ps; cvta.to.global.u64 pa, pa;")
     e("    cvta.to.global.u64 px, px; cvta.to.global.u64 pxs, pxs; cvta.to.global.u64 py, py;")
     # block (128 MG, KG): the K-split index is %tid.y, so everything the wgmma descriptor depends on
@@ -131,6 +150,8 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e(f"    mad.lo.u32 tile, blk, {mg}, mgi;              // 64-row tile")
     e("    mad.lo.u32 t16, tile, 4, warp;               // 16-row warp tile")
     e("    shr.u32 nch, k, 8;")
+    if moe:
+        moe_prologue(e, nthr)
     if kg == 1:
         e("    mov.u32 c0, 0; mov.u32 c1, nch;")
     else:
@@ -192,6 +213,8 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
             loads(q, "pl" if q == 0 else "pv")
         advance()
     # stage the whole permuted x (8 K bytes) into shared memory, all threads of the CTA
+    if moe:   # PDL: everything above reads only inputs (ids, table, weights); x is the previous kernel's
+        e("    griddepcontrol.wait;")
     e("    mov.u32 xa, xsm;")
     e("    shr.u32 tmp2, k, 1;                            // 16-byte units")
     e("    mov.u32 tmp, tid;")
@@ -200,9 +223,15 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e("    @!pe bra STAGED;")
     # cp.async: every piece in flight at once (a load -> store loop would wait one L2 round trip per
     # 16 B piece per thread); the wait below also completes the ring prologue's groups
-    e("    mul.wide.u32 off, tmp, 16; add.u64 a64, px, off;")
+    if moe:
+        e("    shr.u32 sel, tmp, 3; mul.wide.u32 off, sel, 16; add.u64 a64, pxr, off;   // piece (j h, column tid & 7)")
+    else:
+        e("    mul.wide.u32 off, tmp, 16; add.u64 a64, px, off;")
     e("    shl.b32 sel, tmp, 4; add.u32 sel, sel, xa;")
-    e("    cp.async.cg.shared.global [sel], [a64], 16;")
+    if moe:
+        e("    cp.async.cg.shared.global [sel], [a64], 16, srcsz;   // src-size 0: zero column")
+    else:
+        e("    cp.async.cg.shared.global [sel], [a64], 16;")
     e(f"    add.u32 tmp, tmp, {nthr};")
     e("    bra.uni STAGE;")
     e("STAGED:")
@@ -333,6 +362,8 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     L.extend(FBL)
     e("DONE:")
     e("    wgmma.wait_group.sync.aligned 0;")
+    if moe:   # PDL: let the next kernel launch (it waits for this grid's completion before reading y)
+        e("    griddepcontrol.launch_dependents;")
     # epilogue: rows 64 tile + 16 warp + g (+8), tokens 2t, 2t+1
     e("    mad.lo.u32 tmp2, tile, 64, gq; shl.b32 tmp, warp, 4; add.u32 tmp2, tmp2, tmp;   // row g")
     if kg > 1:
@@ -349,10 +380,14 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
             e("    ld.shared.v4.f32 {v, xsv, fx, f0}, [tmp];")
             e("    add.rn.f32 acc0, acc0, v; add.rn.f32 acc1, acc1, xsv; add.rn.f32 acc2, acc2, fx; add.rn.f32 acc3, acc3, f0;")
     for q in range(4):
-        e(f"    shl.b32 tmp, tq, 1; add.u32 tmp, tmp, {q % 2}; setp.lt.u32 pt, tmp, tt;   // token")
+        e(f"    shl.b32 tmp, tq, 1; add.u32 tmp, tmp, {q % 2}; setp.lt.u32 pt, tmp, {'gs' if moe else 'tt'};   // token")
         e(f"    @!pt bra SKIP{q};")
+        if moe:            # column 2t (+1) -> its pair; x row = pair / xdiv; y row = pair
+            e(f"    mov.u32 sx, {'xm2' if q % 2 == 0 else 'xm3'}; div.u32 tmp, sx, xdiv;")
         e("    mul.wide.u32 off, tmp, 4; add.u64 a64, pxs, off; ld.global.f32 xsv, [a64];")
         e(f"    mul.rn.f32 v, acc{q}, xsv;")
+        if moe:
+            e("    mov.u32 tmp, sx;")
         e(f"    add.u32 sel, tmp2, {8 * (q // 2)}; mad.lo.u32 sel, tmp, n, sel;")
         e("    mul.wide.u32 off, sel, 4; add.u64 a64, py, off; st.global.f32 [a64], v;")
         e(f"SKIP{q}:")
@@ -360,6 +395,47 @@ def gen_wgmma(mg: int = 1, kg: int = 1, fallback: bool = True, arch: str = "sm_9
     e("    ret;")
     e("}")
     return "\n".join(L) + "\n"
+
+
+def moe_prologue(e, nthr: int):
+    """Grouped form: which run of pairs this program serves (warp ballots over ids[0..P-1], P <= 64),
+    early exit, miss count, slot offsets of the three pools, the x row of this thread's staging
+    column (tid & 7) and of its two output columns (2t, 2t + 1)."""
+    e("    mov.u32 pr, %ctaid.y;")
+    e("    mul.wide.u32 off, pr, 4; add.u64 a64, pids, off; ld.global.nc.u32 ex, [a64];")
+    for h, reg in ((0, "mk0"), (1, "mk1")):
+        e(f"    add.u32 tmp, lane, {32 * h}; mov.u32 iv, -1; setp.lt.u32 pq, tmp, np;")
+        e("    mul.wide.u32 off, tmp, 4; add.u64 a64, pids, off; @pq ld.global.nc.u32 iv, [a64];")
+        e(f"    setp.eq.u32 pq, iv, ex; vote.sync.ballot.b32 {reg}, pq, 0xffffffff;")
+    e("    mov.b64 msk, {mk0, mk1};")
+    e("    mov.b64 one, 1; shl.b64 bef, one, pr; sub.s64 bef, bef, 1; and.b64 bef, bef, msk;")
+    e("    popc.b64 tmp, bef; and.b32 tmp, tmp, 7; setp.ne.u32 pq, tmp, 0;")
+    e("    @pq bra END;                                    // not the start of a run of 8: exit")
+    e("    shr.b64 aft, msk, pr; popc.b64 gs, aft; min.u32 gs, gs, 8;")
+    e("    and.b32 cs, tid, 7; shl.b32 c2, tq, 1; add.u32 c3, c2, 1; mov.u32 xm, pr; mov.u32 xm2, pr; mov.u32 xm3, pr;")
+    for i in range(8):
+        e("    brev.b64 bef, aft; clz.b64 pos, bef; add.u32 pos, pos, pr;")
+        e(f"    setp.eq.u32 pq, cs, {i}; @pq mov.u32 xm, pos; setp.eq.u32 pq, c2, {i}; @pq mov.u32 xm2, pos;")
+        e(f"    setp.eq.u32 pq, c3, {i}; @pq mov.u32 xm3, pos;")
+        if i < 7:
+            e("    sub.s64 bef, aft, 1; and.b64 aft, aft, bef;")
+    e("    mul.wide.u32 off, ex, 4; add.u64 a64, ptab, off; ld.global.nc.u32 slot, [a64];")
+    e("    setp.lt.s32 pq, slot, 0;")
+    e("    @!pq bra RESIDENT;")
+    e("    setp.eq.u64 pq, pmiss, 0; @pq bra END;")
+    e("    mov.u32 tmp, %ctaid.x; or.b32 tmp, tmp, tid; setp.ne.u32 pq, tmp, 0; @pq bra END;")
+    e("    griddepcontrol.wait;")
+    e("    cvta.to.global.u64 pmiss, pmiss; red.global.add.u32 [pmiss], gs;   // the only atomic")
+    e("    bra.uni END;")
+    e("RESIDENT:")
+    # slot offsets: codes N K / 4, scales N K / 32, aux N K / 256 bytes per slot
+    e("    mul.lo.u32 tmp, n, k; shr.u32 tmp, tmp, 2; mul.wide.u32 off, slot, tmp; add.u64 pc, pc, off;")
+    e("    shr.u32 tmp, tmp, 3; mul.wide.u32 off, slot, tmp; add.u64 ps, ps, off;")
+    e("    shr.u32 tmp, tmp, 3; mul.wide.u32 off, slot, tmp; add.u64 pa, pa, off;")
+    # staging source: column cs = tid & 7 is this thread's for every piece (nthr % 8 == 0)
+    assert nthr % 8 == 0
+    e("    setp.lt.u32 pq, cs, gs; selp.b32 srcsz, 16, 0, pq; selp.b32 tmp, xm, 0, pq; div.u32 tmp, tmp, xdiv;")
+    e("    mul.wide.u32 off, tmp, k; add.u64 pxr, px, off;")
 
 
 def main_loop_stats(text: str):
