@@ -4,9 +4,9 @@
 #   bash tools/kernel_lab/run7.sh   (carry [".whl"]; results under $OUT)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 pyv=$(python -c "import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")")
-pip install -q --no-deps $(ls .whl/serve/*.whl | grep -v pydantic_core) .whl/serve/pydantic_core-*-$pyv-*.whl 2>&1 | grep -v WARNING | tail -3
+python -m pip install -q --no-deps $(ls .whl/serve/*.whl | grep -v pydantic_core) .whl/serve/pydantic_core-*-$pyv-*.whl 2>&1 | grep -v WARNING | tail -3
 python -c "import uvicorn, fastapi, pydantic; print(\"serve deps ok\")"
-pip install -q --no-deps .whl/bench/*.whl 2>&1 | tail -1
+python -m pip install -q --no-deps .whl/bench/*.whl 2>&1 | tail -1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 el "gpu tests"
 timeout 40 python -m pytest -q -x -p no:cacheprovider tests/kernels/test_norm_rope_triton.py > $OUT/gpu_tests.txt 2>&1
