@@ -34,13 +34,16 @@ def _round(x, OUT: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, s_x, s_res, s_out, s_sum, eps,
-                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, OUT: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, s_x, s_x2, s_res, s_out, s_sum, eps,
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, OUT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_X2:      # a second delta (MoE routed + shared experts): x = model_dtype(x + x2) first
+        x2 = tl.load(x2_ptr + row * s_x2 + cols, mask=m, other=0.0).to(tl.float32)
+        x = _round(x + x2, OUT, dtype)
     if HAS_RES:
         r = tl.load(res_ptr + row * s_res + cols, mask=m, other=0.0).to(tl.float32)
         x = _round(r + x, OUT, dtype)
@@ -63,24 +66,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             x2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dim. With `residual`: s = residual + x first; returns (norm(s), s).
-    Without: (norm(x), None). Outputs are new tensors of x's shape and dtype."""
+    Without: (norm(x), None). With `x2` (needs `residual`): s = residual + (x + x2), both adds
+    rounded to the model dtype as torch's two adds are. Outputs are new tensors of x's shape and dtype."""
+    if x2 is not None and residual is None:
+        raise ValueError("rms_norm: a second delta x2 needs a residual")
     n = x.shape[-1]
-    x2 = _rows(x)
+    xr = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o2 = out.view(-1, n)
-    s2 = r2 = o2                                            # placeholders when there is no residual
+    s2 = r2 = d2 = o2                                       # placeholders when there is no residual / x2
     total = None
     if residual is not None:
         r2 = _rows(residual)
         total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         s2 = total.view(-1, n)
-    if x2.shape[0]:
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2, r2, weight, o2, s2, n, x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0), eps,
-            BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
+    if x2 is not None:
+        d2 = _rows(x2)
+    if xr.shape[0]:
+        _rmsnorm_kernel[(xr.shape[0],)](
+            xr, d2, r2, weight, o2, s2, n, xr.stride(0), d2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
+            eps, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, HAS_X2=x2 is not None,
             OUT=_OUT_BF16 if x.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=4 if n >= 1024 else 1)
     return out, total
 
