@@ -4,7 +4,8 @@ write_mla_kv exactly (tests/kernels/test_kv_write_triton.py compares the raw byt
 module needs triton.
 
 One kernel, `_store_rows_kernel`, stores one tensor part (k, v, latent or rope): grid (T, heads,
-chunks), one program = one token, one head, one chunk of the row. For fp8 block scales a chunk is
+chunks), one program = one token, one head, one chunk of the row. GQA's k and v go in one launch
+(`_store_kv_kernel`: the chunk axis runs over k's chunks, then v's; the same per-row code). For fp8 block scales a chunk is
 one scale group (amax over it -> scale = amax / 448, 1 for an all-zero group), else the whole row.
 Slot -1 programs exit at once. Why it matches the torch reference bit for bit:
   - divisions are IEEE round-to-nearest (tl.math.div_rn; a plain `/` in Triton is an approximate
@@ -58,6 +59,32 @@ def _e4m3_rne(y):
 
 
 @triton.jit
+def _store_row(src_ptr, dst_ptr, scale_ptr, slot, t, h, ch, s_src_t, s_src_h, s_dst_slot, s_dst_h, s_sc_slot,
+               s_sc_h, C: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
+               OUT: tl.constexpr):
+    """Token t, head h, chunk ch of one part -> its slot (slot >= 0)."""
+    c = ch * CHUNK + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < CHUNK) & (c < C)
+    x = tl.load(src_ptr + t.to(tl.int64) * s_src_t + h * s_src_h + c, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + slot * s_dst_slot + h * s_dst_h + c
+    if KIND == 0:
+        if OUT == 1:
+            tl.store(dst, _bf16_rne(x), mask=mask)
+        else:
+            tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+    else:
+        if KIND == 1:
+            s = tl.load(scale_ptr)
+        else:
+            amax = tl.max(tl.abs(x), axis=0)
+            s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+            tl.store(scale_ptr + slot * s_sc_slot + h * s_sc_h + ch, s)
+        y = tl.math.div_rn(x, tl.zeros_like(x) + s)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(dst, _e4m3_rne(y), mask=mask)
+
+
+@triton.jit
 def _store_rows_kernel(src_ptr, slot_ptr, dst_ptr, scale_ptr,
                        s_src_t, s_src_h, s_dst_slot, s_dst_h, s_sc_slot, s_sc_h,
                        C: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
@@ -67,25 +94,41 @@ def _store_rows_kernel(src_ptr, slot_ptr, dst_ptr, scale_ptr,
     ch = tl.program_id(2)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        c = ch * CHUNK + tl.arange(0, BLOCK)
-        mask = (tl.arange(0, BLOCK) < CHUNK) & (c < C)
-        x = tl.load(src_ptr + t.to(tl.int64) * s_src_t + h * s_src_h + c, mask=mask, other=0.0).to(tl.float32)
-        dst = dst_ptr + slot * s_dst_slot + h * s_dst_h + c
-        if KIND == 0:
-            if OUT == 1:
-                tl.store(dst, _bf16_rne(x), mask=mask)
-            else:
-                tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        _store_row(src_ptr, dst_ptr, scale_ptr, slot, t, h, ch, s_src_t, s_src_h, s_dst_slot, s_dst_h,
+                   s_sc_slot, s_sc_h, C, CHUNK, BLOCK, KIND, OUT)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                     s_k_t, s_k_h, s_v_t, s_v_h, s_kc_slot, s_kc_h, s_vc_slot, s_vc_h,
+                     s_ks_slot, s_ks_h, s_vs_slot, s_vs_h,
+                     CK: tl.constexpr, CHUNK_K: tl.constexpr, CV: tl.constexpr, CHUNK_V: tl.constexpr,
+                     BLOCK: tl.constexpr, KIND: tl.constexpr, OUT: tl.constexpr):
+    """GQA's k and v in one launch: grid (T, Hkv, chunks of k + chunks of v)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    ch = tl.program_id(2)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    NCK: tl.constexpr = CK // CHUNK_K
+    if slot >= 0:
+        if ch < NCK:
+            _store_row(k_ptr, kc_ptr, ks_ptr, slot, t, h, ch, s_k_t, s_k_h, s_kc_slot, s_kc_h,
+                       s_ks_slot, s_ks_h, CK, CHUNK_K, BLOCK, KIND, OUT)
         else:
-            if KIND == 1:
-                s = tl.load(scale_ptr)
-            else:
-                amax = tl.max(tl.abs(x), axis=0)
-                s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-                tl.store(scale_ptr + slot * s_sc_slot + h * s_sc_h + ch, s)
-            y = tl.math.div_rn(x, tl.zeros_like(x) + s)
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-            tl.store(dst, _e4m3_rne(y), mask=mask)
+            _store_row(v_ptr, vc_ptr, vs_ptr, slot, t, h, ch - NCK, s_v_t, s_v_h, s_vc_slot, s_vc_h,
+                       s_vs_slot, s_vs_h, CV, CHUNK_V, BLOCK, KIND, OUT)
+
+
+def _check_dst(dst: torch.Tensor, kind: int) -> int:
+    """Raises for a cache part this module cannot write; -> the OUT code (1: bf16 on the bits)."""
+    if dst.stride(-1) != 1 or dst.stride(0) != dst.shape[1] * dst.stride(1):
+        raise ConfigError("kv write (triton): cache part must be row-major with whole pages per block")
+    if kind != _PLAIN and dst.dtype != torch.float8_e4m3fn:
+        raise ConfigError(f"kv write (triton): an fp8 cache part must be float8_e4m3fn, got {dst.dtype}")
+    if kind == _PLAIN and dst.dtype not in (torch.bfloat16, torch.float32):
+        # no bit-exact rounding written for other dtypes: keep the reference's exact bytes
+        raise ConfigError(f"kv write (triton): cache dtype {dst.dtype} unsupported; use bfloat16 or float32")
+    return 1 if dst.dtype == torch.bfloat16 else 0
 
 
 def _store(src: torch.Tensor, slot_mapping: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor | None,
@@ -97,18 +140,11 @@ def _store(src: torch.Tensor, slot_mapping: torch.Tensor, dst: torch.Tensor, sca
     t, h, c = src.shape
     if src.stride(-1) != 1:
         src = src.contiguous()
-    if dst.stride(-1) != 1 or dst.stride(0) != dst.shape[1] * dst.stride(1):
-        raise ConfigError("kv write (triton): cache part must be row-major with whole pages per block")
+    out = _check_dst(dst, kind)
     chunk = min(group, c) if kind == _BLOCK else c
     chunks = c // chunk
     sc = scale if scale is not None else dst                     # any pointer; never read (plain)
     ss = (scale.stride(1), scale.stride(2)) if kind == _BLOCK else (0, 0)
-    if kind != _PLAIN and dst.dtype != torch.float8_e4m3fn:
-        raise ConfigError(f"kv write (triton): an fp8 cache part must be float8_e4m3fn, got {dst.dtype}")
-    out = 1 if dst.dtype == torch.bfloat16 else 0
-    if kind == _PLAIN and dst.dtype not in (torch.bfloat16, torch.float32):
-        # no bit-exact rounding written for other dtypes: keep the reference's exact bytes
-        raise ConfigError(f"kv write (triton): cache dtype {dst.dtype} unsupported; use bfloat16 or float32")
     _store_rows_kernel[(t, h, chunks)](
         src, slot_mapping, dst, sc, src.stride(0), src.stride(1), dst.stride(1), dst.stride(2), *ss,
         C=c, CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk), KIND=kind, OUT=out)
@@ -126,8 +162,28 @@ def write_gqa_kv(cache: GQALayerKV, k: torch.Tensor, v: torch.Tensor, slot_mappi
     if kind == _BLOCK:                   # the reference's group rule (clip to the dim, must divide)
         _groups(k.shape[-1], fmt), _groups(v.shape[-1], fmt)
     slots = slot_mapping.to(torch.int64)
-    _store(k, slots, cache.k, cache.k_scale, kind, fmt.group)
-    _store(v, slots, cache.v, cache.v_scale, kind, fmt.group)
+    if k.dtype != v.dtype or k.shape[:2] != v.shape[:2] or cache.k.dtype != cache.v.dtype:
+        _store(k, slots, cache.k, cache.k_scale, kind, fmt.group)
+        _store(v, slots, cache.v, cache.v_scale, kind, fmt.group)
+        return
+    # both parts in one launch (decode is launch-bound): _store_kv_kernel, the same per-part code
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    out = _check_dst(cache.k, kind)
+    _check_dst(cache.v, kind)
+    t, h, ck = k.shape
+    cv = v.shape[-1]
+    chunk_k = min(fmt.group, ck) if kind == _BLOCK else ck
+    chunk_v = min(fmt.group, cv) if kind == _BLOCK else cv
+    ks = cache.k_scale if cache.k_scale is not None else cache.k     # any pointer; never read (plain)
+    vs = cache.v_scale if cache.v_scale is not None else cache.v
+    sks = (ks.stride(1), ks.stride(2)) if kind == _BLOCK else (0, 0)
+    svs = (vs.stride(1), vs.stride(2)) if kind == _BLOCK else (0, 0)
+    _store_kv_kernel[(t, h, ck // chunk_k + cv // chunk_v)](
+        k, v, slots, cache.k, cache.v, ks, vs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cache.k.stride(1), cache.k.stride(2), cache.v.stride(1), cache.v.stride(2), *sks, *svs,
+        CK=ck, CHUNK_K=chunk_k, CV=cv, CHUNK_V=chunk_v, BLOCK=triton.next_power_of_2(max(chunk_k, chunk_v)),
+        KIND=kind, OUT=out)
 
 
 def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:

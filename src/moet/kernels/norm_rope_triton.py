@@ -148,3 +148,105 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
                              out.stride(1), D=d, RD=rd, BLOCK=triton.next_power_of_2(d), INTERLEAVE=interleave,
                              OUT=_OUT_BF16 if x.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=1)
     return out
+
+
+@triton.jit
+def _normed(x, r, w, OUT: tl.constexpr, dtype: tl.constexpr):
+    """One element of RMSNorm's output given the row's rsqrt r: model_dtype(w * model_dtype(x * r))."""
+    return _round(w * _round(x * r, OUT, dtype), OUT, dtype)
+
+
+@triton.jit
+def _norm_rope_head(src, dst, w_ptr, cos_row, sin_row, N, eps, D: tl.constexpr, RD: tl.constexpr,
+                    BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_NORM: tl.constexpr, OUT: tl.constexpr):
+    """One (token, head) row: optional RMSNorm over the head dim, then the rotation (_rope_kernel's
+    arithmetic on the normed values). The norm is elementwise once the row's rsqrt is known, so
+    each lane norms the element it needs (its own and its rotation partner) without a shuffle."""
+    dtype = dst.dtype.element_ty
+    i = tl.arange(0, BLOCK)
+    HALF: tl.constexpr = RD // 2
+    r = 0.0
+    if HAS_NORM:        # the row in natural order: the same fp32 sum tree as _rmsnorm_kernel
+        xr = tl.load(src + i, mask=i < D, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(xr * xr, axis=0) / N + eps)
+    if INTERLEAVE:
+        j = i % HALF
+        first = i < HALF
+        m = i < RD
+        ia = 2 * j + tl.where(first, 0, 1)
+        ib = 2 * j + tl.where(first, 1, 0)
+        a = tl.load(src + ia, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(src + ib, mask=m, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            a = _normed(a, r, tl.load(w_ptr + ia, mask=m, other=0.0).to(tl.float32), OUT, dtype)
+            b = _normed(b, r, tl.load(w_ptr + ib, mask=m, other=0.0).to(tl.float32), OUT, dtype)
+        c = tl.load(cos_row + j, mask=m, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + j, mask=m, other=0.0).to(tl.float32)
+        bs = _round(b * s, OUT, dtype)
+        y = _round(_round(a * c, OUT, dtype) + tl.where(first, -bs, bs), OUT, dtype)
+    else:
+        m = i < D
+        rot = i < RD
+        partner = tl.where(i < HALF, i + HALF, i - HALF)
+        x = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        p = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            x = _normed(x, r, tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32), OUT, dtype)
+            p = _normed(p, r, tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32), OUT, dtype)
+        p = tl.where(i < HALF, -p, p)
+        c = tl.load(cos_row + i, mask=rot, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + i, mask=rot, other=0.0).to(tl.float32)
+        y = tl.where(rot, _round(_round(x * c, OUT, dtype) + _round(p * s, OUT, dtype), OUT, dtype), x)
+    if OUT == 1:
+        tl.store(dst + i, _bf16_rne(y), mask=m)
+    else:
+        tl.store(dst + i, y.to(dtype), mask=m)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ, N, eps,
+                         s_qt, s_qh, s_kt, s_kh, s_ct, s_qot, s_qoh, s_kot, s_koh,
+                         D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr,
+                         HAS_NORM: tl.constexpr, OUT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cos_row = cos_ptr + t * s_ct
+    sin_row = sin_ptr + t * s_ct
+    if h < HQ:
+        _norm_rope_head(q_ptr + t * s_qt + h * s_qh, qo_ptr + t * s_qot + h * s_qoh, qw_ptr, cos_row, sin_row,
+                        N, eps, D, RD, BLOCK, INTERLEAVE, HAS_NORM, OUT)
+    else:
+        hk = h - HQ
+        _norm_rope_head(k_ptr + t * s_kt + hk * s_kh, ko_ptr + t * s_kot + hk * s_koh, kw_ptr, cos_row, sin_row,
+                        N, eps, D, RD, BLOCK, INTERLEAVE, HAS_NORM, OUT)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA's q/k step in one launch: q [T, Hq, d], k [T, Hkv, d] (strided views of the fused qkv
+    output are fine: unit last stride), optionally RMSNorm'ed over d with q_weight / k_weight (as
+    RMSNorm: rms_norm's arithmetic), then rotated as rope(). -> new q [T, Hq, d], k [T, Hkv, d]."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    rd = cos.shape[-1]
+    if interleave and rd != d:
+        raise ValueError(f"interleaved rotary over {rd} of {d} dims is not a supported layout")
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} disagree on tokens or head dim")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: give both q_weight and k_weight, or neither")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    ko = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    has_norm = q_weight is not None
+    qw, kw = (q_weight, k_weight) if has_norm else (cos, cos)            # placeholders: never read
+    if t:
+        _qk_norm_rope_kernel[(t, hq + hkv)](
+            q, k, qw, kw, cos, sin, qo, ko, hq, d, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), D=d, RD=rd,
+            BLOCK=triton.next_power_of_2(d), INTERLEAVE=interleave, HAS_NORM=has_norm,
+            OUT=_OUT_BF16 if q.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=1)
+    return qo, ko

@@ -41,30 +41,46 @@ class DecoderLayer(nn.Module):
     # Residual stream as vLLM carries it: a layer takes (delta, x) -- the previous layer's MLP
     # output and the residual before it -- and returns its own (delta, x). The add in front of
     # each norm is then fused into the norm (RMSNorm.add: one kernel on CUDA). delta None: x is
-    # the embedding. The sums are the same bf16 adds as x + attn(...), x + mlp(...).
+    # the embedding. delta is a pair (mlp out, second part or None): an MoE block with shared
+    # experts leaves routed and shared unsummed (MoE.forward_parts) and the next norm adds both.
+    # The sums are the same bf16 adds as x + attn(...), x + (routed + shared).
+
+    def _mlp_parts(self, h):
+        if isinstance(self.mlp, MoE):
+            return self.mlp.forward_parts(h)
+        return self.mlp(h), None
+
+    def _norm_in(self, delta, x):
+        return self.input_layernorm.add(delta[0], x, delta[1]) if delta is not None else (self.input_layernorm(x), x)
+
+    @staticmethod
+    def finish(delta, x):
+        """The residual stream after the last layer: x + delta, as the layer's own adds."""
+        d, d2 = delta
+        return x + (d if d2 is None else d + d2)
 
     def step(self, delta, x, cos, sin, cache, start):
-        h, x = self.input_layernorm.add(delta, x) if delta is not None else (self.input_layernorm(x), x)
+        h, x = self._norm_in(delta, x)
         h, x = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, cache, start), x)
         if self.expert_prefetch is not None:
             self.expert_prefetch(x)
-        return self.mlp(h), x
+        return self._mlp_parts(h), x
 
     def step_paged(self, delta, x, cos, sin, batch: AttentionBatch, kv, split_tokens: int):
-        h, x = self.input_layernorm.add(delta, x) if delta is not None else (self.input_layernorm(x), x)
+        h, x = self._norm_in(delta, x)
         h, x = self.post_attention_layernorm.add(
             self.self_attn.forward_paged(h, cos, sin, batch, kv, split_tokens), x)
         if self.expert_prefetch is not None:
             self.expert_prefetch(x)
-        return self.mlp(h), x
+        return self._mlp_parts(h), x
 
     def forward(self, x, cos, sin, cache, start):
         delta, x = self.step(None, x, cos, sin, cache, start)
-        return x + delta
+        return self.finish(delta, x)
 
     def forward_paged(self, x, cos, sin, batch: AttentionBatch, kv, split_tokens: int):
         delta, x = self.step_paged(None, x, cos, sin, batch, kv, split_tokens)
-        return x + delta
+        return self.finish(delta, x)
 
 
 class SharedHead(nn.Module):
@@ -167,7 +183,7 @@ class CausalLM(nn.Module):
         delta = None
         for i, layer in enumerate(self.model.layers):
             delta, x = layer.step_paged(delta, x, cos, sin, batch, kv[i], self.split_tokens)
-        return x + delta
+        return DecoderLayer.finish(delta, x)
 
     def mtp_forward_paged(self, j: int, next_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch,
                           kv: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +208,7 @@ class CausalLM(nn.Module):
         delta = None
         for i, layer in enumerate(self.model.layers):
             delta, x = layer.step(delta, x, cos, sin, cache[i], start)
-        return x + delta
+        return DecoderLayer.finish(delta, x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))

@@ -80,6 +80,14 @@ class GQAttention(nn.Module):
             q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
             k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
             v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+        if x.is_cuda:   # q/k norm and both rotations in one launch (same arithmetic as below)
+            from moet.kernels.norm_rope_triton import qk_norm_rope
+            if s.qk_norm:
+                q, k = qk_norm_rope(q, k, cos, sin, self.rotary.spec.interleave, self.q_norm.weight,
+                                    self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, k = qk_norm_rope(q, k, cos, sin, self.rotary.spec.interleave)
+            return q, k, v
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v

@@ -43,7 +43,9 @@ class MoE(nn.Module):
         # this pass, so the runner knows which experts a missed step needs (moet.store).
         self.route_counts: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(routed experts' output, shared experts' output or None), not yet summed: the decoder
+        layer hands both to the next RMSNorm.add, which does the add inside its kernel on CUDA."""
         ids, weights = route(x, self.gate.weight, self.spec.router, self.gate.e_score_correction_bias)
         if self.route_counts is not None:  # integer adds: exact in any order (graph-capturable)
             flat = ids.reshape(-1)
@@ -51,6 +53,8 @@ class MoE(nn.Module):
         # Triton grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
         out = moe_experts(x, ids, weights, self.slot_table, self.pool, self.miss_counter,
                           swiglu_limit=self.spec.swiglu_limit)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return out, (self.shared_experts(x) if self.shared_experts is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, shared = self.forward_parts(x)
+        return out if shared is None else out + shared
