@@ -154,8 +154,10 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed_run(eng, reqs, device) -> dict:
-    """Submit all, step to the end; per-step wall times split into decode-only and other."""
+def timed_run(eng, reqs, device, min_running: int = 1) -> dict:
+    """Submit all, step to the end; per-step wall times split into decode-only and other. A step
+    counts as decode-only when every running sequence decodes, none waits, and at least
+    `min_running` run (so a batch-b rate is not diluted by steps after some have finished)."""
     for rid, p, sp in reqs:
         eng.add_request(rid, p, sp)
     sync(device)
@@ -164,8 +166,9 @@ def timed_run(eng, reqs, device) -> dict:
     dec_time = dec_tokens = 0.0
     gen = 0
     while eng.has_unfinished_requests():
-        pure_decode = all(s.num_computed_tokens == s.num_tokens - 1 for s in eng.scheduler.running) \
-            and not eng.scheduler.waiting
+        running = eng.scheduler.running
+        pure_decode = all(s.num_computed_tokens == s.num_tokens - 1 for s in running) \
+            and not eng.scheduler.waiting and len(running) >= min_running
         ts = time.perf_counter()
         outs = eng.step()
         sync(device)

@@ -247,11 +247,16 @@ def decode_runs(eng, vocab: int, args, device, batches) -> dict:
     from moet.bench.engine_bench import prompts, timed_run
     from moet.sampling_params import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     out = {}
     for b in batches:
+        # The small step budget (--step-tokens: one schedule for the resident and cached engines,
+        # so their logprobs compare bit for bit) prefills the b prompts over many steps while the
+        # first sequences already decode: each request gets enough extra tokens to still run when
+        # the last prefill ends, and only steps with all b decoding are timed.
+        prefill_steps = -(-args.prompt_len * b // eng.scheduler.max_num_batched_tokens)
+        sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens + prefill_steps, ignore_eos=True)
         reqs = [(f"d{b}-{j}", p, sp) for j, p in enumerate(prompts(b, args.prompt_len, vocab, 11))]
-        r = timed_run(eng, reqs, device)
+        r = timed_run(eng, reqs, device, min_running=b)
         eng.reset_prefix_cache()
         out[str(b)] = {k: r[k] for k in ("decode_tok_s", "e2e_tok_s", "generated", "wall_s")}
         log(f"    batch {b}: decode {r['decode_tok_s'] or 0:.2f} tok/s")
