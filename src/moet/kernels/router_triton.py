@@ -45,6 +45,7 @@ from triton.language.extra import libdevice
 
 from moet.checkpoint.spec import RouterSpec
 from moet.errors import ConfigError
+from moet.kernels.kv_write_triton import _bf16_rne
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
@@ -58,15 +59,6 @@ def _exp(x, ACCURATE: tl.constexpr):
         return libdevice.exp(x)
     else:
         return tl.exp(x)
-
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 -> bf16, round to nearest even, on the bits (finite inputs). Triton's own cast is RNE
-    on the GPU but truncates under TRITON_INTERPRET=1; this form is the same everywhere."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
