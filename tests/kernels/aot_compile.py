@@ -4,8 +4,23 @@ of loop-carried values, dot shapes, fp8 casts); this catches those on a CPU mach
 
     python -m tests.kernels.aot_compile      (TRITON_INTERPRET must be unset)
 Run by test_attention_triton_compiles.py in a subprocess; prints one line per kernel.
+
+    python -m tests.kernels.aot_compile --gqa-sass
+The GQA decode loop at Qwen3-30B-A3B shapes (32 q / 4 kv heads, d 128, pages of 16, bf16 and fp8
+per-tensor) for each loop form (plain / PREFETCH) x num_stages x num_warps: registers, spills,
+cp.async (LDGSTS) and plain (LDG) loads, the cp.async waits, and the order of the hot loop's
+loads and MMAs. Compiled as the JIT specialises the launch: integer arguments that are
+multiples of 16 at run time (the strides, the table width, pages_min) carry tt.divisibility 16
+-- without it the K/V loads are scalar 2-byte LDGs and Triton's pipeliner emits no cp.async.
 """
 from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -19,12 +34,94 @@ from moet.kernels import prefill_triton as pt
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, types: dict, const: dict, options: dict | None = None):
+def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: tuple = ()):
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    # pointers 16-byte aligned, as the JIT specialises them at run time
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    # pointers 16-byte aligned, as the JIT specialises them at run time; so are the integer
+    # arguments named in div16 (the JIT marks every int that is a multiple of 16 at launch)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+             if t.startswith("*") or n in div16}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TARGET,
                           options=options)
+
+
+# GQA decode integer arguments that are multiples of 16 when Qwen3-30B-A3B / GLM-4.5 shapes run
+# (strides of q and of the [blocks, 16, Hkv, 128] caches, scale strides 0 or 16-multiples, the
+# table width of a max_model_len-padded table, pages_min of 256-token splits)
+GQA_DIV16 = ("s_qb", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "ss_kb", "ss_kt", "ss_kh",
+             "ss_vb", "ss_vt", "ss_vh", "s_btb", "pages_min")
+
+
+def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, prefetch: bool = False,
+                       num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True):
+    """_gqa_decode_split_kernel as paged_decode_gqa launches it: g query heads per kv head
+    (Qwen3-30B-A3B: 8), d 128, pages of 16, bf16 queries, 64-token steps."""
+    const = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
+                 BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=window, SCALE_KIND=kind, GROUP_K=128, GROUP_V=128,
+                 BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=bool(kind), PREFETCH=prefetch)
+    types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
+                 lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
+    return _compile(at._gqa_decode_split_kernel, types, const, dict(num_warps=num_warps, num_stages=num_stages),
+                    div16=GQA_DIV16 if div16 else ())
+
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([os.path.join(_BIN, "cuobjdump"), flag, path], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(path)
+
+
+def sass_report(c) -> dict:
+    """Registers, local memory, load/MMA counts and the hot loop's order of a compiled kernel.
+    The hot loop: the longest backward branch. In it: the first load of K/V data (LDG.E.128 or
+    LDGSTS) and the first MMA (HMMA/HGMMA) by position, the cp.async waits (DEPBAR.LE SB0, n)."""
+    sass = _cuobjdump(c.asm["cubin"], "-sass")
+    res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
+    ins = [(int(m[1], 16), m[3], m[4]) for m in _INS.finditer(sass)]
+    hist = collections.Counter(op for _, op, _ in ins)
+    loop, span = [], -1
+    for i, (addr, op, rest) in enumerate(ins):
+        t = re.search(r"(0x[0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t[1], 16) < addr and addr - int(t[1], 16) > span:
+            span, loop = addr - int(t[1], 16), [x for x in ins if int(t[1], 16) <= x[0] <= addr]
+    ops = [op for _, op, _ in loop]
+    first = lambda pred: next((i for i, o in enumerate(ops) if pred(o)), None)   # noqa: E731
+    kv_load = lambda o: o.startswith(("LDG.E.128", "LDG.E.64", "LDGSTS.E.BYPASS.128", "LDGSTS.E.128",  # noqa: E731
+                                       "LDGSTS.E.64", "LDGSTS.E.BYPASS.64"))
+    mma = lambda o: o.startswith(("HMMA", "HGMMA"))                                  # noqa: E731
+    return dict(regs=int(res[1]), stack=int(res[2]), local=int(res[4]), smem=c.metadata.shared,
+                spill_ops=sum(n for o, n in hist.items() if o.startswith(("LDL", "STL"))),
+                ldgsts=sum(n for o, n in hist.items() if o.startswith("LDGSTS")),   # K/V and block table
+                ldg_vec=sum(n for o, n in hist.items() if o.startswith(("LDG.E.128", "LDG.E.64"))),
+                ldg_scalar=sum(n for o, n in hist.items() if o in ("LDG.E.U16", "LDG.E.U8", "LDG.E.S16")),
+                loop_spill_ops=sum(o.startswith(("LDL", "STL")) for o in ops),
+                loop_instrs=len(ops), loop_kv_loads=sum(map(kv_load, ops)), loop_mmas=sum(map(mma, ops)),
+                loop_first_kv_load=first(kv_load), loop_first_mma=first(mma),
+                waits=[int(w, 16) for w in re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass)],
+                loop_waits=[int(re.search(r"0x[0-9a-f]+", r)[0], 16) for _, o, r in loop if o == "DEPBAR.LE"])
+
+
+def gqa_sass_table() -> None:
+    print("GQA decode, Qwen3-30B-A3B shapes (G 8, d 128, pages 16, 64-token steps), sm_90, as the JIT "
+          "specialises it")
+    print("kv   form      warps stages | regs spills(all/loop) smem | LDGSTS LDG.128 LDG.U16 | loop: instrs kv-loads "
+          "mmas first-kv-load first-mma waits(DEPBAR.LE SB0,n)")
+    for kv, kind in (("*bf16", 0), ("*fp8e4nv", 1)):
+        for prefetch, stages in ((False, 3), (False, 4), (False, 5), (False, 7), (True, 1)):
+            for warps in (4, 8):
+                r = sass_report(compile_gqa_decode(kv, kind, prefetch=prefetch, num_warps=warps, num_stages=stages))
+                print(f"{kv[1:5]:4s} {'prefetch' if prefetch else 'plain':9s} {warps:5d} {stages:6d} | {r['regs']:4d} "
+                      f"{r['spill_ops']:4d}/{r['loop_spill_ops']:<4d} {r['smem']:6d} | {r['ldgsts']:6d} {r['ldg_vec']:7d} {r['ldg_scalar']:7d} | "
+                      f"{r['loop_instrs']:12d} {r['loop_kv_loads']:8d} {r['loop_mmas']:4d} "
+                      f"{r['loop_first_kv_load']!s:>14s} {r['loop_first_mma']!s:>9s} {r['loop_waits']}", flush=True)
 
 
 def main() -> None:
@@ -36,8 +133,17 @@ def main() -> None:
                      GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=bool(kind))
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
-        c = _compile(at._gqa_decode_split_kernel, types, const)
+        c = _compile(at._gqa_decode_split_kernel, types, const, div16=GQA_DIV16)
         print("gqa split", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        # the PREFETCH loop (register double buffer) at Qwen3-30B-A3B's group of 8: the next
+        # step's K/V loads must come before the current step's MMAs in the hot loop, and nothing
+        # spilled in it (fp8 with per-token-head scales: 255 registers, 2 stores before the loop)
+        r = sass_report(compile_gqa_decode(kv, kind, prefetch=True, window=0 if kind else 4096))
+        assert r["loop_spill_ops"] == 0 and (kind == 2 or r["spill_ops"] == 0), f"gqa prefetch spills: {r}"
+        assert r["loop_kv_loads"] > 0 and r["loop_first_kv_load"] < r["loop_first_mma"], f"gqa prefetch order: {r}"
+        print("gqa split prefetch", kv, "scale kind", kind, "regs", r["regs"], "spill ops", r["spill_ops"],
+              "(in the loop", r["loop_spill_ops"], ") loop: K/V loads",
+              r["loop_kv_loads"], "first at", r["loop_first_kv_load"], "first MMA at", r["loop_first_mma"])
         # the prefill/extend kernel, same model: 8 query tokens x 16 (12 used) heads = 128 rows per program
         const = dict(G=12, BLOCK_G=16, BLOCK_M=pt.PREFILL_ROWS // 16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
                      BLOCK_SIZE=16, BLOCK_N=pt.PREFILL_BLOCK_N, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
@@ -83,4 +189,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    gqa_sass_table() if "--gqa-sass" in sys.argv[1:] else main()

@@ -1,8 +1,8 @@
 """The Triton KV write kernels store the same bytes as the torch reference writes
-(kv_cache.write_gqa_kv / write_mla_kv): every format (model dtype, fp8 per-tensor, fp8 per-token
-groups; MLA's fp8_ds_mla row), float32 and bf16 sources, random slots across pages, skipped
-slots (-1), saturation past 448 * scale and all-zero groups. Under TRITON_INTERPRET=1 without a
-GPU; small shapes."""
+(kv_cache.write_gqa_kv / write_mla_kv; GQA's k and v in one launch): every format (model
+dtype, fp8 per-tensor, fp8 per-token groups; MLA's fp8_ds_mla row), float32 and bf16 sources,
+random slots across pages, skipped slots (-1), saturation past 448 * scale and all-zero groups.
+Under TRITON_INTERPRET=1 without a GPU; small shapes."""
 from __future__ import annotations
 
 import pytest
@@ -107,3 +107,34 @@ def test_rounding_ties_and_every_e4m3_value():
         kv_cache.write_mla_kv(want, lat, rope, slots)
         _tri().write_mla_kv(got, lat.to(DEVICE), rope.to(DEVICE), slots.to(DEVICE))
         assert torch.equal(_bytes(got.buffer.cpu()), _bytes(want.buffer)), fmt
+
+
+def test_gqa_write_is_one_launch_and_mixed_dtypes_fall_back(monkeypatch):
+    """GQA's k and v go in one launch (_store_kv_kernel); k and v of different dtypes (no caller
+    does that) take the two per-part launches and still store the reference's bytes."""
+    tri = _tri()
+    launches = []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(tri, "_store_kv_kernel", Counted("kv", tri._store_kv_kernel))
+    monkeypatch.setattr(tri, "_store_rows_kernel", Counted("rows", tri._store_rows_kernel))
+    g = _gen()
+    fmt = KVFormat("fp8_e4m3", "block", group=8)
+    t, hkv, d, dv = 5, 2, 16, 8
+    k, v, slots = _data((t, hkv, d), g, torch.bfloat16), _data((t, hkv, dv), g, torch.float32), _slots(t, g)
+    for vv, want_launches in ((v.to(torch.bfloat16), ["kv"]), (v, ["rows", "rows"])):
+        launches.clear()
+        want = new_gqa_layer(NB, BS, hkv, d, dv, fmt)
+        got = new_gqa_layer(NB, BS, hkv, d, dv, fmt, device=DEVICE)
+        kv_cache.write_gqa_kv(want, k, vv, slots)
+        tri.write_gqa_kv(got, k.to(DEVICE), vv.to(DEVICE), slots.to(DEVICE))
+        assert launches == want_launches
+        assert torch.equal(_bytes(got.k.cpu()), _bytes(want.k)) and torch.equal(_bytes(got.v.cpu()), _bytes(want.v))
+        assert torch.equal(got.k_scale.cpu(), want.k_scale) and torch.equal(got.v_scale.cpu(), want.v_scale)

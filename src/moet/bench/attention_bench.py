@@ -19,7 +19,9 @@ free memory or the remaining budget are skipped (listed). Writes attention_bench
 attention_bench.md under --out and prints as it goes. Exit code 1 if any check failed.
 `--smoke` runs the same code on CPU (TRITON_INTERPRET=1) at toy shapes: a test of this script.
 `--quick` (the short GPU call, ~1 minute warm): no checks (run tests/kernels/test_attention_cuda.py
-first), decode at 32K only (batch 1 and 32, bf16 and fp8, a few split settings), prefill 8K bf16.
+first), decode at 32K only (batch 1 and 32, bf16 and fp8; GQA: the loop forms of QUICK_SPLITS --
+plain / register prefetch, 4 / 8 warps, 3 / 5 / 7 stages -- with their outputs compared bit for
+bit within a split partition; MLA: a few split settings), prefill 8K bf16.
 """
 from __future__ import annotations
 
@@ -54,9 +56,34 @@ BS = 16                                    # tokens per page (vLLM's default)
 SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (256, 8), (256, 128))
 # --quick: the defaults (GQA 256/32 since run 4, MLA 256/32) and alternatives: GQA's run-1 cap; MLA with
 # twice the programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32)
-# GQA entries may carry a third number, keys per loop step (tile_tokens; default GQA_TILE_TOKENS)
-QUICK_SPLITS = {"gqa": ((256, 32), (256, 128), (256, 128, 16), (256, 128, 32), (128, 256), (512, 64)),
+# GQA entries: (split_tokens, max_splits[, tile_tokens[, prefetch, num_warps, num_stages]]), None or
+# absent = paged_decode_gqa's default (GQA_TILE_TOKENS, GQA_PREFETCH, GQA_NUM_WARPS, GQA_NUM_STAGES).
+# --quick (issue 5, batch 1 at 32K): the loop forms at the default split (same partition, so the
+# outputs must be bit-identical to the default's at the same warps): 8 warps; Triton's cp.async
+# pipeline double (5 stages) and triple (7) buffered -- 3 stages is single-buffered, loads issued
+# after the MMAs and waited for at the next step's top; the register double buffer (prefetch) at
+# 4 and 8 warps; and prefetch at 64 splits of 512 (256 programs at batch 1) next to the plain one.
+# Run 4 already measured the other splits (256/128, 128/256, 16- and 32-token steps: all slower).
+QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, False, 8, 3), (256, 32, None, False, 4, 5),
+                        (256, 32, None, False, 4, 7), (256, 32, None, True, 4, 1), (256, 32, None, True, 8, 1),
+                        (512, 64), (512, 64, None, True, 4, 1)),
                 "mla": ((256, 32), (256, 64), (2048, 32))}
+
+
+def gqa_kw(s: tuple) -> dict:
+    """paged_decode_gqa keywords of a GQA setting tuple (see QUICK_SPLITS)."""
+    s = tuple(s) + (None,) * (6 - len(s))
+    return dict(split_tokens=s[0], max_splits=s[1], tile_tokens=s[2], prefetch=s[3], num_warps=s[4],
+                num_stages=s[5])
+
+
+def setting_label(s: tuple) -> str:
+    """256/32 (defaults), 256/32/64 (tile), 256/32 pf w4 s1 (loop form and launch)."""
+    kw = gqa_kw(s)
+    lab = f"{kw['split_tokens']}/{kw['max_splits']}" + (f"/{kw['tile_tokens']}" if kw["tile_tokens"] else "")
+    if len(s) > 3:
+        lab += f" {'pf' if kw['prefetch'] else 'plain'} w{kw['num_warps'] or '-'} s{kw['num_stages'] or '-'}"
+    return lab
 
 
 class Bench:
@@ -337,10 +364,11 @@ class Bench:
 
     def decode(self, copy_gbps: float) -> None:
         from moet.kernels import attention_triton
-        ctxs = (1024, 8192, 32768, 131072) if not self.smoke else (40,)
+        ctxs = (1024, 8192, 32768, 131072) if not self.smoke else (48,)    # whole pages, as the table below
         batches = (1, 32) if not self.smoke else (1, 2)
-        splits = {a: SPLITS for a in ("gqa", "mla")} if not self.smoke else {a: ((16, 32), (32, 2)) for a in
-                                                                             ("gqa", "mla")}
+        splits = ({a: SPLITS for a in ("gqa", "mla")} if not self.smoke else
+                  {"gqa": ((16, 32), (32, 2), (16, 32, None, True, 4, 1), (16, 32, None, False, 4, 5)),
+                   "mla": ((16, 32), (32, 2))})
         if self.quick:
             ctxs = ctxs if self.smoke else (32768,)
             splits = splits if self.smoke else QUICK_SPLITS
@@ -371,9 +399,7 @@ class Bench:
                             q = torch.randn(batch, a.num_heads, a.head_dim, device=self.dev, dtype=torch.bfloat16)
                             out = torch.empty(batch, a.num_heads, a.v_head_dim, device=self.dev, dtype=q.dtype)
                             run = lambda s: attention_triton.paged_decode_gqa(q, cache, table, lens, a.scale,
-                                                                              split_tokens=s[0], max_splits=s[1],
-                                                                              tile_tokens=s[2] if len(s) > 2 else None,
-                                                                              out=out)
+                                                                              out=out, **gqa_kw(s))
                         else:
                             a = self.mla
                             ql = torch.randn(batch, a.num_heads, a.kv_lora_rank, device=self.dev, dtype=torch.bfloat16)
@@ -390,17 +416,32 @@ class Bench:
                                            if arch == "gqa" else
                                            2 * self.mla.num_heads * (2 * self.mla.kv_lora_rank
                                                                      + self.mla.qk_rope_head_dim))
+                        first_out: dict = {}       # (split, max, tile) -> (setting, output) of the first setting
                         for s in splits[arch]:
                             if self.left() < 10:
                                 break
+                            kw = gqa_kw(s)
                             used = min(s[1], -(-ctx // (-(-s[0] // BS) * BS)))
                             partials = batch * heads * used * (width + 2) * 4 * 2      # written + read
                             ms, graphed = self.time_ms(lambda: run(s))
                             gbps = need / ms / 1e6
-                            by_split["/".join(map(str, s))] = gbps
+                            lab = setting_label(s)
+                            by_split[lab] = gbps
+                            # loop forms of one split partition: same math, so the outputs must agree
+                            # bit for bit (at the same num_warps; other warps: recorded, may differ)
+                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"])
+                            same = None
+                            if part in first_out:
+                                same = bool(torch.equal(out, first_out[part][1]))
+                                if not same:
+                                    self.log(f"  {label} {lab}: output differs from {first_out[part][0]}'s")
+                            else:
+                                first_out[part] = (lab, out.clone())
                             self.records.append(dict(kind="decode", arch=arch, ctx=ctx, batch=batch, fmt=fname,
-                                                     split_tokens=s[0], max_splits=s[1],
-                                                     tile_tokens=s[2] if len(s) > 2 else None, ms=ms, kv_bytes=need,
+                                                     split_tokens=s[0], max_splits=s[1], tile_tokens=kw["tile_tokens"],
+                                                     prefetch=kw["prefetch"], num_warps=kw["num_warps"],
+                                                     num_stages=kw["num_stages"], setting=lab,
+                                                     same_output_as_first_of_partition=same, ms=ms, kv_bytes=need,
                                                      partial_bytes=partials, gbps=gbps,
                                                      frac_of_copy=gbps / copy_gbps, graph=graphed,
                                                      tflops=flops_per_token * ctx * batch / ms / 1e9))
@@ -557,11 +598,28 @@ class Bench:
                     best[key] = r
         for (arch, ctx, batch, fmt), r in best.items():
             s = sdpa.get((arch, ctx, batch), {})
-            tile = f"/{r['tile_tokens']}" if r.get("tile_tokens") else ""
-            lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {r['split_tokens']}/{r['max_splits']}{tile} | {r['ms']:.3f} "
+            lab = r.get("setting") or f"{r['split_tokens']}/{r['max_splits']}"
+            lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {lab} | {r['ms']:.3f} "
                          f"| {r['gbps']:.0f} "
                          f"| {r['frac_of_copy']:.0%} | {r.get('tflops', float('nan')):.0f} "
                          f"| {s.get('gbps', float('nan')):.0f} |")
+        # every GQA setting side by side (--quick: the loop forms; issue 5 reads batch 1)
+        gqa = [r for r in self.records if r["kind"] == "decode" and r["arch"] == "gqa"]
+        cols = list(dict.fromkeys((r["ctx"], r["batch"], r["fmt"]) for r in gqa))
+        if gqa and len({r["setting"] for r in gqa}) > 1:
+            lines += ["", "GQA decode GB/s per setting (pf = register prefetch, w = warps, s = stages; '!=' = the "
+                      "output differs from the first setting of its split partition)", "",
+                      "| setting | " + " | ".join(f"{c[0] // 1024 or c[0]}{'K' if c[0] >= 1024 else ''} b{c[1]} {c[2]}"
+                                                for c in cols) + " |",
+                      "|" + "---|" * (len(cols) + 1)]
+            cell = {(r["setting"], r["ctx"], r["batch"], r["fmt"]): r for r in gqa}
+            for lab in dict.fromkeys(r["setting"] for r in gqa):
+                row = []
+                for c in cols:
+                    r = cell.get((lab, *c))
+                    row.append("-" if r is None else f"{r['gbps']:.0f}"
+                               + (" !=" if r.get("same_output_as_first_of_partition") is False else ""))
+                lines.append(f"| {lab} | " + " | ".join(row) + " |")
         splits = sorted({(r["split_tokens"], r["max_splits"]) for r in self.records if r["kind"] == "decode"})
         if splits and not self.quick:
             lines += ["", "geometric-mean GB/s over the decode rows measured with every setting, per "

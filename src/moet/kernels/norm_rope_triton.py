@@ -1,14 +1,21 @@
 """Triton forms of the small per-token ops around attention: RMSNorm (optionally fused with the
-residual add before it) and rotary embedding. Why: in eager torch an RMSNorm is 8 kernels (cast,
-pow, mean, add, rsqrt, mul, cast, mul) and a rotation 5 (neg, cat, 2 mul, add); an H200 profile of
-a captured Qwen3-30B-A3B decode step (tools/kernel_lab/engine_h200_2026-11-29) spent ~60 of the
-166 us of each layer in such 1-2 us kernels. Here each is one kernel.
+residual add before it, and with a second delta: an MoE block's routed + shared outputs), rotary
+embedding, and GQA's q/k head norm + both rotations in one launch (qk_norm_rope). Why: in eager
+torch an RMSNorm is 8 kernels (cast, pow, mean, add, rsqrt, mul, cast, mul) and a rotation 5 (neg,
+cat, 2 mul, add); an H200 profile of a captured Qwen3-30B-A3B decode step
+(tools/kernel_lab/engine_h200_2026-11-29) spent ~60 of the 166 us of each layer in such 1-2 us
+kernels. Here each is one kernel; and q_norm, k_norm, rotate q, rotate k are one together.
 
 Both reproduce the torch modules' arithmetic step by step (model/layers/norm.py, rope.py):
   RMSNorm:  h = fp32(x); y = model_dtype(h * rsqrt(mean(h^2) + eps)); out = model_dtype(w * y)
-            with the residual add first, s = model_dtype(x + residual), as torch's bf16 add;
+            with the residual add first, s = model_dtype(x + residual), as torch's bf16 add
+            (with x2: s = model_dtype(residual + model_dtype(x + x2)), torch's two adds);
   rotation: each product rounded to the model dtype, then the sum rounded (what torch's
             x * cos + rotated * sin does elementwise in bf16).
+  qk_norm_rope: per (token, head) program the head-dim RMSNorm above (the row summed in natural
+            order as _rmsnorm_kernel does: under the interpreter it equals rms_norm then rope bit
+            for bit; compiled, the reduction order is the compiler's), then the rotation of the
+            normed values; each lane norms the element it needs and its rotation partner.
 Roundings to bf16 are done on the bits (kv_write_triton._bf16_rne) so the interpreter twin in
 the CPU tests computes the same as the GPU. The only difference from torch is the order of the
 fp32 sum in the mean (a tree here), which can move the last bit of rsqrt's input.
