@@ -5,7 +5,8 @@ of exactly the kernel's per-lane work (README section "bf16-activation wgmma ker
 The MMA is `wgmma.mma_async.m64n8k16.f32.bf16.bf16` with A (the weights, 64 rows per warpgroup) in
 registers and B (x, bf16, NOT quantized) in shared memory. Per warp, the m64nNk16 register-A fragment is
 the mma.m16n8k16 A layout (PTX ISA "Register Fragments", wgmma .m64nNk16; g = lane >> 2, t = lane & 3):
-  reg r (r = 0..3) holds two bf16, half e (0 low, 1 high) = A[16 w + g + 8 (r & 1), 2 t + e + 8 (r >> 1)].
+  reg r (r = 0..3) holds two bf16, half e (0 low, 1 high) = A[16 w + g + 8 (r & 1), 2 t + e + 8 (r >> 1)]
+  (= CUTLASS cute ALayout_64x16: thread strides (128, 1, 16), value strides (64, 8, 512) over m + 64 k).
 D (f32, N = 8): d_q = D[16 w + g + 8 (q >> 1), 2 t + (q & 1)].
 
 Weights: bf16 bits = neg << 15 | (s + 2 big) << 7 = +-1 or +-4 times 2^(s - 127): the UE8M0 scale byte s
@@ -35,6 +36,8 @@ Layouts (same byte counts as v1, 2.25 bits per weight):
       wgmma J = 16 c + 8 b + jj reads two core matrices (8 tokens x 16 B) 128 B apart (LBO 128);
       element [J, h, n, 2 t + e] = x[n, 256 c + 32 (4 b + t) + 4 jj + 2 h + e]; tokens >= T zero.
       K * 16 bytes (K 7168: 112 KiB of shared memory per CTA).
+persistent_schedule: integer model of the persistent form's producer / consumer bookkeeping (the
+  per-tile result is the same computation, so gemv_wgmma_bf16 is its reference too).
 """
 from __future__ import annotations
 
@@ -300,4 +303,63 @@ def decoded_weights(cf, sw, n, k) -> np.ndarray:
                             row = 16 * i + g + 8 * (r & 1)
                             kk = 256 * c + 32 * (4 * b + t) + 4 * jj + 2 * (r >> 1) + e
                             out[row, kk] = bf16_value(A[:, jj, r] >> U32(16 * e))
+    return out
+
+
+def persistent_schedule(n, k, mg, kg, st, grid, aligned=False, warp=0, lane=0):
+    """Integer model of the persistent kernel's producer / consumer bookkeeping (gen_wgmma_bf16.
+    _gen_persistent, same formulas): per CTA and warpgroup (mgi, kgi), the code-byte offsets the
+    producer issues (cp relative to the codes base, for the given warp / lane) and the (16-row tile,
+    chunk) the consumer decodes at each step, with the tile ends where the epilogue runs.
+    Returns {(blk, mgi, kgi): {"issued": [...], "consumed": [...], "flushed": [...]}}."""
+    nch = k // 256
+    nr = n // (64 * mg)
+    assert nch % kg == 0 and grid <= nr
+    nloc = nch // kg
+    out = {}
+    for blk in range(grid):
+        for kgi in range(kg):
+            for mgi in range(mg):
+                ntc = (nr - blk + grid - 1) // grid
+                c0 = kgi * nloc
+                r = blk
+                tile = r * mg + mgi
+                t16 = tile * 4 + warp
+                cp = (t16 * nch + c0) * 1024 + lane * 16
+                jc = (grid * 4 * mg * nch - nloc) * 1024
+                ptl = ctl = ntc
+                pfc = 0
+                issued, consumed, flushed = [], [], []
+
+                def produce(check=True):
+                    nonlocal cp, pfc, ptl
+                    if ptl != 0:
+                        issued.append(cp)
+                    cp += 1024
+                    pfc += 1
+                    if check and pfc == nloc:
+                        cp += jc
+                        pfc = 0
+                        ptl = max(ptl, 1) - 1
+                for _ in range(st - 1):                      # prologue: predicated hop every chunk
+                    produce()
+                fc, f = 0, 0
+                cur = (t16, c0)
+                while ctl:
+                    u = f % st
+                    produce(check=(u == 0) if aligned else True)
+                    consumed.append(cur)
+                    fc += 1
+                    f += 1
+                    cur = (cur[0], cur[1] + 1)
+                    if (u == st - 1 or not aligned) and fc == nloc:
+                        flushed.append(tile)
+                        ctl -= 1
+                        if ctl == 0:
+                            break
+                        r += grid
+                        tile = r * mg + mgi
+                        fc = 0
+                        cur = (tile * 4 + warp, c0)
+                out[(blk, mgi, kgi)] = {"issued": issued, "consumed": consumed, "flushed": flushed}
     return out
