@@ -51,7 +51,7 @@ GQA_DIV16 = ("s_qb", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "ss
              "ss_vb", "ss_vt", "ss_vh", "s_btb", "pages_min")
 
 
-def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, prefetch: bool = False,
+def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, prefetch: int = 0,
                        num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True):
     """_gqa_decode_split_kernel as paged_decode_gqa launches it: g query heads per kv head
     (Qwen3-30B-A3B: 8), d 128, pages of 16, bf16 queries, 64-token steps."""
@@ -115,11 +115,13 @@ def gqa_sass_table() -> None:
     print("kv   form      warps stages | regs spills(all/loop) smem | LDGSTS LDG.128 LDG.U16 | loop: instrs kv-loads "
           "mmas first-kv-load first-mma waits(DEPBAR.LE SB0,n)")
     for kv, kind in (("*bf16", 0), ("*fp8e4nv", 1)):
-        for prefetch, stages in ((False, 3), (False, 4), (False, 5), (False, 7), (True, 1)):
+        for prefetch, stages in ((0, 3), (0, 4), (0, 5), (0, 7), (1, 1), (2, 1)):
             for warps in (4, 8):
                 r = sass_report(compile_gqa_decode(kv, kind, prefetch=prefetch, num_warps=warps, num_stages=stages))
-                print(f"{kv[1:5]:4s} {'prefetch' if prefetch else 'plain':9s} {warps:5d} {stages:6d} | {r['regs']:4d} "
-                      f"{r['spill_ops']:4d}/{r['loop_spill_ops']:<4d} {r['smem']:6d} | {r['ldgsts']:6d} {r['ldg_vec']:7d} {r['ldg_scalar']:7d} | "
+                form = f"prefetch{prefetch}" if prefetch else "plain"
+                print(f"{kv[1:5]:4s} {form:9s} {warps:5d} {stages:6d} | {r['regs']:4d} "
+                      f"{r['spill_ops']:4d}/{r['loop_spill_ops']:<4d} {r['smem']:6d} | {r['ldgsts']:6d} "
+                      f"{r['ldg_vec']:7d} {r['ldg_scalar']:7d} | "
                       f"{r['loop_instrs']:12d} {r['loop_kv_loads']:8d} {r['loop_mmas']:4d} "
                       f"{r['loop_first_kv_load']!s:>14s} {r['loop_first_mma']!s:>9s} {r['loop_waits']}", flush=True)
 
@@ -138,12 +140,14 @@ def main() -> None:
         # the PREFETCH loop (register double buffer) at Qwen3-30B-A3B's group of 8: the next
         # step's K/V loads must come before the current step's MMAs in the hot loop, and nothing
         # spilled in it (fp8 with per-token-head scales: 255 registers, 2 stores before the loop)
-        r = sass_report(compile_gqa_decode(kv, kind, prefetch=True, window=0 if kind else 4096))
-        assert r["loop_spill_ops"] == 0 and (kind == 2 or r["spill_ops"] == 0), f"gqa prefetch spills: {r}"
-        assert r["loop_kv_loads"] > 0 and r["loop_first_kv_load"] < r["loop_first_mma"], f"gqa prefetch order: {r}"
-        print("gqa split prefetch", kv, "scale kind", kind, "regs", r["regs"], "spill ops", r["spill_ops"],
-              "(in the loop", r["loop_spill_ops"], ") loop: K/V loads",
-              r["loop_kv_loads"], "first at", r["loop_first_kv_load"], "first MMA at", r["loop_first_mma"])
+        # (two steps ahead: at 8 warps, bf16)
+        for depth, warps in ((1, 4),) + (((2, 8),) if kind == 0 else ()):
+            r = sass_report(compile_gqa_decode(kv, kind, prefetch=depth, num_warps=warps, window=0 if kind else 4096))
+            assert r["loop_spill_ops"] == 0 and (kind == 2 or r["spill_ops"] == 0), f"gqa prefetch spills: {r}"
+            assert r["loop_kv_loads"] > 0 and r["loop_first_kv_load"] < r["loop_first_mma"], f"prefetch order: {r}"
+            print(f"gqa split prefetch{depth} w{warps}", kv, "scale kind", kind, "regs", r["regs"], "spill ops",
+                  r["spill_ops"], "(in the loop", r["loop_spill_ops"], ") loop: K/V loads", r["loop_kv_loads"],
+                  "first at", r["loop_first_kv_load"], "first MMA at", r["loop_first_mma"])
         # the prefill/extend kernel, same model: 8 query tokens x 16 (12 used) heads = 128 rows per program
         const = dict(G=12, BLOCK_G=16, BLOCK_M=pt.PREFILL_ROWS // 16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
                      BLOCK_SIZE=16, BLOCK_N=pt.PREFILL_BLOCK_N, WINDOW=0 if kind else 4096, SCALE_KIND=kind,

@@ -75,25 +75,26 @@ PREFETCH_CASES = [
 ]
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
 @pytest.mark.parametrize("fmt,lens,hq,hkv,d,window,split,tile", PREFETCH_CASES)
-def test_prefetch_is_bit_identical_to_the_plain_loop(fmt, lens, hq, hkv, d, window, split, tile, qdtype):
-    """prefetch=True (register double buffer: the next step's K/V and the block-table entries of
-    the step after are loaded before the current step's math) computes the same operations in
-    the same order as the plain loop: bit-identical for the same split partition, and the
-    reference's values."""
+def test_prefetch_is_bit_identical_to_the_plain_loop(fmt, lens, hq, hkv, d, window, split, tile, qdtype, depth):
+    """prefetch=1 / 2 (register prefetch: the K/V of the step 1 / 2 ahead and the block-table
+    entries of the step after it are loaded before the current step's math) computes the same
+    operations in the same order as the plain loop: bit-identical for the same split partition,
+    and the reference's values."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
     q = q.to(qdtype)
     kw = dict(split_tokens=split, tile_tokens=tile)
-    plain = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, prefetch=False, **kw)
-    pre = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, prefetch=True, **kw)
+    plain = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, prefetch=0, **kw)
+    pre = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, prefetch=depth, **kw)
     assert torch.equal(pre, plain)
-    want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
+    want = ref.paged_decode_gqa(q.float().cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
     if qdtype == torch.float32:
         torch.testing.assert_close(pre.cpu(), want, rtol=2e-5, atol=2e-5)
-    else:
-        assert float((pre.float().cpu() - want.float()).norm() / want.float().norm()) < 1e-2
+    else:                                       # bf16 operands and output: bf16 accuracy
+        assert float((pre.float().cpu() - want).norm() / want.norm()) < 2e-2
 
 
 def test_split_size_changes_rounding_only_and_empty_sequences_give_zero():

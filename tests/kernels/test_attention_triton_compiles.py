@@ -22,8 +22,8 @@ def test_kernels_compile_for_sm90():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stdout.splitlines()
-    assert sum(line.startswith(("gqa split", "mla split", "merge")) for line in lines) == 10, r.stdout
-    assert sum(line.startswith("gqa split prefetch") for line in lines) == 3, r.stdout
+    assert sum(line.startswith(("gqa split", "mla split", "merge")) for line in lines) == 11, r.stdout
+    assert sum(line.startswith("gqa split prefetch") for line in lines) == 4, r.stdout
     assert sum(line.startswith("gqa prefill") for line in lines) == 3, r.stdout
     assert sum(line.startswith("mla prefill") for line in lines) == 3, r.stdout
     assert sum(line.startswith("kv write") for line in lines) == 3, r.stdout

@@ -58,15 +58,15 @@ SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (25
 # twice the programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32)
 # GQA entries: (split_tokens, max_splits[, tile_tokens[, prefetch, num_warps, num_stages]]), None or
 # absent = paged_decode_gqa's default (GQA_TILE_TOKENS, GQA_PREFETCH, GQA_NUM_WARPS, GQA_NUM_STAGES).
-# --quick (issue 5, batch 1 at 32K): the loop forms at the default split (same partition, so the
-# outputs must be bit-identical to the default's at the same warps): 8 warps; Triton's cp.async
+# --quick (issue 5, batch 1 at 32K): the loop forms at the default split (same partition and warps:
+# the outputs must be bit-identical, checked on the GPU): 8 warps; Triton's cp.async
 # pipeline double (5 stages) and triple (7) buffered -- 3 stages is single-buffered, loads issued
-# after the MMAs and waited for at the next step's top; the register double buffer (prefetch) at
-# 4 and 8 warps; and prefetch at 64 splits of 512 (256 programs at batch 1) next to the plain one.
-# Run 4 already measured the other splits (256/128, 128/256, 16- and 32-token steps: all slower).
-QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, False, 8, 3), (256, 32, None, False, 4, 5),
-                        (256, 32, None, False, 4, 7), (256, 32, None, True, 4, 1), (256, 32, None, True, 8, 1),
-                        (512, 64), (512, 64, None, True, 4, 1)),
+# after the MMAs and waited for at the next step's top; the register prefetch one step ahead (pf1)
+# and two (pf2) at 4 and 8 warps; and pf1 at 64 splits of 512 (256 programs at batch 1) next to the
+# plain one. Run 4 measured the other splits (256/128, 128/256, 16- and 32-token steps: all slower).
+QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 0, 8, 3), (256, 32, None, 0, 4, 5), (256, 32, None, 0, 4, 7),
+                        (256, 32, None, 1, 4, 1), (256, 32, None, 1, 8, 1), (256, 32, None, 2, 4, 1),
+                        (256, 32, None, 2, 8, 1), (512, 64), (512, 64, None, 1, 4, 1)),
                 "mla": ((256, 32), (256, 64), (2048, 32))}
 
 
@@ -78,11 +78,12 @@ def gqa_kw(s: tuple) -> dict:
 
 
 def setting_label(s: tuple) -> str:
-    """256/32 (defaults), 256/32/64 (tile), 256/32 pf w4 s1 (loop form and launch)."""
+    """256/32 (defaults), 256/32/64 (tile), 256/32 pf1 w4 s1 (loop form and launch)."""
     kw = gqa_kw(s)
     lab = f"{kw['split_tokens']}/{kw['max_splits']}" + (f"/{kw['tile_tokens']}" if kw["tile_tokens"] else "")
     if len(s) > 3:
-        lab += f" {'pf' if kw['prefetch'] else 'plain'} w{kw['num_warps'] or '-'} s{kw['num_stages'] or '-'}"
+        form = f"pf{kw['prefetch']}" if kw["prefetch"] else "plain"
+        lab += f" {form} w{kw['num_warps'] or '-'} s{kw['num_stages'] or '-'}"
     return lab
 
 
@@ -367,7 +368,8 @@ class Bench:
         ctxs = (1024, 8192, 32768, 131072) if not self.smoke else (48,)    # whole pages, as the table below
         batches = (1, 32) if not self.smoke else (1, 2)
         splits = ({a: SPLITS for a in ("gqa", "mla")} if not self.smoke else
-                  {"gqa": ((16, 32), (32, 2), (16, 32, None, True, 4, 1), (16, 32, None, False, 4, 5)),
+                  {"gqa": ((16, 32), (32, 2), (16, 32, None, 1, 4, 1), (16, 32, None, 2, 8, 1),
+                           (16, 32, None, 0, 4, 5)),
                    "mla": ((16, 32), (32, 2))})
         if self.quick:
             ctxs = ctxs if self.smoke else (32768,)
@@ -416,7 +418,7 @@ class Bench:
                                            if arch == "gqa" else
                                            2 * self.mla.num_heads * (2 * self.mla.kv_lora_rank
                                                                      + self.mla.qk_rope_head_dim))
-                        first_out: dict = {}       # (split, max, tile) -> (setting, output) of the first setting
+                        first_out: dict = {}       # (split, max, tile, warps) -> (setting, output) of the first
                         for s in splits[arch]:
                             if self.left() < 10:
                                 break
@@ -427,21 +429,24 @@ class Bench:
                             gbps = need / ms / 1e6
                             lab = setting_label(s)
                             by_split[lab] = gbps
-                            # loop forms of one split partition: same math, so the outputs must agree
-                            # bit for bit (at the same num_warps; other warps: recorded, may differ)
-                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"])
+                            # loop forms of one split partition at one num_warps (the layouts): same
+                            # math in the same order, so the outputs must agree bit for bit
+                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"],
+                                    kw["num_warps"] or attention_triton.GQA_NUM_WARPS)
                             same = None
                             if part in first_out:
                                 same = bool(torch.equal(out, first_out[part][1]))
-                                if not same:
+                                if not same:            # same math, different bits: a failure
                                     self.log(f"  {label} {lab}: output differs from {first_out[part][0]}'s")
+                                    self.failures.append(f"{label} {lab}: not bit-identical to {first_out[part][0]}")
                             else:
                                 first_out[part] = (lab, out.clone())
                             self.records.append(dict(kind="decode", arch=arch, ctx=ctx, batch=batch, fmt=fname,
                                                      split_tokens=s[0], max_splits=s[1], tile_tokens=kw["tile_tokens"],
                                                      prefetch=kw["prefetch"], num_warps=kw["num_warps"],
                                                      num_stages=kw["num_stages"], setting=lab,
-                                                     same_output_as_first_of_partition=same, ms=ms, kv_bytes=need,
+                                                     same_output_as_first_of_partition=same,
+                                                     compared_with=first_out[part][0], ms=ms, kv_bytes=need,
                                                      partial_bytes=partials, gbps=gbps,
                                                      frac_of_copy=gbps / copy_gbps, graph=graphed,
                                                      tflops=flops_per_token * ctx * batch / ms / 1e9))
@@ -607,8 +612,9 @@ class Bench:
         gqa = [r for r in self.records if r["kind"] == "decode" and r["arch"] == "gqa"]
         cols = list(dict.fromkeys((r["ctx"], r["batch"], r["fmt"]) for r in gqa))
         if gqa and len({r["setting"] for r in gqa}) > 1:
-            lines += ["", "GQA decode GB/s per setting (pf = register prefetch, w = warps, s = stages; '!=' = the "
-                      "output differs from the first setting of its split partition)", "",
+            lines += ["", "GQA decode GB/s per setting (pfN = register prefetch N steps ahead, w = warps, "
+                      "s = stages; '!=' = the output differs from that of the first setting with the same split "
+                      "partition and warps, i.e. the same math)", "",
                       "| setting | " + " | ".join(f"{c[0] // 1024 or c[0]}{'K' if c[0] >= 1024 else ''} b{c[1]} {c[2]}"
                                                 for c in cols) + " |",
                       "|" + "---|" * (len(cols) + 1)]

@@ -14,6 +14,11 @@ min(max_splits, table width / split) -- no host sync, one launch shape for CUDA 
 past a sequence's last split write nothing and the merge reads only its used splits. So the
 partials stay bounded (B * heads * max_splits) with a table padded to max_model_len, and a
 sequence's output does not depend on the table's width or on the rest of the batch.
+  The page loop comes in two forms (same math, same order: bit-identical): plain (each step loads
+  its K/V tile and computes; Triton's pipeliner cp.asyncs the next tile at num_stages >= 3, one
+  buffer at 3-4 stages, two at 5, three at 7) and PREFETCH = 1 / 2 (register prefetch: the K/V
+  loads of the step 1 / 2 ahead and the block-table entries of the step after it are issued
+  before the current step's math and carried as loop values). See GQA_PREFETCH.
 
 paged_decode_mla: the same split-K over the latent rows (weight-absorbed MQA: one shared key
   row [latent | rope] per token, values = latent). Grid (ceil(H / BLOCK_H), B, splits), BLOCK_H =
@@ -72,14 +77,15 @@ GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
 # GQA decode loop form and launch (defaults: the behaviour measured in run 4, Triton's 4 warps and
-# 3 stages). sm_90 SASS at Qwen3-30B-A3B shapes (tests/kernels/aot_compile.py gqa_decode_sass):
+# 3 stages). sm_90 SASS at Qwen3-30B-A3B shapes (python -m tests.kernels.aot_compile --gqa-sass):
 # num_stages 3 and 4 cp.async the next step's K/V into a single shared buffer, issued after the
 # current step's MMAs and waited for (DEPBAR.LE SB0, 0x0) at the top of the next step: no load is
 # in flight during the math. num_stages 5 double-buffers it (one step in flight, DEPBAR.LE 0x3),
-# 7 triple-buffers it. PREFETCH=True: register double buffer, the next step's 16 LDG.E.128 and
-# the block-table entries of the step after issued before the current step's MMAs (200 registers
-# at 4 warps, no spills). Which is fastest is for the GPU to say (attention_bench --quick).
-GQA_PREFETCH = False
+# 7 triple-buffers it. PREFETCH=1: register double buffer, the next step's 16 LDG.E.128 and
+# the block-table entries of the step after issued before the current step's MMAs (~200 registers
+# at 4 warps, no spills); PREFETCH=2: two steps ahead (for 8 warps: the tiles of three steps are
+# live at once). Which is fastest is for the GPU to say (attention_bench --quick).
+GQA_PREFETCH = 0
 GQA_NUM_WARPS = 4
 GQA_NUM_STAGES = 3
 # MLA decode tiling (see _mla_decode_split_kernel): heads per program, tokens per tile, and the
@@ -242,6 +248,21 @@ def _gqa_tile_issue(page0, last, n, lo_tok, blk32, h, k_ptr, v_ptr, ks_ptr, vs_p
 
 
 @triton.jit
+def _gqa_issue_ahead(page, AHEAD: tl.constexpr, blk32, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
+                     d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+                     SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr):
+    """PREFETCH: issue the step AHEAD steps after `page` (its block-table entries blk32 loaded
+    earlier) and the block-table load of the step after that: (tmask, K, V, K scales, V scales,
+    next block-table entries), none of them waited for."""
+    p0 = page + AHEAD * PAGES
+    tmask, k, v, ksc, vsc = _gqa_tile_issue(p0, last, n, lo_tok, blk32, h, k_ptr, v_ptr, ks_ptr, vs_ptr, d, dv,
+                                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt,
+                                            ss_vh, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
+    return tmask, k, v, ksc, vsc, _gqa_tile_blocks(p0 + PAGES, last, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
+
+
+@triton.jit
 def _gqa_operand(x, sc, GROUP_SCALED: tl.constexpr, BF16_DOT: tl.constexpr, OP_F16: tl.constexpr):
     """A stored K/V tile -> the dot operand dtype, exactly as _gqa_load_operand converts it."""
     if GROUP_SCALED:
@@ -287,7 +308,7 @@ def _gqa_decode_split_kernel(
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
-        PREFETCH: tl.constexpr = False):
+        PREFETCH: tl.constexpr = 0):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -316,38 +337,64 @@ def _gqa_decode_split_kernel(
         # pages of this split, those wholly before the window left out
         first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
         last = tl.minimum(sp * pps + pps, n_pages)
-        if PREFETCH:
-            # register double buffer: step i+1's K/V loads (and step i+2's block-table entries)
-            # are issued before step i's math and carried as loop values; loads past `last` are
-            # masked (no memory traffic). Same math, same order as below: bit-identical.
+        if PREFETCH > 0:
+            # register prefetch: the K/V loads of step i + PREFETCH (and the block-table entries of
+            # the step after it) are issued before step i's math and carried as loop values, so
+            # PREFETCH steps are in flight during the math; loads past `last` are masked (no memory
+            # traffic). Same math, same order as the plain loop below: bit-identical.
             blk = _gqa_tile_blocks(first, last, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
-            tmask, k, v, ksc, vsc = _gqa_tile_issue(
-                first, last, n, lo_tok, blk, h, k_ptr, v_ptr, ks_ptr, vs_ptr, d, dv, s_kb, s_kt, s_kh,
-                s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, D, DV, BLOCK_SIZE, PAGES,
-                SCALE_KIND, GROUP_K, GROUP_V)
-            blk = _gqa_tile_blocks(first + PAGES, last, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
-            if INTERPRET:
-                page = first
-                while page < last:
-                    tmask_n, k_n, v_n, ksc_n, vsc_n = _gqa_tile_issue(
-                        page + PAGES, last, n, lo_tok, blk, h, k_ptr, v_ptr, ks_ptr, vs_ptr, d, dv, s_kb, s_kt,
-                        s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, D, DV, BLOCK_SIZE,
-                        PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-                    blk = _gqa_tile_blocks(page + 2 * PAGES, last, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
-                    m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
-                                                   SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                    tmask, k, v, ksc, vsc = tmask_n, k_n, v_n, ksc_n, vsc_n
-                    page += PAGES
-            else:
-                for page in range(first, last, PAGES):
-                    tmask_n, k_n, v_n, ksc_n, vsc_n = _gqa_tile_issue(
-                        page + PAGES, last, n, lo_tok, blk, h, k_ptr, v_ptr, ks_ptr, vs_ptr, d, dv, s_kb, s_kt,
-                        s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, D, DV, BLOCK_SIZE,
-                        PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-                    blk = _gqa_tile_blocks(page + 2 * PAGES, last, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
-                    m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
-                                                   SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                    tmask, k, v, ksc, vsc = tmask_n, k_n, v_n, ksc_n, vsc_n
+            tmask, k, v, ksc, vsc, blk = _gqa_issue_ahead(
+                first, 0, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt,
+                s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, D, DV, BLOCK_SIZE,
+                PAGES, SCALE_KIND, GROUP_K, GROUP_V)
+            if PREFETCH == 1:
+                if INTERPRET:                     # loaded-scalar loop bounds: see prefill_triton.py
+                    page = first
+                    while page < last:
+                        tmask1, k1, v1, ksc1, vsc1, blk = _gqa_issue_ahead(
+                            page, 1, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
+                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
+                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
+                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
+                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
+                        page += PAGES
+                else:
+                    for page in range(first, last, PAGES):
+                        tmask1, k1, v1, ksc1, vsc1, blk = _gqa_issue_ahead(
+                            page, 1, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
+                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
+                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
+                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
+                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
+            else:                                 # two steps ahead (registers: at 8 warps)
+                tmask1, k1, v1, ksc1, vsc1, blk = _gqa_issue_ahead(
+                    first, 1, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt,
+                    s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, D, DV, BLOCK_SIZE,
+                    PAGES, SCALE_KIND, GROUP_K, GROUP_V)
+                if INTERPRET:
+                    page = first
+                    while page < last:
+                        tmask2, k2, v2, ksc2, vsc2, blk = _gqa_issue_ahead(
+                            page, 2, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
+                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
+                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
+                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
+                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
+                        tmask1, k1, v1, ksc1, vsc1 = tmask2, k2, v2, ksc2, vsc2
+                        page += PAGES
+                else:
+                    for page in range(first, last, PAGES):
+                        tmask2, k2, v2, ksc2, vsc2, blk = _gqa_issue_ahead(
+                            page, 2, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
+                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
+                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
+                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
+                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
+                        tmask1, k1, v1, ksc1, vsc1 = tmask2, k2, v2, ksc2, vsc2
         elif INTERPRET:                           # loaded-scalar loop bounds: see prefill_triton.py
             page = first
             while page < last:
@@ -525,15 +572,17 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
-                     prefetch: bool | None = None, num_warps: int | None = None,
+                     prefetch: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
     gets max_splits longer splits. Both must be fixed per model (they change the last bits).
     out: optional [B, Hq, Dv] tensor to write into (CUDA graphs; the benchmark poisons it).
-    prefetch (default GQA_PREFETCH), num_stages (GQA_NUM_STAGES): the loop form only, the same
-    math in the same order (prefetch: bit-identical under the interpreter, tests/kernels).
+    prefetch (default GQA_PREFETCH): 0 the plain loop, 1 or 2 the register prefetch that many
+    steps ahead; num_stages (GQA_NUM_STAGES): Triton's cp.async pipeline of the plain loop. Both
+    are the loop form only, the same math in the same order (prefetch: bit-identical under the
+    interpreter, tests/kernels).
     num_warps (GQA_NUM_WARPS) sets the dots' and reductions' layouts, so like the splits it may
     change the last bits and must be fixed per model."""
     q = q.contiguous()
@@ -547,6 +596,9 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
     pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits or GQA_DEFAULT_MAX_SPLITS)
+    prefetch = int(GQA_PREFETCH if prefetch is None else prefetch)
+    if prefetch not in (0, 1, 2):
+        raise ConfigError(f"paged decode (triton): prefetch must be 0, 1 or 2 steps, got {prefetch}")
     g = hq // hkv
     acc = torch.empty(b, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -564,7 +616,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
-        PREFETCH=GQA_PREFETCH if prefetch is None else bool(prefetch),
+        PREFETCH=prefetch,
         num_warps=num_warps or GQA_NUM_WARPS, num_stages=num_stages or GQA_NUM_STAGES)
     _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                   HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
