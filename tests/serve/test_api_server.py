@@ -260,7 +260,10 @@ def test_queue_bound_and_timeout():
         t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
             s.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 100, "ignore_eos": True}, timeout=30)))
         t.start()
-        time.sleep(0.15)
+        deadline = time.time() + 10                  # wait until it holds the slot (not a fixed sleep:
+        while not engine.running and time.time() < deadline:   # a loaded machine may be slower)
+            time.sleep(0.01)
+        assert engine.running
         with pytest.raises(openai.RateLimitError):   # ... so a second one is refused at once
             c.chat.completions.create(model="moet-tiny", messages=msgs)
         t.join()

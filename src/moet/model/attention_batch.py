@@ -28,7 +28,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def _to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host int array on `device`: through pinned memory and an async copy on a GPU (torch's
+    caching host allocator keeps the pinned block until the copy has run), as is on the CPU."""
+    t = torch.from_numpy(a)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -74,15 +84,7 @@ class AttentionBatch:
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
-        positions, slots = [], []
-        for tbl, c, q in zip(block_tables, context_lens, query_lens):
-            for p in range(c, c + q):
-                positions.append(p)
-                slots.append(tbl[p // block_size] * block_size + p % block_size)
-        width = max([len(t) for t in block_tables] + [1, pad_blocks_to or 0])
-        table = torch.zeros(b, width, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        n = cu[-1]
         sample = [True] * b if sample is None else sample
         logits_rows = [cu[i + 1] - 1 for i in range(b) if sample[i] and query_lens[i] > 0]
         num_decode = 0
@@ -90,16 +92,39 @@ class AttentionBatch:
             if q != 1:
                 break
             num_decode += 1
-        i64 = dict(dtype=torch.int64, device=device)
+        # Every integer the step needs goes to the device in two copies (one int64, one int32
+        # buffer; views below), not one small pageable copy per tensor: on a GPU each of those
+        # is a host-blocking staging copy, and a decode step is short enough for them to show.
+        width = max([len(t) for t in block_tables] + [1, pad_blocks_to or 0])
+        i64 = np.empty(2 * n + len(logits_rows), dtype=np.int64)
+        pos, slots = i64[:n], i64[n:2 * n]
+        row = 0
+        for tbl, c, q in zip(block_tables, context_lens, query_lens):
+            if q == 1:                                   # decode rows: plain ints are fastest
+                pos[row] = c
+                slots[row] = tbl[c // block_size] * block_size + c % block_size
+            elif q:
+                p = np.arange(c, c + q, dtype=np.int64)
+                pos[row:row + q] = p
+                slots[row:row + q] = np.asarray(tbl, dtype=np.int64)[p // block_size] * block_size + p % block_size
+            row += q
+        i64[2 * n:] = logits_rows
+        i32 = np.zeros(b * width + b + b + 1, dtype=np.int32)
+        table = i32[:b * width].reshape(b, width)
+        for i, t in enumerate(block_tables):
+            table[i, :len(t)] = t
+        i32[b * width:b * width + b] = seq_lens
+        i32[b * width + b:] = cu
+        d64, d32 = _to_device(i64, device), _to_device(i32, device)
         return cls(
-            positions=torch.tensor(positions, **i64),
-            slot_mapping=torch.tensor(slots, **i64),
-            block_tables=table.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            positions=d64[:n],
+            slot_mapping=d64[n:2 * n],
+            block_tables=d32[:b * width].view(b, width),
+            seq_lens=d32[b * width:b * width + b],
+            cu_seqlens_q=d32[b * width + b:],
             max_seqlen_q=max(query_lens, default=0),
             num_decode_seqs=num_decode,
-            logits_indices=torch.tensor(logits_rows, **i64),
+            logits_indices=d64[2 * n:],
             seq_lens_host=seq_lens,
             cu_seqlens_q_host=cu,
         )
