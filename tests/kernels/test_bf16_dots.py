@@ -69,11 +69,13 @@ def test_mla_bf16_queries(fmt):
     ql, qr = torch.randn(2, 4, r, generator=g).to(DEVICE, BF16), torch.randn(2, 4, p, generator=g).to(DEVICE, BF16)
     want = ref.paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2)
     got = attention_triton.paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=BS)
-    assert got.dtype == BF16 and _rel(got, want) < 1e-2
+    # bf16 dots round q, P and the dequantized latent: with an fp8 cache the error reaches ~0.95%
+    # on some random draws (25 seeds, 2026-11-29), so 1e-2 was flaky; a layout bug is O(1)
+    assert got.dtype == BF16 and _rel(got, want) < 2e-2
     cu = torch.tensor([0, 6, 13], dtype=torch.int32, device=DEVICE)
     ql, qr = torch.randn(13, 4, r, generator=g).to(DEVICE, BF16), torch.randn(13, 4, p, generator=g).to(DEVICE, BF16)
     want = ref.paged_prefill_mla(ql, qr, cache, table, cu, seq_lens, 0.2)
     got = mla_prefill_triton.paged_prefill_mla(ql, qr, cache, table, cu, seq_lens, 0.2, block_h=4, block_m=4)
-    assert _rel(got, want) < 1e-2
+    assert _rel(got, want) < 2e-2
     assert torch.equal(got, mla_prefill_triton.paged_prefill_mla(ql, qr, cache, table, cu, seq_lens, 0.2,
                                                                  block_h=4, block_m=4))
