@@ -1,4 +1,5 @@
-"""`moet probe [CKPT] [--experts bf16|nvfp4|w2|all ...] [--device D] [--budget B] [--json OUT]`"""
+"""`moet probe [CKPT] [--experts bf16|nvfp4|w2|all ...] [--expert-activations bf16|e4m3] [--device D]
+[--budget B] [--json OUT]`"""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,10 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint directory (default: the shipped moet-tiny)")
     p.add_argument("--experts", action="append", choices=["bf16", "nvfp4", "w2", "all"],
                    help="expert format; repeat for several, 'all' for every one (default: nvfp4)")
+    p.add_argument("--expert-activations", default="bf16", choices=["bf16", "e4m3"],
+                   help="what the routed experts' matmuls read: bf16 = the model's dtype, unquantized "
+                        "(default); e4m3 = the PTX W2 kernel's float8 activations (hidden state per "
+                        "token and SwiGLU output per token-expert pair, scale amax/448, RNE, saturating)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--budget", default="quick", choices=["tiny", "quick", "full"],
                    help="probe sizes: tiny (seconds on CPU), quick, full (the model card's)")
@@ -37,9 +42,9 @@ def run(args) -> int:
         fmts = ["bf16", "nvfp4", "w2"]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tensors = read_tensors(ckpt)
-    results = {"checkpoint": str(ckpt), "formats": {}}
+    results = {"checkpoint": str(ckpt), "expert_activations": args.expert_activations, "formats": {}}
     for fmt in dict.fromkeys(fmts):
-        m = load(ckpt, fmt, device, tensors=tensors)
+        m = load(ckpt, fmt, device, tensors=tensors, activations=args.expert_activations)
         res = run_all(m, args.budget, tuple(args.only) if args.only else None,
                       log=lambda rec: print(json.dumps(rec), flush=True))
         results["formats"][fmt] = res

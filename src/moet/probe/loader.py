@@ -8,6 +8,9 @@ forward; only the routed-expert weights change between formats:
   w2     NVFP4 -> moet.formats.w2.from_nvfp4 -> decoded (BF16 experts: w2.quantize)
 For the shipped NVFP4 checkpoint bf16 and nvfp4 are therefore the same weights; the card's
 BF16 row was measured on the trained weights before quantization.
+
+`activations` (moet.probe.activations) picks what the routed experts' matmuls read: bf16 =
+the model's dtype, unquantized (default); e4m3 = the PTX W2 kernel's float8 activations.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torch import nn
 
 from moet.errors import CheckpointError
 from moet.formats import nvfp4, w2
+from moet.probe.activations import EXPERT_ACTIVATIONS, ExpertActivations, apply_expert_activations
 
 EXPERT_FORMATS = ("bf16", "nvfp4", "w2")
 
@@ -106,11 +110,14 @@ class Loaded:
     experts: str
     device: torch.device
     dtype: torch.dtype
+    activations: str = "bf16"   # routed experts' activations: bf16 (unquantized) | e4m3
 
 
 def load(ckpt: Path | str | None = None, experts: str = "nvfp4", device: str | torch.device = "cpu",
-         dtype: torch.dtype | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Loaded:
-    """`tensors` lets a caller reuse one read of the files across formats."""
+         dtype: torch.dtype | None = None, tensors: dict[str, torch.Tensor] | None = None,
+         activations: ExpertActivations = "bf16") -> Loaded:
+    """`tensors` lets a caller reuse one read of the files across formats; `activations` sets the
+    routed experts' activation format (moet.probe.activations)."""
     from transformers import AutoTokenizer
     ckpt = Path(ckpt) if ckpt is not None else default_checkpoint()
     if not (ckpt / "config.json").exists():
@@ -118,9 +125,12 @@ def load(ckpt: Path | str | None = None, experts: str = "nvfp4", device: str | t
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     t = tensors if tensors is not None else read_tensors(ckpt)
+    if activations not in EXPERT_ACTIVATIONS:
+        raise CheckpointError(f"unknown expert activations {activations!r}; use one of {', '.join(EXPERT_ACTIVATIONS)}")
     model, mtp = build(hf_config(ckpt), t, experts, device, dtype)
+    apply_expert_activations([model, mtp], activations)
     tok = AutoTokenizer.from_pretrained(str(ckpt))
-    return Loaded(model, mtp, tok, experts, device, dtype)
+    return Loaded(model, mtp, tok, experts, device, dtype, activations)
 
 
 def build(config, t: dict[str, torch.Tensor], experts: str, device: torch.device, dtype: torch.dtype

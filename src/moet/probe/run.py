@@ -199,7 +199,7 @@ def run_all(m: Loaded, budget: str | Budget = "full", only: tuple[str, ...] | No
             should_stop=None) -> dict:
     """`should_stop()` (optional) is asked before each probe; a True skips the rest."""
     b = BUDGETS[budget] if isinstance(budget, str) else budget
-    out = {"experts": m.experts, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
+    out = {"experts": m.experts, "expert_activations": m.activations, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
            "budget": budget if isinstance(budget, str) else asdict(b)}
     for name, fn in PROBES.items():
         if only and name not in only:
@@ -211,6 +211,6 @@ def run_all(m: Loaded, budget: str | Budget = "full", only: tuple[str, ...] | No
         out[name] = fn(m, b)
         out[name]["seconds"] = round(time.time() - t, 1)
         if log:
-            log({"probe": name, "experts": m.experts, **{k: v for k, v in out[name].items()
+            log({"probe": name, "experts": m.experts, "expert_activations": m.activations, **{k: v for k, v in out[name].items()
                                                          if not k.startswith(("examples", "by_length_depth"))}})
     return out
