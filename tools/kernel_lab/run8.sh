@@ -11,8 +11,9 @@ python -m pip install -q --no-deps .whl/bench/*.whl 2>&1 | grep -v WARNING | tai
 python -c "import uvicorn, fastapi, pydantic, accelerate; print('deps ok')"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 el "gpu tests of the fused small ops"
-timeout 60 python -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_small_ops.py \
-    tests/kernels/test_norm_rope_triton.py > $OUT/gpu_tests.txt 2>&1; echo "rc=$?" >> $OUT/gpu_tests.txt; tail -2 $OUT/gpu_tests.txt
+timeout 90 python -m pytest -q -p no:cacheprovider tests/kernels/test_fused_small_ops.py \
+    tests/kernels/test_norm_rope_triton.py tests/kernels/test_router_triton.py tests/model/test_fuse_qkv.py \
+    > $OUT/gpu_tests.txt 2>&1; echo "rc=$?" >> $OUT/gpu_tests.txt; tail -2 $OUT/gpu_tests.txt
 el "engine bench"
 mkdir -p $OUT/engine
 timeout 170 python -m moet.bench.engine_bench --models qwen3_30b,glm45air --budget-s 160 --out $OUT/engine \
