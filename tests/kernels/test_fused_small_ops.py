@@ -295,6 +295,9 @@ for d, rd, il, norm in ((128, 128, False, True), (128, 64, False, False), (64, 6
     k = build(nr._qk_norm_rope_kernel, dict(ptr("*bf16"), eps="fp32"),
               dict(D=d, RD=rd, BLOCK=triton.next_power_of_2(d), INTERLEAVE=il, HAS_NORM=norm, OUT=1), 1)
     print("qk_norm_rope", d, rd, il, norm, len(k.asm["cubin"]))
+for d, rd, il in ((128, 64, False), (64, 64, True)):
+    k = build(nr._rope_kernel, {n: "*bf16" for n in ("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")},
+              dict(D=d, RD=rd, BLOCK=d, INTERLEAVE=il, OUT=1), 1)     # rope alone: compiles (no line)
 k = build(nr._rmsnorm_kernel, {n: "*bf16" for n in ("x_ptr", "x2_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}
           | dict(eps="fp32"), dict(BLOCK=4096, HAS_RES=True, HAS_X2=True, OUT=1), 4)
 print("rmsnorm x2", len(k.asm["cubin"]))

@@ -104,39 +104,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, s_xt, s_xh, s_ct, s_ot, s_oh,
                  D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr,
                  OUT: tl.constexpr):
+    """One (token, head) row: the rotation alone (_norm_rope_head without the norm)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    dtype = out_ptr.dtype.element_ty
-    i = tl.arange(0, BLOCK)
-    src = x_ptr + t * s_xt + h * s_xh
-    dst = out_ptr + t * s_ot + h * s_oh
-    HALF: tl.constexpr = RD // 2
-    if INTERLEAVE:
-        # out[j] = x[2j] c[j] - x[2j+1] s[j],  out[HALF + j] = x[2j+1] c[j] + x[2j] s[j]  (j < HALF)
-        j = i % HALF
-        first = i < HALF
-        m = i < RD
-        a = tl.load(src + 2 * j + tl.where(first, 0, 1), mask=m, other=0.0).to(tl.float32)
-        b = tl.load(src + 2 * j + tl.where(first, 1, 0), mask=m, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
-        bs = _round(b * s, OUT, dtype)
-        y = _round(_round(a * c, OUT, dtype) + tl.where(first, -bs, bs), OUT, dtype)
-    else:
-        # neox: out[i] = x[i] c[i] + rot[i] s[i], rot = (-x[HALF:RD], x[:HALF]); dims >= RD pass
-        m = i < D
-        rot = i < RD
-        x = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-        partner = tl.where(i < HALF, i + HALF, i - HALF)
-        p = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
-        p = tl.where(i < HALF, -p, p)
-        c = tl.load(cos_ptr + t * s_ct + i, mask=rot, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + t * s_ct + i, mask=rot, other=0.0).to(tl.float32)
-        y = tl.where(rot, _round(_round(x * c, OUT, dtype) + _round(p * s, OUT, dtype), OUT, dtype), x)
-    if OUT == 1:
-        tl.store(dst + i, _bf16_rne(y), mask=m)
-    else:
-        tl.store(dst + i, y.to(dtype), mask=m)
+    _norm_rope_head(x_ptr + t * s_xt + h * s_xh, out_ptr + t * s_ot + h * s_oh, x_ptr, cos_ptr + t * s_ct,
+                    sin_ptr + t * s_ct, D, 0.0, D, RD, BLOCK, INTERLEAVE, False, OUT)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -166,9 +138,12 @@ def _normed(x, r, w, OUT: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _norm_rope_head(src, dst, w_ptr, cos_row, sin_row, N, eps, D: tl.constexpr, RD: tl.constexpr,
                     BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_NORM: tl.constexpr, OUT: tl.constexpr):
-    """One (token, head) row: optional RMSNorm over the head dim, then the rotation (_rope_kernel's
-    arithmetic on the normed values). The norm is elementwise once the row's rsqrt is known, so
-    each lane norms the element it needs (its own and its rotation partner) without a shuffle."""
+    """One (token, head) row: optional RMSNorm over the head dim, then the rotation of the first RD
+    dims (dims >= RD pass through):
+      neox:        out[i] = x[i] c[i] + rot[i] s[i], rot = (-x[HALF:RD], x[:HALF]);
+      interleaved: out[j] = x[2j] c[j] - x[2j+1] s[j], out[HALF + j] = x[2j+1] c[j] + x[2j] s[j].
+    The norm is elementwise once the row's rsqrt is known, so each lane norms the element it
+    needs (its own and its rotation partner) without a shuffle."""
     dtype = dst.dtype.element_ty
     i = tl.arange(0, BLOCK)
     HALF: tl.constexpr = RD // 2

@@ -16,17 +16,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from moet.kernels.kv_write_triton import _bf16_rne
-
-
-@triton.jit
-def _round(x, OUT_BF16: tl.constexpr, dtype: tl.constexpr):
-    if OUT_BF16:
-        return _bf16_rne(x).to(tl.float32)
-    else:
-        return x.to(dtype).to(tl.float32)
+from moet.kernels.norm_rope_triton import _round
+from moet.kernels.router_triton import _exp
 
 
 @triton.jit
@@ -38,10 +31,7 @@ def _swiglu_kernel(gu_ptr, out_ptr, I, s_gu, s_out, BLOCK: tl.constexpr, OUT_BF1
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gu_ptr + t * s_gu + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * s_gu + I + cols, mask=m, other=0.0).to(tl.float32)
-    if ACCURATE:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
+    e = _exp(-g, ACCURATE)
     a = _round(tl.math.div_rn(g, 1.0 + e), OUT_BF16, dtype)
     y = a * u
     if OUT_BF16:

@@ -73,13 +73,11 @@ class GQAttention(nn.Module):
         if self.qkv is not None:
             nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             q, k, v = torch.nn.functional.linear(x, *self.qkv).split([nq, nk, nk], dim=-1)
-            q = q.view(t, s.num_heads, s.head_dim)
-            k = k.view(t, s.num_kv_heads, s.head_dim)
-            v = v.view(t, s.num_kv_heads, s.head_dim)
         else:
-            q = self.q_proj(x).view(t, s.num_heads, s.head_dim)
-            k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
-            v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
         if x.is_cuda:   # q/k norm and both rotations in one launch (same arithmetic as below)
             from moet.kernels.norm_rope_triton import qk_norm_rope
             if s.qk_norm:
