@@ -4,10 +4,11 @@
 #   2. serve_bench: HTTP vs the Python API on moet-tiny (issue 9)
 #   3. residency_bench: 32 and 96 GB cards + transformers/accelerate offloading side by side (issue 7)
 # Kernel labs are run9.sh; moet-tiny full-v5 training is its own call (tools/train_tiny/README.md).
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-pyv=$(python -c "import sys; print(f\"cp{sys.version_info[0]}{sys.version_info[1]}\")")
-python -m pip install -q --no-deps $(ls .whl/serve/*.whl | grep -v pydantic_core) .whl/serve/pydantic_core-*-$pyv-*.whl 2>&1 | grep -v WARNING | tail -3
-python -m pip install -q --no-deps .whl/bench/*.whl 2>&1 | grep -v WARNING | tail -1
+# Wheels into their own folder on PYTHONPATH (the device README's way): the venv's site-packages
+# is not ours to write, and run 7's `pip install` into it never reached the venv's python.
+python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/serve/*.whl 2>&1 | grep -v WARNING | tail -3
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 python -c "import uvicorn, fastapi, pydantic, accelerate; print('deps ok')"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 el "gpu tests of the fused small ops"
