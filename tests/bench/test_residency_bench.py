@@ -16,6 +16,7 @@ def test_residency_bench_cpu_smoke(tmp_path):
     assert b["first_boot"]["peak_rss_gb"] > 0 and b["boot_from_pack"]["seconds"] < b["first_boot"]["seconds"]
     m = r["model"]
     assert m["resident"]["runs"]["1"]["decode_tok_s"] > 0 and m["pack_write_GBps"] > 0
+    assert m["resident"]["runs"]["2"]["decode_tok_s"] > 0
     half, full = m["cards"]["50%"], m["cards"]["100%"]
     assert full["all_resident"] and half["slots"] == m["rows"] // 2
     for label in ("cache+arena", "cache+pack+small arena"):
@@ -23,6 +24,7 @@ def test_residency_bench_cpu_smoke(tmp_path):
         assert run["correctness"]["bit_identical"]
         t0, t8 = run["tol0"], run["tol8"]
         assert t0["runs"]["1"]["decode_tok_s"] > 0 and t0["counters"]["tolerated_pairs"] == 0
+        assert t0["runs"]["2"]["decode_tok_s"] > 0      # some steps had both sequences decoding
         assert 0 <= t0["hit_rate"] < 1 and t0["passes_per_step"] > 1 and t0["bytes_fetched_per_generated_token"] > 0
         assert t8["generated"] == t0["generated"] and t0["pcie_bound_tok_s_55GBps"] > 0
         plan = t0["plan"]["1"]        # moet plan's prediction for this configuration, and the ratio
@@ -33,3 +35,12 @@ def test_residency_bench_cpu_smoke(tmp_path):
     assert r["host_peak_rss_gb"] > 0
     acc = r["accelerate"]             # the transformers + accelerate baseline, or why it is missing
     assert ("pip install" in acc["skipped"]) if "skipped" in acc else acc["cards"]["50%"]["decode_tok_s_cut_model"] > 0
+
+
+def test_prefill_done_steps_follows_the_scheduler():
+    """Hand-worked schedule, 4 prompts of 3 tokens, 4 tokens a step: step 1 prefills p0 (3) and
+    starts p1 (1); step 2: p0 decodes, p1 ends (2), p2 starts (1); step 3: 2 decodes + p2's last 2;
+    step 4: 3 decodes + p3's first token; step 5: 3 decodes + 1; step 6: p3's last token."""
+    assert residency_bench.prefill_done_steps(3, 4, 4) == [1, 2, 3, 6]
+    assert residency_bench.prefill_done_steps(64, 4, 4) == [16, 38, 69, 133]   # 64/4, then 3, 2, 1 a step
+    assert residency_bench.prefill_done_steps(64, 4, 256) == [1, 1, 1, 1]

@@ -243,6 +243,34 @@ def engine_config(args, device, max_model_len: int, **kw):
                         expert_prefetch=bool(args.expert_prefetch), **kw)
 
 
+def prefill_done_steps(prompt_len: int, batch: int, step_tokens: int) -> list[int]:
+    """The step (1-based) in which each of `batch` equal prompts finishes its prefill under the
+    scheduler's policy: running sequences in admission order take min(left, budget) tokens (a
+    decoder takes 1), then waiting ones are admitted into what budget is left."""
+    left: list[int] = []
+    done: list[int | None] = []
+    step, waiting = 0, batch
+    while waiting or any(d is None for d in done):
+        step += 1
+        budget = step_tokens
+        for j in range(len(left)):
+            if budget == 0:
+                break
+            n = min(left[j], budget) if left[j] else 1
+            if left[j]:
+                left[j] -= n
+                if not left[j]:
+                    done[j] = step
+            budget -= n
+        while waiting and budget > 0:
+            n = min(prompt_len, budget)
+            left.append(prompt_len - n)
+            done.append(step if n == prompt_len else None)
+            budget -= n
+            waiting -= 1
+    return done  # type: ignore[return-value]
+
+
 def decode_runs(eng, vocab: int, args, device, batches) -> dict:
     from moet.bench.engine_bench import prompts, timed_run
     from moet.sampling_params import SamplingParams
@@ -250,15 +278,17 @@ def decode_runs(eng, vocab: int, args, device, batches) -> dict:
     out = {}
     for b in batches:
         # The small step budget (--step-tokens: one schedule for the resident and cached engines,
-        # so their logprobs compare bit for bit) prefills the b prompts over many steps while the
-        # first sequences already decode: each request gets enough extra tokens to still run when
-        # the last prefill ends, and only steps with all b decoding are timed.
-        prefill_steps = -(-args.prompt_len * b // eng.scheduler.max_num_batched_tokens)
-        sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens + prefill_steps, ignore_eos=True)
-        reqs = [(f"d{b}-{j}", p, sp) for j, p in enumerate(prompts(b, args.prompt_len, vocab, 11))]
+        # so their logprobs compare bit for bit) prefills the b prompts one after another while the
+        # first sequences already decode and take budget from the later prefills. Each request gets
+        # as many extra tokens as it decodes before the last prefill ends (prefill_done_steps), so
+        # all b then decode together for --decode-tokens steps; only those steps are timed.
+        done = prefill_done_steps(args.prompt_len, b, eng.scheduler.max_num_batched_tokens)
+        reqs = [(f"d{b}-{j}", p, SamplingParams(temperature=0.0, max_tokens=args.decode_tokens + max(done) - done[j] + 1,
+                                                ignore_eos=True))
+                for j, p in enumerate(prompts(b, args.prompt_len, vocab, 11))]
         r = timed_run(eng, reqs, device, min_running=b)
         eng.reset_prefix_cache()
-        out[str(b)] = {k: r[k] for k in ("decode_tok_s", "e2e_tok_s", "generated", "wall_s")}
+        out[str(b)] = {k: r[k] for k in ("decode_tok_s", "e2e_tok_s", "generated", "wall_s", "decode_steps_s")}
         log(f"    batch {b}: decode {r['decode_tok_s'] or 0:.2f} tok/s")
     return out
 
@@ -560,7 +590,7 @@ def accelerate_stage(cfg: dict, args, device, budget: Budget, results: dict, pat
         gc.collect()
 
 
-SMOKE_BENCH = dict(cards="50%,100%", batch=1, decode_tokens=4, prompt_len=6, step_tokens=4, boot_layers=1,
+SMOKE_BENCH = dict(cards="50%,100%", batch=2, decode_tokens=4, prompt_len=6, step_tokens=4, boot_layers=1,
                    kv_gb=0.001, small_arena_gb=0.0)
 
 
