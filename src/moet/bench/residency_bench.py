@@ -441,7 +441,9 @@ def model_stage(cfg: dict, key: str, args, device, work: str, results: dict, pat
     rec.update(dense_gb=dense / 2**30, expert_gb=total_rows * layout.row_bytes / 2**30, rows=total_rows,
                row_bytes=layout.row_bytes, moe_layers=len(blocks), top_k=model.spec.router.top_k)
     log(f"model {key}: dense {rec['dense_gb']:.1f} GiB, experts {rec['expert_gb']:.1f} GiB ({total_rows} rows)")
-    max_model_len = args.prompt_len + args.decode_tokens + 64
+    # room for decode_runs' longest request: the first of a batch decodes while the others prefill
+    done = prefill_done_steps(args.prompt_len, args.batch, args.step_tokens)
+    max_model_len = args.prompt_len + args.decode_tokens + max(done) - done[0] + 1 + 64
     # all resident
     eng = LLMEngine(engine_config(args, device, max_model_len), model, None, set(), device, max_model_len)
     want = correctness_outputs(eng, model.spec.vocab_size, args.prompt_len)
