@@ -501,12 +501,35 @@ ACCELERATE_MISSING = ("accelerate is not installed: pip install 'moet[bench]' (G
                       "pip install --no-deps .whl/bench/accelerate-*.whl, carried with the run)")
 
 
+def random_host_weights(model, device, std: float = 0.02, chunk: int = 1 << 28) -> None:
+    """Give every meta parameter host storage filled with N(0, std) (norm weights 1): drawn on
+    `device` in chunks and copied down, so a many-GiB model is ready in seconds (a host init of
+    the same model is single-threaded per tensor and takes minutes). Never zeros."""
+    g = torch.Generator(device=device).manual_seed(0)
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            host = torch.empty(p.shape, dtype=p.dtype, device="cpu")   # pageable, as from_pretrained loads
+            flat = host.view(-1)
+            if "norm" in type(mod).__name__.lower() or name == "e_score_correction_bias":
+                flat.fill_(1.0 if "norm" in type(mod).__name__.lower() else 0.0)
+            else:
+                for i in range(0, flat.numel(), chunk):
+                    n = min(chunk, flat.numel() - i)
+                    part = torch.empty(n, dtype=torch.float32, device=device).normal_(0.0, std, generator=g)
+                    flat[i:i + n].copy_(part.to(p.dtype))
+            mod._parameters[name] = torch.nn.Parameter(host, requires_grad=False)
+    model.tie_weights()                                # re-tie where the config ties embeddings
+    assert not any(p.is_meta for p in model.parameters()), "a parameter was left on the meta device"
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def accelerate_stage(cfg: dict, args, device, budget: Budget, results: dict, path) -> None:
     """transformers + accelerate offloading on the same shape in BF16, side by side with the store:
     the shape cut to --accelerate-layers MoE layers (the full BF16 model does not fit host memory),
     random init on the host, then what device_map="auto" does (infer_auto_device_map with
     max_memory capping the GPU, dispatch_model: modules that do not fit stay on the host and are
-    copied to the GPU at every forward). Per card the GPU cap is the share of the full model's
+    copied to the GPU at every forward; weights drawn on the GPU, random_host_weights). Per card the GPU cap is the share of the full model's
     BF16 weights the card holds after KV + activations ("N%": that share), applied to the cut
     model; decode tok/s at batch 1 is measured on the cut model and extrapolated to the full
     layer count (time per token x full MoE layers / cut MoE layers; embeddings and head ignored)."""
@@ -535,7 +558,9 @@ def accelerate_stage(cfg: dict, args, device, budget: Budget, results: dict, pat
     rec.update(accelerate=accelerate.__version__, transformers=tf.__version__, cut_moe_layers=cut_moe,
                full_moe_layers=len(full.moe_layers))
     t = time.perf_counter()
-    model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16).eval()
+    with accelerate.init_empty_weights():              # parameters on "meta": no host init (run 10: a
+        model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16).eval()  # 11.5 GiB one took > 150 s)
+    random_host_weights(model, device)
     rec["init_s"] = time.perf_counter() - t
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
