@@ -75,6 +75,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = _knob(True, "split long prompts across steps so they share steps with "
                                                "running decodes (bounds inter-token latency)")
     enforce_eager: bool = _knob(False, "never capture CUDA graphs for decode (slower; for debugging)")
+    overlap_shared_experts: bool = _knob(
+        False, "on CUDA, compute the shared experts on a second stream while the routed experts run "
+               "(decode graphs included); outputs bit-identical either way")
     # ---- expert residency (moet/store): pack file on disk -> host arena -> device expert cache
     pack_dir: str | None = _knob(
         None, "where pack files live (routed experts converted to expert_format once, keyed by checkpoint "

@@ -8,6 +8,11 @@
 #   bash tools/kernel_lab/run11.sh rest    (~8 min) the transformers + accelerate baseline (issue 7),
 #       serve_bench HTTP vs Python API with warm phases (issue 9), attention_bench --quick with the
 #       table-driven GQA decode launch defaults (issue 5)
+#   bash tools/kernel_lab/run11.sh engine  (~6 min) GPU tests of today's changes, then engine_bench on
+#       GLM-4.5-Air with and without --overlap-shared-experts (issue 6)
+# Four calls are ~34 min with starts, more than one session's 30: by value, engine and rest first
+# (they finish issues 7 and 9 and measure issue 6's lever), then res, then train (needs a second
+# run of the same recipe for issue 8's reproducibility check anyway).
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/serve/*.whl 2>&1 | grep -v WARNING | tail -3
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
@@ -35,5 +40,19 @@ rest)
     timeout $left python -m moet.bench.attention_bench --quick --out $OUT/attn --budget-s $(( left - 20 )) \
         > $OUT/attn/log.txt 2>&1; echo "rc=$?"; tail -30 $OUT/attn/log.txt | cut -c1-200
     el "done" ;;
-*) echo "usage: run11.sh train|res|rest"; exit 2 ;;
+engine)
+    mkdir -p $OUT/engine
+    el "gpu tests"
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/model/test_shared_expert_overlap.py \
+        tests/kernels/test_fused_small_ops.py tests/kernels/test_attention_cuda.py > $OUT/gpu_tests.txt 2>&1
+    echo "rc=$?"; tail -3 $OUT/gpu_tests.txt
+    for name in plain overlap; do
+        flag=""; [ $name = overlap ] && flag="--overlap-shared-experts"
+        el "engine glm45air $name"
+        timeout 150 python -m moet.bench.engine_bench --models glm45air --streams 1,4,32 --prefill 0 \
+            --budget-s 140 --out $OUT/engine/$name $flag > $OUT/engine/log_$name.txt 2>&1
+        echo "rc=$?"; grep -E "single stream|streams:|FAIL" $OUT/engine/log_$name.txt | cut -c1-200
+    done
+    el "done" ;;
+*) echo "usage: run11.sh train|res|rest|engine"; exit 2 ;;
 esac

@@ -63,6 +63,8 @@ class ModelRunner:
         self.device = device
         if device.type == "cuda":       # one q/k/v GEMV per layer instead of three (decode is launch-bound)
             model.fuse_projections()
+            if config.overlap_shared_experts:
+                model.overlap_shared_experts(device)
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.kv_format = kv_format_for(config.kv_cache_dtype, model.dtype)

@@ -136,6 +136,18 @@ class CausalLM(nn.Module):
         n = sum(a.fuse_qkv() for a in self._attention_layers() if isinstance(a, GQAttention))
         return n + sum(m.fuse_gate_up() for m in self.modules() if isinstance(m, MLP))
 
+    def overlap_shared_experts(self, device: torch.device) -> int:
+        """Run every MoE block's shared experts on one second CUDA stream, next to the routed
+        experts (MoE.shared_stream; one stream for all layers: the layers run one after another).
+        No-op off CUDA. -> number of MoE blocks that overlap."""
+        if device.type != "cuda":
+            return 0
+        blocks = [m for m in self.modules() if isinstance(m, MoE) and m.shared_experts is not None]
+        stream = torch.cuda.Stream(device) if blocks else None
+        for m in blocks:
+            m.shared_stream = stream
+        return len(blocks)
+
     # ------------------------------------------------------------------ caches
 
     def new_cache(self, max_len: int, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:

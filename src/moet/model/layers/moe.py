@@ -42,18 +42,37 @@ class MoE(nn.Module):
         # The store's route log (int32 [num_experts] or None): how many tokens chose each expert
         # this pass, so the runner knows which experts a missed step needs (moet.store).
         self.route_counts: torch.Tensor | None = None
+        # A second CUDA stream for the shared experts (EngineConfig.overlap_shared_experts), or
+        # None: at decode the routed and the shared experts are each a few small GEMVs that leave
+        # the GPU half idle while they ramp up and drain; on two streams they overlap (SGLang's
+        # dual-stream MoE). Both outputs are computed exactly as on one stream.
+        self.shared_stream: torch.cuda.Stream | None = None
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(routed experts' output, shared experts' output or None), not yet summed: the decoder
         layer hands both to the next RMSNorm.add, which does the add inside its kernel on CUDA."""
+        side = self.shared_stream if self.shared_experts is not None and x.is_cuda else None
+        if side is None:
+            return self._routed(x), (self.shared_experts(x) if self.shared_experts is not None else None)
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)                         # x is ready
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(x)
+        out = self._routed(x)
+        # Join before anyone reads `shared`. No record_stream is needed: x's memory can only be
+        # reused by main-stream work queued after this join, and side-stream blocks (shared and
+        # its temporaries) only by the next side-stream work, which first waits for the main stream.
+        main.wait_stream(side)
+        return out, shared
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.spec.router, self.gate.e_score_correction_bias)
         if self.route_counts is not None:  # integer adds: exact in any order (graph-capturable)
             flat = ids.reshape(-1)
             self.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.route_counts.dtype))
         # Triton grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
-        out = moe_experts(x, ids, weights, self.slot_table, self.pool, self.miss_counter,
-                          swiglu_limit=self.spec.swiglu_limit)
-        return out, (self.shared_experts(x) if self.shared_experts is not None else None)
+        return moe_experts(x, ids, weights, self.slot_table, self.pool, self.miss_counter,
+                           swiglu_limit=self.spec.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, shared = self.forward_parts(x)
