@@ -7,7 +7,7 @@ Run by test_attention_triton_compiles.py in a subprocess; prints one line per ke
 
     python -m tests.kernels.aot_compile --gqa-sass
 The GQA decode loop at Qwen3-30B-A3B shapes (32 q / 4 kv heads, d 128, pages of 16, bf16 and fp8
-per-tensor) for each loop form (plain / PREFETCH) x num_stages x num_warps: registers, spills,
+per-tensor) for each num_stages x num_warps: registers, spills,
 cp.async (LDGSTS) and plain (LDG) loads, the cp.async waits, and the order of the hot loop's
 loads and MMAs. Compiled as the JIT specialises the launch: integer arguments that are
 multiples of 16 at run time (the strides, the table width, pages_min) carry tt.divisibility 16
@@ -26,6 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moet.kernels import attention_configs as ac
 from moet.kernels import attention_triton as at
 from moet.kernels import kv_write_triton as kw
 from moet.kernels import mla_prefill_triton as mp
@@ -51,13 +52,13 @@ GQA_DIV16 = ("s_qb", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "ss
              "ss_vb", "ss_vt", "ss_vh", "s_btb", "pages_min")
 
 
-def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, prefetch: int = 0,
+def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, d: int = 128, pages: int = 4,
                        num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True):
     """_gqa_decode_split_kernel as paged_decode_gqa launches it: g query heads per kv head
-    (Qwen3-30B-A3B: 8), d 128, pages of 16, bf16 queries, 64-token steps."""
-    const = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
-                 BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=window, SCALE_KIND=kind, GROUP_K=128, GROUP_V=128,
-                 BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=bool(kind), PREFETCH=prefetch)
+    (Qwen3-30B-A3B: 8), head dim d (128), pages of 16, bf16 queries, `pages` pages per step (4: 64 tokens)."""
+    const = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), DV=d,
+                 BLOCK_DV=triton.next_power_of_2(d), BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=window, SCALE_KIND=kind,
+                 GROUP_K=d, GROUP_V=d, BF16_DOT=True, INTERPRET=False, PAGES=pages, OP_F16=bool(kind))
     types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                  lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
     return _compile(at._gqa_decode_split_kernel, types, const, dict(num_warps=num_warps, num_stages=num_stages),
@@ -112,14 +113,13 @@ def sass_report(c) -> dict:
 def gqa_sass_table() -> None:
     print("GQA decode, Qwen3-30B-A3B shapes (G 8, d 128, pages 16, 64-token steps), sm_90, as the JIT "
           "specialises it")
-    print("kv   form      warps stages | regs spills(all/loop) smem | LDGSTS LDG.128 LDG.U16 | loop: instrs kv-loads "
+    print("kv   warps stages | regs spills(all/loop) smem | LDGSTS LDG.128 LDG.U16 | loop: instrs kv-loads "
           "mmas first-kv-load first-mma waits(DEPBAR.LE SB0,n)")
     for kv, kind in (("*bf16", 0), ("*fp8e4nv", 1)):
-        for prefetch, stages in ((0, 3), (0, 4), (0, 5), (0, 7), (1, 1), (2, 1)):
+        for stages in (3, 4, 5, 7):
             for warps in (4, 8):
-                r = sass_report(compile_gqa_decode(kv, kind, prefetch=prefetch, num_warps=warps, num_stages=stages))
-                form = f"prefetch{prefetch}" if prefetch else "plain"
-                print(f"{kv[1:5]:4s} {form:9s} {warps:5d} {stages:6d} | {r['regs']:4d} "
+                r = sass_report(compile_gqa_decode(kv, kind, num_warps=warps, num_stages=stages))
+                print(f"{kv[1:5]:4s} {warps:5d} {stages:6d} | {r['regs']:4d} "
                       f"{r['spill_ops']:4d}/{r['loop_spill_ops']:<4d} {r['smem']:6d} | {r['ldgsts']:6d} "
                       f"{r['ldg_vec']:7d} {r['ldg_scalar']:7d} | "
                       f"{r['loop_instrs']:12d} {r['loop_kv_loads']:8d} {r['loop_mmas']:4d} "
@@ -137,17 +137,6 @@ def main() -> None:
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const, div16=GQA_DIV16)
         print("gqa split", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
-        # the PREFETCH loop (register double buffer) at Qwen3-30B-A3B's group of 8: the next
-        # step's K/V loads must come before the current step's MMAs in the hot loop, and nothing
-        # spilled in it (fp8 with per-token-head scales: 255 registers, 2 stores before the loop)
-        # (two steps ahead: at 8 warps, bf16)
-        for depth, warps in ((1, 4),) + (((2, 8),) if kind == 0 else ()):
-            r = sass_report(compile_gqa_decode(kv, kind, prefetch=depth, num_warps=warps, window=0 if kind else 4096))
-            assert r["loop_spill_ops"] == 0 and (kind == 2 or r["spill_ops"] == 0), f"gqa prefetch spills: {r}"
-            assert r["loop_kv_loads"] > 0 and r["loop_first_kv_load"] < r["loop_first_mma"], f"prefetch order: {r}"
-            print(f"gqa split prefetch{depth} w{warps}", kv, "scale kind", kind, "regs", r["regs"], "spill ops",
-                  r["spill_ops"], "(in the loop", r["loop_spill_ops"], ") loop: K/V loads", r["loop_kv_loads"],
-                  "first at", r["loop_first_kv_load"], "first MMA at", r["loop_first_mma"])
         # the prefill/extend kernel, same model: 8 query tokens x 16 (12 used) heads = 128 rows per program
         const = dict(G=12, BLOCK_G=16, BLOCK_M=pt.PREFILL_ROWS // 16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
                      BLOCK_SIZE=16, BLOCK_N=pt.PREFILL_BLOCK_N, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
@@ -186,6 +175,20 @@ def main() -> None:
                      s_sc_slot="i64")
         c = _compile(kw._store_rows_kernel, types, const)
         print("kv write", dst, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+    # the GQA decode launch table (attention_configs.json): every entry compiles at the shape and
+    # with the launch it names, without spills, within the 227 KB of shared memory a block may use on
+    # sm_90 (the table only names sm_90 devices so far); fp8 = per-tensor scales (scale kind 1)
+    for dev, kernels in ac.load_table()["devices"].items():
+        for key, entry in kernels["gqa_decode"].items():
+            kv, dim, step = re.fullmatch(r"(\w+) D(\d+) T(\d+)", key).groups()
+            stages = entry["num_stages"]
+            for st in sorted(set(stages.values()) if isinstance(stages, dict) else {stages}):
+                c = compile_gqa_decode({"bf16": "*bf16", "fp8": "*fp8e4nv"}[kv], int(kv == "fp8"), d=int(dim),
+                                       pages=int(step) // 16, num_warps=entry["num_warps"], num_stages=st)
+                r = sass_report(c)
+                assert r["spill_ops"] == 0 and c.metadata.shared <= 227 * 1024, f"{dev} {key} s{st}: {r}"
+                print("gqa table", dev, key, f"w{entry['num_warps']} s{st}", "regs", r["regs"], "smem",
+                      c.metadata.shared, "cp.async", r["ldgsts"])
     c = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32",
                                                out_ptr="*bf16"),
                  dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16))

@@ -76,6 +76,25 @@ def test_gqa_decode_and_prefill_at_qwen3_shape(fmt):
     assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=lambda f: f"{f.name}-{f.scale}")
+def test_gqa_decode_pipeline_depth_changes_no_bits(fmt):
+    """num_stages is only the cp.async pipeline depth of the page loop, so the launch table may pick
+    it per batch size (attention_configs): 3 / 5 / 7 stages and the table's default give the same
+    bits, at batch 1 and at a ragged batch of 32."""
+    from moet.kernels import attention_triton
+    g = _gen()
+    for lens in ([4099], [int(n) for n in torch.randint(1, 3000, (32,), generator=g)]):
+        cache, table = _gqa(fmt, lens, g)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        q = torch.randn(len(lens), 32, 128, generator=g).to(DEV, torch.bfloat16)
+        run = lambda **kw: attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5,  # noqa: E731
+                                                             split_tokens=256, **kw)
+        base = run(num_warps=4, num_stages=3)
+        for stages in (5, 7):
+            assert torch.equal(run(num_warps=4, num_stages=stages), base), (len(lens), stages)
+        assert torch.equal(run(), base)          # the table's launch (4 warps: its H200 entries, the fallback)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.scale}")
 def test_mla_decode_and_prefill_at_deepseek_shape(fmt):
     from moet.kernels import attention_reference as ref

@@ -63,9 +63,10 @@ def test_triton_paged_decode_matches_reference(fmt, lens, hq, hkv, d, window, sp
     assert torch.equal(got, again)              # bit-identical run to run
 
 
-PREFETCH_CASES = [
+STEP_CASES = [
     # fmt, lens, hq, hkv, d, window, split_tokens, tile_tokens: bf16 / fp32 / fp8 caches (tensor, per
-    # token-head, per group), ragged lengths, windows, splits that end mid-step, one-step splits
+    # token-head, per group), ragged lengths, windows, splits that end mid-step, one-step splits,
+    # 16 / 32 / 64-token loop steps
     (KVFormat("auto", dtype=torch.bfloat16), [1, BS - 1, 4 * BS, 9 * BS + 5], 8, 2, 32, None, 5 * BS, 64),
     (KVFormat("auto", dtype=torch.float32), [11 * BS + 3, 2 * BS, 7], 4, 2, 16, None, 5 * BS, 64),
     (KVFormat("auto", dtype=torch.float32), [13 * BS + 7, 9, 3 * BS], 4, 4, 16, 2 * BS + 5, 3 * BS, 32),
@@ -75,26 +76,52 @@ PREFETCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
-@pytest.mark.parametrize("fmt,lens,hq,hkv,d,window,split,tile", PREFETCH_CASES)
-def test_prefetch_is_bit_identical_to_the_plain_loop(fmt, lens, hq, hkv, d, window, split, tile, qdtype, depth):
-    """prefetch=1 / 2 (register prefetch: the K/V of the step 1 / 2 ahead and the block-table
-    entries of the step after it are loaded before the current step's math) computes the same
-    operations in the same order as the plain loop: bit-identical for the same split partition,
-    and the reference's values."""
+@pytest.mark.parametrize("fmt,lens,hq,hkv,d,window,split,tile", STEP_CASES)
+def test_loop_steps_and_query_dtypes_match_reference(fmt, lens, hq, hkv, d, window, split, tile, qdtype):
+    """Loop steps of several pages (tile_tokens) with splits that end mid-step, fp32 queries
+    (exact dots) and bf16 queries (the served tensor-core path, emulated under the interpreter)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
     q = q.to(qdtype)
-    kw = dict(split_tokens=split, tile_tokens=tile)
-    plain = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, prefetch=0, **kw)
-    pre = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, prefetch=depth, **kw)
-    assert torch.equal(pre, plain)
+    got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split, tile_tokens=tile)
     want = ref.paged_decode_gqa(q.float().cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
     if qdtype == torch.float32:
-        torch.testing.assert_close(pre.cpu(), want, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
     else:                                       # bf16 operands and output: bf16 accuracy
-        assert float((pre.float().cpu() - want).norm() / want.norm()) < 2e-2
+        assert float((got.float().cpu() - want).norm() / want.norm()) < 2e-2
+
+
+def test_launch_table_picks_per_device_format_and_batch(monkeypatch):
+    """paged_decode_gqa's default launch comes from attention_configs.json: on an H200 (the
+    device name faked here) bf16 queries over a bf16 d-128 cache with 64-token steps take 7
+    stages at batch 1 and 3 at batch 32, fp8 per-tensor caches 5; other shapes, fp32 queries and
+    other devices the fallback. The launch changes no bits (the interpreter ignores it; on the
+    GPU test_attention_cuda and attention_bench check the stages bit for bit)."""
+    at = _tri()
+    from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch
+    g = torch.Generator().manual_seed(3)
+
+    def launch(fmt, d, batch, qdtype=torch.bfloat16, tile=None):
+        cache = new_gqa_layer(4, BS, 1, d, d, fmt, device=DEVICE)
+        return at.gqa_decode_launch(torch.randn(batch, 2, d, generator=g).to(DEVICE, qdtype), cache, tile)
+
+    bf16, fp8 = KVFormat("auto", dtype=torch.bfloat16), KVFormat("fp8_e4m3", "tensor")
+    monkeypatch.setattr(at, "_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    assert launch(bf16, 128, 1) == DEFAULT_GQA_DECODE          # a device the table lacks
+    monkeypatch.setattr(at, "_device_name", lambda device: "NVIDIA H200")
+    assert [launch(bf16, 128, b) for b in (1, 2, 31, 32, 64)] == [GQALaunch(4, 7)] * 3 + [GQALaunch(4, 3)] * 2
+    assert [launch(fp8, 128, b) for b in (1, 8, 32, 256)] == [GQALaunch(4, 5)] * 4
+    assert launch(bf16, 128, 1, torch.float32) == DEFAULT_GQA_DECODE                      # exact dots
+    assert launch(bf16, 256, 1) == DEFAULT_GQA_DECODE                                     # unmeasured shape
+    assert launch(bf16, 128, 1, tile=128) == DEFAULT_GQA_DECODE                           # 128-token steps
+    assert launch(KVFormat("fp8_e4m3", "block", group=128), 128, 1) == DEFAULT_GQA_DECODE
+    # the table's launch runs (interpreter: the same bits as an explicit default launch)
+    cache, table, seq_lens, q = _setup(bf16, [3 * BS + 2, 5], 8, 2, 128, g)
+    q = q.to(torch.bfloat16)
+    picked = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=2 * BS)
+    assert torch.equal(picked, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=2 * BS,
+                                                   num_warps=4, num_stages=3))
 
 
 def test_split_size_changes_rounding_only_and_empty_sequences_give_zero():

@@ -8,20 +8,25 @@
    page and split boundaries, bf16 / fp8 per-tensor / fp8 per-token-group caches, fp32 and bf16
    queries; outputs poisoned with NaN before each run (the `out` tensor and the allocator's free
    memory), bit-identical run to run; the KV writes byte-equal to the torch writes.
-2. Decode at context 1K / 8K / 32K / 128K, batch 1 and 32, bf16 and fp8 KV: GB/s of KV bytes read
-   vs a device copy measured in the same run (torch copy of a 1 GiB tensor, read + write bytes),
-   (split_tokens, max_splits) swept; torch SDPA on the same shapes (contiguous, non-paged) side by side.
+2. Decode at context 1K / 8K / 32K / 128K, batch 1 and 32, bf16 and fp8 KV: GB/s of KV bytes read,
+   (split_tokens, max_splits) swept, held to two bandwidths measured in the same run (bandwidth()):
+   a device copy of 2 GiB (bytes read + bytes written) and a bf16 GEMV (weight bytes, the reference
+   of the MoE / FP8 / engine benches); torch SDPA on the same shapes (contiguous, non-paged) side by side.
 3. Prefill at 8K (one sequence, causal): TFLOP/s vs a bf16 torch.matmul GEMM measured in the same
    run; SDPA (flash / efficient / cuDNN, never the math fallback) side by side.
 Timing: each op is captured in a CUDA graph (no Python launch overhead) and replayed under
-triton.testing.do_bench, which flushes L2 before every run; median. Combos that do not fit in
-free memory or the remaining budget are skipped (listed). Writes attention_bench.json and
-attention_bench.md under --out and prints as it goes. Exit code 1 if any check failed.
+triton.testing.do_bench, which flushes L2 before every run; median. Not the copy reference: a
+contiguous copy_ is a cudaMemcpyAsync, captured it becomes a graph memcpy node, and the driver
+runs 1 GiB memcpy nodes far below the eager copy (pytorch/pytorch#191284; here runs 1-10 read
+2,702-2,757 GB/s that way, an eager 1 GiB copy_ on the same H200 type 3,987): it is timed
+eagerly. Combos that do not fit in free memory or the remaining budget are skipped (listed).
+Writes attention_bench.json and attention_bench.md under --out and prints as it goes. Exit code 1
+if any check failed.
 `--smoke` runs the same code on CPU (TRITON_INTERPRET=1) at toy shapes: a test of this script.
 `--quick` (the short GPU call, ~1 minute warm): no checks (run tests/kernels/test_attention_cuda.py
-first), decode at 32K only (batch 1 and 32, bf16 and fp8; GQA: the loop forms of QUICK_SPLITS --
-plain / register prefetch, 4 / 8 warps, 3 / 5 / 7 stages -- with their outputs compared bit for
-bit within a split partition; MLA: a few split settings), prefill 8K bf16.
+first), decode at 32K only (batch 1, 8 and 32, bf16 and fp8; GQA: the launch table's default next
+to explicit 3 / 5 / 7 stages (QUICK_SPLITS), outputs compared bit for bit within a split
+partition and warp count; MLA: a few split settings), prefill 8K bf16.
 """
 from __future__ import annotations
 
@@ -54,36 +59,34 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
 BS = 16                                    # tokens per page (vLLM's default)
 # decode (split_tokens, max_splits) swept: one compiled kernel serves them all (runtime args)
 SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (256, 8), (256, 128))
-# --quick: the defaults (GQA 256/32 since run 4, MLA 256/32) and alternatives: GQA's run-1 cap; MLA with
-# twice the programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32)
-# GQA entries: (split_tokens, max_splits[, tile_tokens[, prefetch, num_warps, num_stages]]), None or
-# absent = paged_decode_gqa's default (GQA_TILE_TOKENS, GQA_PREFETCH, GQA_NUM_WARPS, GQA_NUM_STAGES).
-# --quick (issue 5, batch 1 at 32K): the loop forms at the default split (same partition and warps:
-# the outputs must be bit-identical, checked on the GPU): 8 warps; Triton's cp.async
-# pipeline double (5 stages) and triple (7) buffered -- 3 stages is single-buffered, loads issued
-# after the MMAs and waited for at the next step's top; the register prefetch one step ahead (pf1)
-# and two (pf2) at 4 and 8 warps; and pf1 at 64 splits of 512 (256 programs at batch 1) next to the
-# plain one. Run 4 measured the other splits (256/128, 128/256, 16- and 32-token steps: all slower).
-QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 0, 8, 3), (256, 32, None, 0, 4, 5), (256, 32, None, 0, 4, 7),
-                        (256, 32, None, 1, 4, 1), (256, 32, None, 1, 8, 1), (256, 32, None, 2, 4, 1),
-                        (256, 32, None, 2, 8, 1), (512, 64), (512, 64, None, 1, 4, 1)),
+# --quick: the defaults (GQA 256/32 since run 4, MLA 256/32) and alternatives. MLA with twice the
+# programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32).
+# GQA entries: (split_tokens, max_splits[, tile_tokens[, num_warps, num_stages]]); None or absent =
+# paged_decode_gqa's default (GQA_TILE_TOKENS; the launch table, attention_configs.json). At 32K
+# (256/32: 32 splits of 1,024 tokens; 4 kv heads) the default launch next to Triton's 3 stages
+# (single-buffered cp.async: the default before the table, still the table's at batch 32 bf16), 5
+# (double) and 7 (triple): run 10 had 7 best at batch 1 bf16, 5 for fp8, 3 at batch 32 bf16; batch
+# 8 (1,024 programs) was not measured -- the table gives it batch 1's stages. 512/64: 64 splits of
+# 512 (256 programs at batch 1), with the table's launch and with 7 stages. 8 warps lost every
+# setting of run 10 (w8 s3), and the register-prefetch loop forms were removed after it; run 4
+# measured the other splits (256/128, 128/256, 16- and 32-token steps: all slower).
+QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 4, 3), (256, 32, None, 4, 5), (256, 32, None, 4, 7),
+                        (512, 64), (512, 64, None, 4, 7)),
                 "mla": ((256, 32), (256, 64), (2048, 32))}
 
 
 def gqa_kw(s: tuple) -> dict:
     """paged_decode_gqa keywords of a GQA setting tuple (see QUICK_SPLITS)."""
-    s = tuple(s) + (None,) * (6 - len(s))
-    return dict(split_tokens=s[0], max_splits=s[1], tile_tokens=s[2], prefetch=s[3], num_warps=s[4],
-                num_stages=s[5])
+    s = tuple(s) + (None,) * (5 - len(s))
+    return dict(split_tokens=s[0], max_splits=s[1], tile_tokens=s[2], num_warps=s[3], num_stages=s[4])
 
 
 def setting_label(s: tuple) -> str:
-    """256/32 (defaults), 256/32/64 (tile), 256/32 pf1 w4 s1 (loop form and launch)."""
+    """256/32 (the defaults), 256/32/64 (tile), 256/32 w4 s5 (an explicit launch)."""
     kw = gqa_kw(s)
     lab = f"{kw['split_tokens']}/{kw['max_splits']}" + (f"/{kw['tile_tokens']}" if kw["tile_tokens"] else "")
-    if len(s) > 3:
-        form = f"pf{kw['prefetch']}" if kw["prefetch"] else "plain"
-        lab += f" {form} w{kw['num_warps'] or '-'} s{kw['num_stages'] or '-'}"
+    if kw["num_warps"] or kw["num_stages"]:
+        lab += f" w{kw['num_warps'] or '-'} s{kw['num_stages'] or '-'}"
     return lab
 
 
@@ -325,15 +328,64 @@ class Bench:
 
     # ------------------------------------------------------------------ 2. decode
 
-    def copy_bandwidth(self) -> float:
-        n = (1 << 30) if not self.smoke else (1 << 20)
+    def eager_ms(self, fn, reps: int = 10) -> float:
+        """Median ms of fn run eagerly (no CUDA graph), each call between two CUDA events; the calls
+        are queued back to back (one sync at the end), so no host gap falls inside a window."""
+        fn()
+        if self.smoke:
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+            return sorted(times)[1]
+        for _ in range(2):                 # warm: allocator, clocks
+            fn()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        torch.cuda.synchronize()
+        for start, end in ev:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times = sorted(start.elapsed_time(end) for start, end in ev)
+        return float(times[len(times) // 2])
+
+    def bandwidth(self) -> dict:
+        """The memory bandwidths the decode rows are held to, measured in this run:
+        copy: dst.copy_(src) of 2 GiB, eager (see the module docstring: as a CUDA-graph memcpy node
+          the driver copies 1 GiB at ~2/3 of this), median of 10, counting the bytes read plus the
+          bytes written (each once), so a read-only stream may exceed it;
+        gemv: a bf16 GEMV (x[1, K] @ W^T, W [32768, 7168], 470 MB; timing.bf16_gemv_bandwidth, do_bench,
+          L2 flushed) counting the weight bytes: the read-only yardstick of the MoE / FP8 / engine
+          benches.
+        Also recorded, not used: the copy of 1 GiB as runs 1-10 timed it (a graph memcpy node)."""
+        from moet.bench.timing import bf16_gemv_bandwidth
+        n = (2 << 30) if not self.smoke else (1 << 20)
         src = torch.empty(n, dtype=torch.uint8, device=self.dev).random_()
         dst = torch.empty_like(src)
-        ms, _ = self.time_ms(lambda: dst.copy_(src))
-        gbps = 2 * n / ms / 1e6
-        self.records.append(dict(kind="copy", bytes=n, ms=ms, gbps=gbps))
-        self.log(f"device copy of {n / 2**30:.2f} GiB: {gbps:.0f} GB/s (read + write)")
-        return gbps
+        reps = 10
+        ms = self.eager_ms(lambda: dst.copy_(src), reps)
+        copy = 2 * n / ms / 1e6
+        how = "eager copy_, median of " + ("3 perf_counter-timed calls" if self.smoke else
+                                           f"{reps} CUDA-event-timed calls")
+        self.records.append(dict(kind="copy", bytes=n, ms=ms, gbps=copy, how=how))
+        self.log(f"device copy of {n / 2**30:.2f} GiB (eager): {copy:.0f} GB/s (read + write)")
+        half = n // 2
+        ms_g, graphed = self.time_ms(lambda: dst[:half].copy_(src[:half]))
+        old = 2 * half / ms_g / 1e6
+        self.records.append(dict(kind="copy_graph_node", bytes=half, ms=ms_g, gbps=old, graph=graphed))
+        self.log(f"  (the same copy of {half / 2**30:.2f} GiB as a CUDA-graph memcpy node, the reference of runs "
+                 f"1-10, not used: {old:.0f} GB/s)")
+        del src, dst
+        wn, wk = (32768, 7168) if not self.smoke else (256, 128)
+        gemv = bf16_gemv_bandwidth(self.dev, wn, wk)
+        self.records.append(dict(kind="gemv", what=gemv["what"], ms=gemv["ms"], gbps=gemv["GBps"],
+                                 bytes=2 * wn * wk))
+        self.log(f"{gemv['what']}: {gemv['GBps']:.0f} GB/s (weight bytes)")
+        if not self.smoke:
+            torch.cuda.empty_cache()
+        return {"copy": copy, "gemv": gemv["GBps"]}
 
     def random_cache(self, arch: str, fmt, tokens: int):
         """A cache of `tokens` tokens of random bytes-valid data, filled block-chunk by chunk."""
@@ -363,17 +415,15 @@ class Bench:
             return gqa_bytes_per_token(a.num_kv_heads, a.head_dim, a.v_head_dim, fmt)
         return mla_bytes_per_token(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim, fmt)
 
-    def decode(self, copy_gbps: float) -> None:
+    def decode(self, bw: dict) -> None:
+        """bw: the references of bandwidth(), {"copy": GB/s, "gemv": GB/s}."""
         from moet.kernels import attention_triton
         ctxs = (1024, 8192, 32768, 131072) if not self.smoke else (48,)    # whole pages, as the table below
         batches = (1, 32) if not self.smoke else (1, 2)
         splits = ({a: SPLITS for a in ("gqa", "mla")} if not self.smoke else
-                  {"gqa": ((16, 32), (32, 2), (16, 32, None, 1, 4, 1), (16, 32, None, 2, 8, 1),
-                           (16, 32, None, 0, 4, 5)),
-                   "mla": ((16, 32), (32, 2))})
-        if self.quick:
-            ctxs = ctxs if self.smoke else (32768,)
-            splits = splits if self.smoke else QUICK_SPLITS
+                  {"gqa": ((16, 32), (32, 2), (16, 32, None, 4, 5)), "mla": ((16, 32), (32, 2))})
+        if self.quick and not self.smoke:
+            ctxs, batches, splits = (32768,), (1, 8, 32), QUICK_SPLITS
         # fp8 as deployed: GQA per-tensor scales, MLA the fp8_ds_mla row (656 B at R 512)
         fmts = {"gqa": [f for f in self.formats() if f[0] != "fp8-block"],
                 "mla": [f for f in self.formats() if f[0] != "fp8"]}
@@ -423,16 +473,20 @@ class Bench:
                             if self.left() < 10:
                                 break
                             kw = gqa_kw(s)
+                            # the launch it runs with: explicit, else the table's (GQA); MLA's is fixed
+                            launch = (attention_triton.gqa_decode_launch(q, cache, kw["tile_tokens"])
+                                      if arch == "gqa" else None)
+                            warps = kw["num_warps"] or (launch and launch.num_warps)
+                            stages = kw["num_stages"] or (launch and launch.num_stages)
                             used = min(s[1], -(-ctx // (-(-s[0] // BS) * BS)))
                             partials = batch * heads * used * (width + 2) * 4 * 2      # written + read
                             ms, graphed = self.time_ms(lambda: run(s))
                             gbps = need / ms / 1e6
                             lab = setting_label(s)
                             by_split[lab] = gbps
-                            # loop forms of one split partition at one num_warps (the layouts): same
-                            # math in the same order, so the outputs must agree bit for bit
-                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"],
-                                    kw["num_warps"] or attention_triton.GQA_NUM_WARPS)
+                            # pipeline depths of one split partition at one num_warps (the layouts):
+                            # same math in the same order, so the outputs must agree bit for bit
+                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"], warps)
                             same = None
                             if part in first_out:
                                 same = bool(torch.equal(out, first_out[part][1]))
@@ -443,25 +497,25 @@ class Bench:
                                 first_out[part] = (lab, out.clone())
                             self.records.append(dict(kind="decode", arch=arch, ctx=ctx, batch=batch, fmt=fname,
                                                      split_tokens=s[0], max_splits=s[1], tile_tokens=kw["tile_tokens"],
-                                                     prefetch=kw["prefetch"], num_warps=kw["num_warps"],
-                                                     num_stages=kw["num_stages"], setting=lab,
+                                                     num_warps=warps, num_stages=stages, setting=lab,
                                                      same_output_as_first_of_partition=same,
                                                      compared_with=first_out[part][0], ms=ms, kv_bytes=need,
                                                      partial_bytes=partials, gbps=gbps,
-                                                     frac_of_copy=gbps / copy_gbps, graph=graphed,
+                                                     frac_of_copy=gbps / bw["copy"],
+                                                     frac_of_gemv=gbps / bw["gemv"], graph=graphed,
                                                      tflops=flops_per_token * ctx * batch / ms / 1e9))
                         if by_split:
                             best = max(by_split, key=by_split.get)
                             self.log(f"{label}: best split/max {best}: {by_split[best]:.0f} GB/s = "
-                                     f"{by_split[best] / copy_gbps:.0%} of copy  (all: "
-                                     + ", ".join(f"{s}:{v:.0f}" for s, v in by_split.items()) + ")")
+                                     f"{by_split[best] / bw['copy']:.0%} of copy, {by_split[best] / bw['gemv']:.0%} "
+                                     "of GEMV  (all: " + ", ".join(f"{s}:{v:.0f}" for s, v in by_split.items()) + ")")
                         if fname == "bf16":
-                            self.sdpa_decode(arch, ctx, batch, need, copy_gbps)
+                            self.sdpa_decode(arch, ctx, batch, need, bw)
                         del cache
                         if not self.smoke:
                             torch.cuda.empty_cache()
 
-    def sdpa_decode(self, arch: str, ctx: int, batch: int, need: int, copy_gbps: float) -> None:
+    def sdpa_decode(self, arch: str, ctx: int, batch: int, need: int, bw: dict) -> None:
         """torch SDPA on the same shapes, contiguous K/V (what a non-paged engine would read)."""
         import torch.nn.functional as F
         bf = dict(device=self.dev, dtype=torch.bfloat16)
@@ -495,7 +549,8 @@ class Bench:
             return
         gbps = need / ms / 1e6
         self.records.append(dict(kind="sdpa_decode", arch=arch, ctx=ctx, batch=batch, ms=ms, kv_bytes=need,
-                                 gbps=gbps, frac_of_copy=gbps / copy_gbps, graph=graphed))
+                                 gbps=gbps, frac_of_copy=gbps / bw["copy"], frac_of_gemv=gbps / bw["gemv"],
+                                 graph=graphed))
         self.log(f"  sdpa decode {arch} ctx {ctx} batch {batch} (contiguous bf16): {gbps:.0f} GB/s")
 
     # ------------------------------------------------------------------ 3. prefill
@@ -585,15 +640,25 @@ class Bench:
 
     def table_md(self) -> str:
         lines = [f"# attention_bench ({'smoke, CPU' if self.smoke else torch.cuda.get_device_name()})", ""]
-        copy = [r for r in self.records if r["kind"] == "copy"]
-        if copy:
-            lines.append(f"device copy: {copy[0]['gbps']:.0f} GB/s (bytes read + bytes written, each counted once)")
+        first = {k: next((r for r in self.records if r["kind"] == k), None)
+                 for k in ("copy", "gemv", "copy_graph_node")}
+        if first["copy"]:
+            c = first["copy"]
+            lines.append(f"device copy: {c['gbps']:.0f} GB/s ({c['bytes'] / 2**30:.3g} GiB, {c['how']}; bytes read + "
+                         "bytes written, each counted once)")
+        if first["gemv"]:
+            lines.append(f"bf16 GEMV: {first['gemv']['gbps']:.0f} GB/s ({first['gemv']['what']}; weight bytes)")
+        if first["copy_graph_node"]:
+            c = first["copy_graph_node"]
+            lines.append(f"(not used: the copy of {c['bytes'] / 2**30:.3g} GiB as a CUDA-graph memcpy node, the "
+                         f"reference of runs 1-10: {c['gbps']:.0f} GB/s)")
         checks = [r for r in self.records if r["kind"] == "check"]
         lines.append(f"checks: {sum(r['ok'] for r in checks)}/{len(checks)} ok"
                      + (f"; FAILED: {', '.join(self.failures)}" if self.failures else ""))
-        lines += ["", "## decode (best split per row; KV GB/s and fraction of copy)", "",
-                  "| arch | ctx | batch | kv | best split/max | ms | GB/s | of copy | TFLOP/s | sdpa bf16 GB/s |",
-                  "|" + "---|" * 10]
+        lines += ["", "## decode (best setting per row; KV GB/s and fraction of the copy and the GEMV)", "",
+                  "| arch | ctx | batch | kv | best setting | launch | ms | GB/s | of copy | of GEMV | TFLOP/s "
+                  "| sdpa bf16 GB/s |",
+                  "|" + "---|" * 12]
         sdpa = {(r["arch"], r["ctx"], r["batch"]): r for r in self.records if r["kind"] == "sdpa_decode"}
         best: dict[tuple, dict] = {}
         for r in self.records:
@@ -604,21 +669,22 @@ class Bench:
         for (arch, ctx, batch, fmt), r in best.items():
             s = sdpa.get((arch, ctx, batch), {})
             lab = r.get("setting") or f"{r['split_tokens']}/{r['max_splits']}"
-            lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {lab} | {r['ms']:.3f} "
-                         f"| {r['gbps']:.0f} "
-                         f"| {r['frac_of_copy']:.0%} | {r.get('tflops', float('nan')):.0f} "
-                         f"| {s.get('gbps', float('nan')):.0f} |")
-        # every GQA setting side by side (--quick: the loop forms; issue 5 reads batch 1)
+            launch = f"w{r['num_warps']} s{r['num_stages']}" if r.get("num_warps") else "-"
+            lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {lab} | {launch} | {r['ms']:.3f} "
+                         f"| {r['gbps']:.0f} | {r['frac_of_copy']:.0%} | {r['frac_of_gemv']:.0%} "
+                         f"| {r.get('tflops', float('nan')):.0f} | {s.get('gbps', float('nan')):.0f} |")
+        # every GQA setting side by side (--quick: the launches; issue 5 reads batch 1)
         gqa = [r for r in self.records if r["kind"] == "decode" and r["arch"] == "gqa"]
         cols = list(dict.fromkeys((r["ctx"], r["batch"], r["fmt"]) for r in gqa))
         if gqa and len({r["setting"] for r in gqa}) > 1:
-            lines += ["", "GQA decode GB/s per setting (pfN = register prefetch N steps ahead, w = warps, "
-                      "s = stages; '!=' = the output differs from that of the first setting with the same split "
-                      "partition and warps, i.e. the same math)", "",
+            lines += ["", "GQA decode GB/s per setting (split/max splits, w = warps, s = stages: an explicit launch; "
+                      "none = the launch table's, named in the last row; '!=' = the output differs from that of "
+                      "the first setting with the same split partition and warps, i.e. the same math)", "",
                       "| setting | " + " | ".join(f"{c[0] // 1024 or c[0]}{'K' if c[0] >= 1024 else ''} b{c[1]} {c[2]}"
                                                 for c in cols) + " |",
                       "|" + "---|" * (len(cols) + 1)]
             cell = {(r["setting"], r["ctx"], r["batch"], r["fmt"]): r for r in gqa}
+            default = next(iter(dict.fromkeys(r["setting"] for r in gqa)))
             for lab in dict.fromkeys(r["setting"] for r in gqa):
                 row = []
                 for c in cols:
@@ -626,6 +692,13 @@ class Bench:
                     row.append("-" if r is None else f"{r['gbps']:.0f}"
                                + (" !=" if r.get("same_output_as_first_of_partition") is False else ""))
                 lines.append(f"| {lab} | " + " | ".join(row) + " |")
+            lines.append(f"| {default}: launch | " + " | ".join(
+                f"w{r['num_warps']} s{r['num_stages']}" if (r := cell.get((default, *c))) else "-"
+                for c in cols) + " |")
+            best = [max((r for r in gqa if (r["ctx"], r["batch"], r["fmt"]) == c), key=lambda r: r["gbps"])
+                    for c in cols]
+            lines.append("| best: of copy / of GEMV | " + " | ".join(
+                f"{r['frac_of_copy']:.0%} / {r['frac_of_gemv']:.0%}" for r in best) + " |")
         splits = sorted({(r["split_tokens"], r["max_splits"]) for r in self.records if r["kind"] == "decode"})
         if splits and not self.quick:
             lines += ["", "geometric-mean GB/s over the decode rows measured with every setting, per "
@@ -682,8 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (args.skip_checks or args.quick):
             bench.checks()
-        copy = bench.copy_bandwidth()
-        bench.decode(copy)
+        bench.decode(bench.bandwidth())
         bench.prefill()
     finally:
         meta = dict(torch=torch.__version__, triton=triton.__version__, smoke=args.smoke, block_size=BS,

@@ -14,11 +14,10 @@ min(max_splits, table width / split) -- no host sync, one launch shape for CUDA 
 past a sequence's last split write nothing and the merge reads only its used splits. So the
 partials stay bounded (B * heads * max_splits) with a table padded to max_model_len, and a
 sequence's output does not depend on the table's width or on the rest of the batch.
-  The page loop comes in two forms (same math, same order: bit-identical): plain (each step loads
-  its K/V tile and computes; Triton's pipeliner cp.asyncs the next tile at num_stages >= 3, one
-  buffer at 3-4 stages, two at 5, three at 7) and PREFETCH = 1 / 2 (register prefetch: the K/V
-  loads of the step 1 / 2 ahead and the block-table entries of the step after it are issued
-  before the current step's math and carried as loop values). See GQA_PREFETCH.
+  The page loop is software-pipelined by Triton: at num_stages >= 3 the next steps' K/V tiles are
+  cp.async'ed into shared memory (one buffer at 3-4 stages, two at 5, three at 7). num_warps and
+  num_stages come from a table keyed by device, KV format and shape (kernels/attention_configs.py;
+  the stages may follow the batch size since they change no bits, the warps may not).
 
 paged_decode_mla: the same split-K over the latent rows (weight-absorbed MQA: one shared key
   row [latent | rope] per token, values = latent). Grid (ceil(H / BLOCK_H), B, splits), BLOCK_H =
@@ -49,6 +48,7 @@ fp8_ds_mla: MLA decode at 128 heads is compute-bound, its useful figure is TFLOP
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
+from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_shape_key, lookup_gqa_decode
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 
 _SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
@@ -76,18 +77,17 @@ DEFAULT_MAX_SPLITS = 32
 GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
-# GQA decode loop form and launch (defaults: the behaviour measured in run 4, Triton's 4 warps and
-# 3 stages). sm_90 SASS at Qwen3-30B-A3B shapes (python -m tests.kernels.aot_compile --gqa-sass):
-# num_stages 3 and 4 cp.async the next step's K/V into a single shared buffer, issued after the
-# current step's MMAs and waited for (DEPBAR.LE SB0, 0x0) at the top of the next step: no load is
-# in flight during the math. num_stages 5 double-buffers it (one step in flight, DEPBAR.LE 0x3),
-# 7 triple-buffers it. PREFETCH=1: register double buffer, the next step's 16 LDG.E.128 and
-# the block-table entries of the step after issued before the current step's MMAs (~200 registers
-# at 4 warps, no spills); PREFETCH=2: two steps ahead (for 8 warps: the tiles of three steps are
-# live at once). Which is fastest is for the GPU to say (attention_bench --quick).
-GQA_PREFETCH = 0
-GQA_NUM_WARPS = 4
-GQA_NUM_STAGES = 3
+# GQA decode launch: attention_configs (num_warps per device / format / shape, num_stages also per
+# batch size; Triton's 4 warps and 3 stages where the table has no entry). sm_90 SASS at
+# Qwen3-30B-A3B shapes (python -m tests.kernels.aot_compile --gqa-sass): num_stages 3 and 4
+# cp.async the next step's K/V into a single shared buffer, issued after the current step's MMAs
+# and waited for (DEPBAR.LE SB0, 0x0) at the top of the next step: no load is in flight during
+# the math. num_stages 5 double-buffers it (one step in flight, DEPBAR.LE 0x3), 7 triple-buffers
+# it. H200 run 10 (32K): 7 stages won batch 1 bf16 (1.30x over 3), 5 stages the fp8 cache (1.29x
+# at batch 1, 1.11x at batch 32), 3 stayed best at batch 32 bf16; 8 warps at 3 stages lost on all
+# four. (A register-prefetch loop form, the next 1-2 steps' K/V loaded into registers before the
+# current step's math, lost on every setting and was removed. Raw:
+# tools/kernel_lab/run10_h200_2026-12-01/attn.)
 # MLA decode tiling (see _mla_decode_split_kernel): heads per program, tokens per tile, and the
 # launch shape; chosen from sm_90 AOT register / shared-memory counts (tests/kernels/aot_compile.py)
 MLA_BLOCK_H = 64
@@ -202,104 +202,6 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
 
 
 @triton.jit
-def _gqa_tile_blocks(page0, last, b, bt_ptr, s_btb, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr):
-    """PREFETCH: the block-table entry of each of the PAGES * BLOCK_SIZE tokens of the step at
-    page0 (int32 as stored; 0 past `last`, where the step's loads are all masked)."""
-    page = page0 + tl.arange(0, PAGES * BLOCK_SIZE) // BLOCK_SIZE
-    return tl.load(bt_ptr + b * s_btb + page, mask=page < last, other=0)
-
-
-@triton.jit
-def _gqa_tile_issue(page0, last, n, lo_tok, blk32, h, k_ptr, v_ptr, ks_ptr, vs_ptr, d, dv,
-                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh,
-                    D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
-                    SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr):
-    """PREFETCH: issue the loads of one step (the pages from page0, block-table entries blk32
-    loaded a step earlier) and return them as stored -- (tmask, K, V, K scales, V scales) -- with
-    nothing that waits for them: the conversions to the dot dtype and the per-group scales are
-    applied by _gqa_tile_math a loop step later, so these loads are in flight during that step's
-    math. Scales: [T, BLOCK_D] per element for groups finer than the head, [T] for one per token
-    and head, else a dummy [T] (never read)."""
-    t = tl.arange(0, PAGES * BLOCK_SIZE)
-    page = page0 + t // BLOCK_SIZE
-    tok = t % BLOCK_SIZE
-    pos = page * BLOCK_SIZE + tok
-    tmask = (page < last) & (pos < n) & (pos >= lo_tok)
-    blk = blk32.to(tl.int64)
-    mk = tmask[:, None] & (d[None, :] < D)
-    mv = tmask[:, None] & (dv[None, :] < DV)
-    k = tl.load(k_ptr + blk[:, None] * s_kb + tok[:, None] * s_kt + h * s_kh + d[None, :], mask=mk, other=0.0)
-    v = tl.load(v_ptr + blk[:, None] * s_vb + tok[:, None] * s_vt + h * s_vh + dv[None, :], mask=mv, other=0.0)
-    if (SCALE_KIND == 2) & (GROUP_K < D):
-        ksc = tl.load(ks_ptr + blk[:, None] * ss_kb + tok[:, None] * ss_kt + h * ss_kh + d[None, :] // GROUP_K,
-                      mask=mk, other=0.0)
-    elif SCALE_KIND == 2:
-        ksc = tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)
-    else:
-        ksc = tl.zeros([PAGES * BLOCK_SIZE], tl.float32)
-    if (SCALE_KIND == 2) & (GROUP_V < DV):
-        vsc = tl.load(vs_ptr + blk[:, None] * ss_vb + tok[:, None] * ss_vt + h * ss_vh + dv[None, :] // GROUP_V,
-                      mask=mv, other=0.0)
-    elif SCALE_KIND == 2:
-        vsc = tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)
-    else:
-        vsc = tl.zeros([PAGES * BLOCK_SIZE], tl.float32)
-    return tmask, k, v, ksc, vsc
-
-
-@triton.jit
-def _gqa_issue_ahead(page, AHEAD: tl.constexpr, blk32, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
-                     d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
-                     SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr):
-    """PREFETCH: issue the step AHEAD steps after `page` (its block-table entries blk32 loaded
-    earlier) and the block-table load of the step after that: (tmask, K, V, K scales, V scales,
-    next block-table entries), none of them waited for."""
-    p0 = page + AHEAD * PAGES
-    tmask, k, v, ksc, vsc = _gqa_tile_issue(p0, last, n, lo_tok, blk32, h, k_ptr, v_ptr, ks_ptr, vs_ptr, d, dv,
-                                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt,
-                                            ss_vh, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-    return tmask, k, v, ksc, vsc, _gqa_tile_blocks(p0 + PAGES, last, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
-
-
-@triton.jit
-def _gqa_operand(x, sc, GROUP_SCALED: tl.constexpr, BF16_DOT: tl.constexpr, OP_F16: tl.constexpr):
-    """A stored K/V tile -> the dot operand dtype, exactly as _gqa_load_operand converts it."""
-    if GROUP_SCALED:
-        x = x.to(tl.float32) * sc
-    if OP_F16:
-        return x.to(tl.float16)
-    elif BF16_DOT:
-        return x.to(tl.bfloat16)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def _gqa_tile_math(q, m_i, l_i, acc, tmask, k_raw, v_raw, ksc, vsc, qk_scale,
-                   D: tl.constexpr, DV: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr,
-                   GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr, OP_F16: tl.constexpr):
-    """PREFETCH: _gqa_decode_tile's online-softmax update on tiles loaded by _gqa_tile_issue --
-    the same operations in the same order, so the result is bit-identical to PREFETCH=0."""
-    k = _gqa_operand(k_raw, ksc, (SCALE_KIND == 2) & (GROUP_K < D), BF16_DOT, OP_F16)
-    s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                          # [BLOCK_G, PAGES * BLOCK_SIZE]
-    if (SCALE_KIND == 2) & (GROUP_K == D):
-        s = s * ksc[None, :]
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    v = _gqa_operand(v_raw, vsc, (SCALE_KIND == 2) & (GROUP_V < DV), BF16_DOT, OP_F16)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if (SCALE_KIND == 2) & (GROUP_V == DV):
-        pv = p * vsc[None, :]
-    else:
-        pv = p
-    acc = acc * alpha[:, None] + _mma(pv.to(v.dtype), v, BF16_DOT)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
@@ -307,8 +209,7 @@ def _gqa_decode_split_kernel(
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
-        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
-        PREFETCH: tl.constexpr = 0):
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -337,65 +238,7 @@ def _gqa_decode_split_kernel(
         # pages of this split, those wholly before the window left out
         first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
         last = tl.minimum(sp * pps + pps, n_pages)
-        if PREFETCH > 0:
-            # register prefetch: the K/V loads of step i + PREFETCH (and the block-table entries of
-            # the step after it) are issued before step i's math and carried as loop values, so
-            # PREFETCH steps are in flight during the math; loads past `last` are masked (no memory
-            # traffic). Same math, same order as the plain loop below: bit-identical.
-            blk = _gqa_tile_blocks(first, last, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
-            tmask, k, v, ksc, vsc, blk = _gqa_issue_ahead(
-                first, 0, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt,
-                s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, D, DV, BLOCK_SIZE,
-                PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-            if PREFETCH == 1:
-                if INTERPRET:                     # loaded-scalar loop bounds: see prefill_triton.py
-                    page = first
-                    while page < last:
-                        tmask1, k1, v1, ksc1, vsc1, blk = _gqa_issue_ahead(
-                            page, 1, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
-                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
-                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
-                        page += PAGES
-                else:
-                    for page in range(first, last, PAGES):
-                        tmask1, k1, v1, ksc1, vsc1, blk = _gqa_issue_ahead(
-                            page, 1, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
-                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
-                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
-            else:                                 # two steps ahead (registers: at 8 warps)
-                tmask1, k1, v1, ksc1, vsc1, blk = _gqa_issue_ahead(
-                    first, 1, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt,
-                    s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, D, DV, BLOCK_SIZE,
-                    PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-                if INTERPRET:
-                    page = first
-                    while page < last:
-                        tmask2, k2, v2, ksc2, vsc2, blk = _gqa_issue_ahead(
-                            page, 2, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
-                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
-                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
-                        tmask1, k1, v1, ksc1, vsc1 = tmask2, k2, v2, ksc2, vsc2
-                        page += PAGES
-                else:
-                    for page in range(first, last, PAGES):
-                        tmask2, k2, v2, ksc2, vsc2, blk = _gqa_issue_ahead(
-                            page, 2, blk, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
-                            s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                            D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V)
-                        m_i, l_i, acc = _gqa_tile_math(q, m_i, l_i, acc, tmask, k, v, ksc, vsc, qk_scale, D, DV,
-                                                       SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                        tmask, k, v, ksc, vsc = tmask1, k1, v1, ksc1, vsc1
-                        tmask1, k1, v1, ksc1, vsc1 = tmask2, k2, v2, ksc2, vsc2
-        elif INTERPRET:                           # loaded-scalar loop bounds: see prefill_triton.py
+        if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
             page = first
             while page < last:
                 m_i, l_i, acc = _gqa_decode_tile(
@@ -568,23 +411,38 @@ def _splits(block_tables: torch.Tensor, bs: int, split_tokens: int | None, max_s
     return pages_min, max_splits, max(1, min(max_splits, -(-block_tables.shape[1] // pages_min)))
 
 
+def gqa_decode_launch(q: torch.Tensor, cache: GQALayerKV, tile_tokens: int | None = None) -> GQALaunch:
+    """(num_warps, num_stages) paged_decode_gqa launches with when not given: the table's entry
+    for this device, KV format, shape and batch size q.shape[0] (attention_configs), for bf16
+    queries; DEFAULT_GQA_DECODE otherwise (fp32 queries, the CPU interpreter, devices or shapes
+    the table lacks). No host sync (the device name is cached)."""
+    if not _bf16_dots(q):
+        return DEFAULT_GQA_DECODE
+    bs = cache.k.shape[1]
+    step = max(1, (tile_tokens or GQA_TILE_TOKENS) // bs) * bs
+    key = gqa_shape_key(cache.fmt, cache.k.dtype, cache.k.shape[-1], cache.v.shape[-1], step)
+    return lookup_gqa_decode(_device_name(q.device), key, q.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
-                     prefetch: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
     gets max_splits longer splits. Both must be fixed per model (they change the last bits).
     out: optional [B, Hq, Dv] tensor to write into (CUDA graphs; the benchmark poisons it).
-    prefetch (default GQA_PREFETCH): 0 the plain loop, 1 or 2 the register prefetch that many
-    steps ahead; num_stages (GQA_NUM_STAGES): Triton's cp.async pipeline of the plain loop. Both
-    are the loop form only, the same math in the same order (prefetch: bit-identical under the
-    interpreter, tests/kernels).
-    num_warps (GQA_NUM_WARPS) sets the dots' and reductions' layouts, so like the splits it may
-    change the last bits and must be fixed per model."""
+    num_warps / num_stages: the launch, default gqa_decode_launch (the device table). num_stages
+    is Triton's cp.async pipeline depth of the page loop only (same math, same order: the same
+    bits); num_warps sets the dots' and reductions' layouts, so like the splits it may change the
+    last bits and must be fixed per model (the table never varies it by batch size)."""
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -596,9 +454,10 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
     pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits or GQA_DEFAULT_MAX_SPLITS)
-    prefetch = int(GQA_PREFETCH if prefetch is None else prefetch)
-    if prefetch not in (0, 1, 2):
-        raise ConfigError(f"paged decode (triton): prefetch must be 0, 1 or 2 steps, got {prefetch}")
+    if num_warps is None or num_stages is None:
+        launch = gqa_decode_launch(q, cache, tile_tokens)
+        num_warps = num_warps or launch.num_warps
+        num_stages = num_stages or launch.num_stages
     g = hq // hkv
     acc = torch.empty(b, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -616,8 +475,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
-        PREFETCH=prefetch,
-        num_warps=num_warps or GQA_NUM_WARPS, num_stages=num_stages or GQA_NUM_STAGES)
+        num_warps=num_warps, num_stages=num_stages)
     _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                   HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
     return out
