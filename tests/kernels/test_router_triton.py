@@ -160,6 +160,16 @@ cases = [  # (logits, weights, constexprs): Qwen3 (bf16), DeepSeek-V3 (groups), 
     ("*fp32", "*fp32", dict(E=160, K=8, G=1, TOPK_GROUP=1, GP=1, GSP=256, KP=8, SIGMOID=True, NORM=True,
                             HAS_BIAS=True, OUT_BF16=False)),
 ]
+gemv = rt._router_gemv_kernel        # DeepSeek-V3 (H 7168, E 256) and GLM-4.5 (H 5120, E 160), bf16 x
+for h, e in ((7168, 256), (5120, 160)):
+    const = dict(H=h, E=e, BE=rt._GEMV_BE, BK=rt._GEMV_BK)
+    types = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", s_x="i32", s_w="i32")
+    sig = {n: "constexpr" if n in const else types[n] for n in gemv.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    k = triton.compile(ASTSource(fn=gemv, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert "ld.local" not in k.asm["ptx"]          # no local-memory arrays
+    print("gemv", h, e, "cubin bytes", len(k.asm["cubin"]))
 for lt, wt, const in cases:
     const = dict(const, ACCURATE=True)
     types = dict(logits_ptr=lt, bias_ptr="*fp32", ids_ptr="*i64", w_ptr=wt, s_lt="i32", scale="fp32")
@@ -180,6 +190,7 @@ def test_router_kernel_compiles_for_sm90():
                        timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert sum(line.startswith("router") for line in r.stdout.splitlines()) == 3, r.stdout
+    assert sum(line.startswith("gemv") for line in r.stdout.splitlines()) == 2, r.stdout
 
 
 # ------------------------------------------------------------------------ GPU twin: real sizes
@@ -217,9 +228,16 @@ def test_route_cuda_matches_torch_route(name, t, monkeypatch):
     ids, w = route(x, weight, spec, bias)                                # the kernel
     rid, rw = _torch_route(monkeypatch, x, weight, spec, bias)           # torch's ops on the GPU
     assert ids.dtype == rid.dtype and w.dtype == rw.dtype
-    # the same logits on both sides (same F.linear call), then the same selection values
-    logits = torch.nn.functional.linear(x, weight) if spec.scoring == "softmax" else \
-        torch.nn.functional.linear(x.float(), weight.float())
+    # the same logits on both sides (route() picks the GEMV by device and T for both), then the
+    # same selection values
+    if spec.scoring == "softmax":
+        logits = torch.nn.functional.linear(x, weight)
+    elif t <= _tri().ROUTER_GEMV_MAX_TOKENS:
+        logits = _tri().router_logits_fp32(x, weight)
+        ref = torch.nn.functional.linear(x.float(), weight.float())     # cuBLAS: last bits only
+        assert float((logits - ref).norm() / ref.norm()) < 1e-6
+    else:
+        logits = torch.nn.functional.linear(x.float(), weight.float())
     sel = logits.float() if spec.scoring == "softmax" else logits.sigmoid() + (0 if bias is None else bias)
     v, rv = sel.gather(1, ids), sel.gather(1, rid)
     assert torch.equal(v.sort(1).values, rv.sort(1).values)             # a correct top-k
@@ -258,3 +276,46 @@ def test_route_cuda_graph_capture(name):
     graph.replay()
     want = route(x, weight, spec, bias)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+# ------------------------------------------------------------------------ the sigmoid routers' GEMV
+
+@pytest.mark.parametrize("t,e,h", [(1, 16, 192), (3, 24, 512), (5, 8, 300)])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+def test_router_logits_fp32_matches_float64(t, e, h, xdtype):
+    """router_logits_fp32 = x.float() @ w.float().T within fp32 rounding (fresh random inputs,
+    H not a multiple of the K tile, E not of the expert block), and bit-identical on a rerun."""
+    g = _gen()
+    x = torch.randn(t, h, generator=g).to(xdtype)
+    w = torch.randn(e, h, generator=g) * h ** -0.5
+    want = x.double() @ w.double().T
+    got = _tri().router_logits_fp32(x.to(DEVICE), w.to(DEVICE))
+    assert got.dtype == torch.float32 and got.shape == (t, e)
+    rel = float((got.double().cpu() - want).norm() / want.norm())
+    assert rel < 1e-6, rel
+    assert torch.equal(got, _tri().router_logits_fp32(x.to(DEVICE), w.to(DEVICE)))
+
+
+def test_route_uses_the_gemv_kernel_on_cuda_decode(monkeypatch):
+    """route() hands a sigmoid router's decode batch (T <= ROUTER_GEMV_MAX_TOKENS) on CUDA
+    tensors to router_logits_fp32 and larger batches to torch's F.linear; the selection after it
+    is router_topk on those logits (CUDA claimed on CPU tensors; the kernels run interpreted)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter form; the GPU twin below runs route() for real")
+    rt, g = _tri(), _gen()
+    spec = GLM
+    calls = []
+    real = rt.router_logits_fp32
+    monkeypatch.setattr(rt, "router_logits_fp32", lambda x, w: (calls.append(x.shape[0]), real(x, w))[1])
+    monkeypatch.setattr(router_mod, "_fused", lambda logits: True)
+    w = torch.randn(spec.num_experts, 64, generator=g) * 0.125
+    bias = _bias(spec, g)
+    for t in (1, rt.ROUTER_GEMV_MAX_TOKENS + 1):
+        x = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+            ids, wts = route(x, w, spec, bias)
+        logits = real(x, w) if t == 1 else torch.nn.functional.linear(x.float(), w)
+        want = rt.router_topk(logits, spec, bias)
+        assert torch.equal(ids, want[0]) and torch.equal(wts, want[1])
+    assert calls == [1]

@@ -8,8 +8,9 @@
 #   bash tools/kernel_lab/run11.sh rest    (~8 min) the transformers + accelerate baseline (issue 7),
 #       serve_bench HTTP vs Python API with warm phases (issue 9), attention_bench --quick with the
 #       table-driven GQA decode launch defaults (issue 5)
-#   bash tools/kernel_lab/run11.sh engine  (~6 min) GPU tests of today's changes, then engine_bench on
-#       GLM-4.5-Air with and without --overlap-shared-experts (issue 6)
+#   bash tools/kernel_lab/run11.sh engine  (~6 min) GPU tests of today's changes (shared-expert
+#       overlap, router GEMV kernel, attention launch table), then engine_bench on GLM-4.5-Air with
+#       and without --overlap-shared-experts (both with the router GEMV kernel; issue 6)
 # Four calls are ~34 min with starts, more than one session's 30: by value, engine and rest first
 # (they finish issues 7 and 9 and measure issue 6's lever), then res, then train (needs a second
 # run of the same recipe for issue 8's reproducibility check anyway).
@@ -43,8 +44,9 @@ rest)
 engine)
     mkdir -p $OUT/engine
     el "gpu tests"
-    timeout 120 python -m pytest -q -p no:cacheprovider tests/model/test_shared_expert_overlap.py \
-        tests/kernels/test_fused_small_ops.py tests/kernels/test_attention_cuda.py > $OUT/gpu_tests.txt 2>&1
+    timeout 150 python -m pytest -q -p no:cacheprovider tests/model/test_shared_expert_overlap.py \
+        tests/kernels/test_router_triton.py tests/kernels/test_fused_small_ops.py tests/kernels/test_attention_cuda.py \
+        > $OUT/gpu_tests.txt 2>&1
     echo "rc=$?"; tail -3 $OUT/gpu_tests.txt
     for name in plain overlap; do
         flag=""; [ $name = overlap ] && flag="--overlap-shared-experts"

@@ -1,5 +1,5 @@
 """The MoE router after its GEMV as ONE Triton kernel: scores, (group-limited) top-k, renormalise,
-scale. `router_topk(logits, spec, correction_bias)` returns what moet.model.layers.router.route
+scale (and, for the sigmoid routers' fp32 GEMV at decode, router_logits_fp32: the GEMV itself). `router_topk(logits, spec, correction_bias)` returns what moet.model.layers.router.route
 returns for the same logits; route() calls it for CUDA tensors (the torch ops stay on CPU, where
 the tests compare them op for op with transformers). Importing this module needs triton.
 
@@ -142,6 +142,49 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
         tl.store(w_ptr + t * K + kr, _bf16_rne(w), mask=kmask)
     else:
         tl.store(w_ptr + t * K + kr, w.to(w_ptr.dtype.element_ty), mask=kmask)
+
+
+# ------------------------------------------------------------------ the sigmoid routers' GEMV
+
+ROUTER_GEMV_MAX_TOKENS = 32     # decode batches; above it cuBLAS's GEMM is the better tool
+_GEMV_BE, _GEMV_BK = 4, 256     # experts per program (E / 4 programs per token: 32-64), K tile
+
+
+@triton.jit
+def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, s_x, s_w, H: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
+                        BK: tl.constexpr):
+    """out[t, e] = sum_h float(x[t, h]) * w[e, h] in fp32 for BE experts of one token: per lane
+    partial sums over the K tiles in order, then one tree sum per expert (fixed order)."""
+    t = tl.program_id(0)
+    rows = tl.program_id(1) * BE + tl.arange(0, BE)
+    rmask = rows < E
+    acc = tl.zeros((BE, BK), tl.float32)
+    for k0 in range(0, H, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < H
+        xv = tl.load(x_ptr + t * s_x + ks, mask=kmask, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + rows[:, None] * s_w + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc += wv.to(tl.float32) * xv[None, :]
+    tl.store(out_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
+
+
+def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The sigmoid routers' F.linear(x.float(), weight.float()) for a decode batch as one launch
+    (torch's is a cast of x plus cuBLAS's two-kernel fp32 GEMV: three launches per MoE layer
+    in a launch-bound decode step). x [T, H] (bf16 / fp16 / fp32), weight [E, H] (fp32 or bf16,
+    read as it is stored) -> fp32 [T, E]. The fp32 sums are in another order than cuBLAS's, so
+    logits may differ in the last bits (as cuBLAS's and the CPU's do); reruns are bit-identical."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ConfigError(f"router gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    t, h = x.shape
+    e = weight.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if t:
+        _router_gemv_kernel[(t, triton.cdiv(e, _GEMV_BE))](x, weight, out, x.stride(0), weight.stride(0),
+                                                         H=h, E=e, BE=_GEMV_BE, BK=_GEMV_BK, num_warps=4)
+    return out
 
 
 def _check(spec: RouterSpec, e: int) -> None:

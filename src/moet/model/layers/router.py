@@ -3,8 +3,9 @@ routers op for op (the chosen set must match exactly; near-ties decide it).
 
 On CUDA tensors everything after the router GEMV is one Triton kernel
 (moet.kernels.router_triton.router_topk: same set, same weights, its own fixed slot order:
-descending score, lowest expert index first on ties); on CPU the torch ops below, which the
-tests compare with transformers op for op. Picked by device, like kernels/attention_ops.py.
+descending score, lowest expert index first on ties), and the sigmoid routers' fp32 GEMV of a
+decode batch is one more (router_triton.router_logits_fp32); on CPU the torch ops below, which
+the tests compare with transformers op for op. Picked by device, like kernels/attention_ops.py.
 """
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ from moet.checkpoint.spec import RouterSpec
 @lru_cache(maxsize=1)
 def _have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@lru_cache(maxsize=1)
+def _gemv_max_tokens() -> int:
+    from moet.kernels.router_triton import ROUTER_GEMV_MAX_TOKENS
+    return ROUTER_GEMV_MAX_TOKENS
 
 
 def _fused(logits: torch.Tensor) -> bool:
@@ -43,7 +50,11 @@ def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
         return ids, w.to(logits.dtype)
     # DeepSeek-V3 / GLM: sigmoid scores in fp32; the correction bias steers the choice only;
     # group-limited: keep the topk_group groups whose best-2 sum is largest.
-    logits = F.linear(x.float(), weight.float())
+    if x.is_cuda and _have_triton() and x.shape[0] <= _gemv_max_tokens():
+        from moet.kernels.router_triton import router_logits_fp32
+        logits = router_logits_fp32(x, weight)     # one launch instead of cast + cuBLAS's two
+    else:
+        logits = F.linear(x.float(), weight.float())
     if _fused(logits):
         from moet.kernels.router_triton import router_topk
         return router_topk(logits, spec, correction_bias)
