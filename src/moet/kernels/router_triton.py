@@ -146,7 +146,9 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
 
 # ------------------------------------------------------------------ the sigmoid routers' GEMV
 
-ROUTER_GEMV_MAX_TOKENS = 32     # decode batches; above it cuBLAS's GEMM is the better tool
+# Each token's programs read the whole [E, H] weight (from L2 after the first: DeepSeek-V3's is
+# 7.3 MB), so T tokens cost T weight reads; cuBLAS's GEMM reads it once. Small decode batches only.
+ROUTER_GEMV_MAX_TOKENS = 4
 _GEMV_BE, _GEMV_BK = 4, 256     # experts per program (E / 4 programs per token: 32-64), K tile
 
 
