@@ -31,12 +31,12 @@ shallow one at few programs per SM cost a lot (batch 1: 3 stages 23% under 7).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from moet.kernels.launch_tables import read_table
 
 TABLE_PATH = Path(__file__).with_name("attention_configs.json")
 
@@ -61,12 +61,8 @@ def gqa_shape_key(fmt, kv_dtype: torch.dtype, d: int, dv: int, step_tokens: int)
     return f"{kv} D{d}" + (f" DV{dv}" if dv != d else "") + f" T{step_tokens}"
 
 
-@lru_cache(maxsize=1)
 def load_table(path: str = str(TABLE_PATH)) -> dict:
-    p = Path(path)
-    if not p.exists():
-        return {"version": 1, "devices": {}}
-    return json.loads(p.read_text())
+    return read_table(path)
 
 
 def lookup_gqa_decode(device_name: str, shape_key: str, batch: int, table: dict | None = None) -> GQALaunch:

@@ -11,10 +11,10 @@ A lookup for P pairs takes the smallest tuned bucket >= P (the largest if P exce
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
+
+from moet.kernels.launch_tables import read_table
 
 TABLE_PATH = Path(__file__).with_name("moe_configs.json")
 # Up to this many pairs the slot alignment is one Triton program (O(P^2) compares, no host
@@ -66,12 +66,8 @@ def shape_key(fmt: str, hidden: int, inter: int) -> str:
     return f"{fmt} H{hidden} I{inter}"
 
 
-@lru_cache(maxsize=1)
 def load_table(path: str = str(TABLE_PATH)) -> dict:
-    p = Path(path)
-    if not p.exists():
-        return {"version": 1, "devices": {}}
-    return json.loads(p.read_text())
+    return read_table(path)
 
 
 def lookup(fmt: str, hidden: int, inter: int, num_pairs: int, device_name: str) -> MoEConfig:
