@@ -1,7 +1,9 @@
 """FakeAsyncEngine: a TEST DOUBLE of contract 2 (moet.engine.async_engine.AsyncEngine) for the
 server's unit tests. It never runs a model: each request's reply text comes from a script
 (a function of the prompt text), is tokenized with the real moet-tiny tokenizer and handed
-out one token per step, cumulatively, exactly as the contract says. `moet serve` never uses it.
+out one token per step (or `tokens_per_step`, as a real engine's output looks to a consumer
+that fell behind: several tokens in one cumulative output), cumulatively, exactly as the
+contract says. `moet serve` never uses it.
 """
 from __future__ import annotations
 
@@ -38,13 +40,14 @@ def _tokenizer():  # loading takes seconds on a small CPU box: once per test ses
 
 class FakeAsyncEngine:
     def __init__(self, script: Callable[[str], str] | None = None, *, max_model_len: int = 512,
-                 step_s: float = 0.0, tokenizer=None):
+                 step_s: float = 0.0, tokenizer=None, tokens_per_step: int = 1):
         self.tokenizer = tokenizer or _tokenizer()
         self.model_name = "moet-tiny"
         self.max_model_len = max_model_len
         self.eos_token_ids = {self.tokenizer.convert_tokens_to_ids("<|end|>")}
         self.script = script or (lambda prompt: "Hello there, friend.")
         self.step_s = step_s
+        self.tokens_per_step = tokens_per_step
         self.running: dict[str, int] = {}     # request id -> KV "blocks" held
         self.aborted: list[str] = []
         self.finished: list[str] = []
@@ -82,8 +85,9 @@ class FakeAsyncEngine:
         self._stats.num_running = len(self.running)
         self._stats.prompt_tokens_total += len(ids)
         try:
-            longest = max(len(s) for s in seqs)
-            for step in range(1, min(longest, budget) + 1):
+            limit = min(max(len(s) for s in seqs), budget)
+            k = self.tokens_per_step
+            for step in sorted(set(range(k, limit + 1, k)) | {limit}):
                 if request_id in self.aborted:
                     return
                 await asyncio.sleep(self.step_s)

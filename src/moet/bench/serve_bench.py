@@ -1,15 +1,28 @@
 """Load test of the HTTP server against the Python API, same engine config, same run.
 
     python -m moet.bench.serve_bench [MODEL] --requests 64 --concurrency 16 --max-tokens 128 \
-        --out serve_bench.json [--budget-s 500] [engine flags: --device, --expert-format, ...]
+        --out serve_bench.json [--budget-s 500] [--phases python,http,python] [--warmup full] \
+        [engine flags: --device, --expert-format, ...]
 
-Phase 1 (Python API): AsyncEngine in this process; `concurrency` clients each send requests
-back to back until `requests` are done (ignore_eos, fixed max_tokens, distinct prompts).
-Phase 2 (HTTP): `moet serve` with the same engine flags in a subprocess on a free loopback
-port; the same load through /v1/completions (streamed, so time to first token is seen).
+Phase "python" (Python API): AsyncEngine in this process; `concurrency` clients each send
+requests back to back until `requests` are done (ignore_eos, fixed max_tokens, distinct prompts).
+Phase "http": `moet serve` with the same engine flags in a subprocess on a free loopback port;
+the same load through /v1/completions (streamed, so time to first token is seen).
+Phases run in the order given, each on a fresh engine; a phase named again gets its own key
+(python, http, python_2, ...), so "python,http,python" shows what running first costs.
+
+Warm-up (--warmup): before its timed pass every phase runs, untimed, one full pass of the same
+load (`full`, the default: the same number of requests, concurrency and max_tokens, prompts of
+the same token lengths but different text so the prefix cache cannot serve the timed pass).
+That exercises every batch size and prompt shape the timed pass will: Triton JIT compiles
+and whatever else the first steps of a shape pay land in it, not in the number. `round` is the
+old warm-up (one request per client), `none` none. The warm-up pass is reported too (its
+tok/s next to the timed one is the cold-start cost, visible per phase).
 Before timing, a greedy chat answer through each path must agree (correctness first).
 Reports per phase: requests, failures, aggregate decode tokens/s, request latency p50 / p99,
-TTFT p50 (HTTP). Loopback only, bounded by --requests and --budget-s. Prints as it goes.
+TTFT p50 (HTTP), and the warm-up pass; http_over_python_decode compares the first http and
+python phases, ratios every http phase with every python phase. Loopback only, bounded by
+--requests and --budget-s. Prints as it goes.
 """
 from __future__ import annotations
 
@@ -42,8 +55,25 @@ def _check_ids(cfg) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def _prompt(i: int) -> str:
-    return f"# task {i}\ndef solve_{i}(values):\n    \"\"\"Return the running total of values.\"\"\"\n"
+def _prompt(i: int, tag: str = "task") -> str:
+    """Request i's prompt; the warm-up's tag ("warm") tokenizes to as many tokens as "task"."""
+    return f"# {tag} {i}\ndef solve_{i}(values):\n    \"\"\"Return the running total of values.\"\"\"\n"
+
+
+WARMUPS = ("full", "round", "none")
+
+
+async def _warm_then_time(one, requests: int, concurrency: int, deadline: float, warmup: str) -> dict:
+    """The warm-up pass (see the module doc), then the timed one; one(i, tag) runs request i."""
+    warm = None
+    if warmup != "none":
+        n = requests if warmup == "full" else min(concurrency, requests)
+        warm = await _drive(lambda i: one(i, "warm"), n, concurrency, deadline)
+    res = await _drive(lambda i: one(i, "task"), requests, concurrency, deadline)
+    if warm is not None:
+        res["warmup"] = {"pass": warmup, **{k: warm[k] for k in ("requests_done", "failures", "wall_s",
+                                                                "decode_tok_per_s", "latency_p50_s")}}
+    return res
 
 
 async def _drive(one, requests: int, concurrency: int, deadline: float) -> dict:
@@ -70,7 +100,8 @@ async def _drive(one, requests: int, concurrency: int, deadline: float) -> dict:
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    return {"requests_done": len(lat), "failures": len(failures), "failure_examples": failures[:3],
+    return {"requests_done": len(lat), "complete": len(lat) == requests, "failures": len(failures),
+            "failure_examples": failures[:3],
             "wall_s": round(wall, 3), "generated_tokens": tokens, "decode_tok_per_s": round(tokens / wall, 1),
             "requests_per_s": round(len(lat) / wall, 3), "latency_p50_s": round(_pct(lat, 0.5), 3),
             "latency_p99_s": round(_pct(lat, 0.99), 3),
@@ -90,15 +121,16 @@ def python_api_phase(cfg, args, deadline: float) -> tuple[dict, str]:
         async for out in engine.generate("check", _check_ids(cfg), SamplingParams(temperature=0, max_tokens=16)):
             check = out.outputs[0].text
 
-        async def one(i):
+        async def one(i, tag):
             n = 0
-            async for out in engine.generate(f"load-{i}", _prompt(i),
+            async for out in engine.generate(f"{tag}-{i}", _prompt(i, tag),
                                              SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)):
                 n = len(out.outputs[0].token_ids)
+            if n != args.max_tokens:
+                raise RuntimeError(f"got {n} tokens, expected {args.max_tokens}")
             return n, None
 
-        await _drive(one, min(args.concurrency, args.requests), args.concurrency, deadline)  # warm-up
-        res = await _drive(one, args.requests, args.concurrency, deadline)
+        res = await _warm_then_time(one, args.requests, args.concurrency, deadline, args.warmup)
         await engine.shutdown()
         return res, check
 
@@ -124,9 +156,10 @@ def _engine_flags(cfg) -> list[str]:
 
 
 async def http_load(url: str, requests: int, concurrency: int, max_tokens: int, deadline: float,
-                    check_ids: list[int] | None = None) -> tuple[dict, str | None]:
+                    check_ids: list[int] | None = None, warmup: str = "full") -> tuple[dict, str | None]:
     """The load through a running server: streamed /v1/completions, ignore_eos, `max_tokens` each;
-    a request fails unless it streams exactly max_tokens tokens with status 200."""
+    a request fails unless it streams exactly max_tokens tokens with status 200. The warm-up
+    pass (`warmup`, see the module doc) runs first, untimed."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -137,10 +170,10 @@ async def http_load(url: str, requests: int, concurrency: int, max_tokens: int, 
             r.raise_for_status()
             check = r.json()["choices"][0]["text"]
 
-        async def one(i):
+        async def one(i, tag):
             first, n = None, 0
             async with client.stream("POST", "/v1/completions", json={
-                    "prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "prompt": _prompt(i, tag), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}) as resp:
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -158,8 +191,7 @@ async def http_load(url: str, requests: int, concurrency: int, max_tokens: int, 
                 raise RuntimeError(f"got {n} tokens, expected {max_tokens}")
             return n, first
 
-        await _drive(one, min(concurrency, requests), concurrency, deadline)  # warm-up
-        return await _drive(one, requests, concurrency, deadline), check
+        return await _warm_then_time(one, requests, concurrency, deadline, warmup), check
 
 
 def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
@@ -189,7 +221,7 @@ def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
         print(f"[http] server up in {time.perf_counter() - t0:.1f}s", flush=True)
 
         return asyncio.run(http_load(url, args.requests, args.concurrency, args.max_tokens, deadline,
-                                     check_ids=_check_ids(cfg)))
+                                     check_ids=_check_ids(cfg), warmup=args.warmup))
     finally:
         proc.terminate()
         try:
@@ -197,6 +229,31 @@ def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def phase_keys(names: list[str]) -> list[tuple[str, str]]:
+    """(report key, phase) per phase in order: the first of a kind is its name, repeats get _2, _3."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        if name not in ("python", "http"):
+            raise SystemExit(f"serve_bench: unknown phase {name!r} (python, http)")
+        seen[name] = seen.get(name, 0) + 1
+        out.append((name if seen[name] == 1 else f"{name}_{seen[name]}", name))
+    return out
+
+
+def compare(report: dict, keys: list[str]) -> dict:
+    """http_over_python_decode (the first http over the first python phase, as before) and
+    every http phase over every python phase."""
+    tps = {k: report[k]["decode_tok_per_s"] for k in keys}
+    pys = [k for k in keys if k.startswith("python")]
+    https = [k for k in keys if k.startswith("http")]
+    out: dict = {}
+    if pys and https:
+        out["http_over_python_decode"] = round(tps[https[0]] / max(tps[pys[0]], 1e-9), 3)
+        out["ratios"] = {f"{h}/{p}": round(tps[h] / max(tps[p], 1e-9), 3) for h in https for p in pys}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--phases", default="python,http", help="comma list of python, http")
+    p.add_argument("--phases", default="python,http",
+                   help="comma list of python, http, run in this order; repeats allowed (python,http,python)")
+    p.add_argument("--warmup", choices=WARMUPS, default="full",
+                   help="untimed pass before each timed one: full (the same load), round (one request per "
+                        "client, the old warm-up), none")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting requests after this many seconds")
     p.add_argument("--out", default=None, help="write the JSON report here")
     args = p.parse_args(argv)
@@ -221,25 +282,25 @@ def main(argv: list[str] | None = None) -> int:
     from moet.bench.timing import device_info
     report["env"] = device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     checks = {}
-    phases = [x.strip() for x in args.phases.split(",") if x.strip()]
-    for phase in phases:
+    phases = phase_keys([x.strip() for x in args.phases.split(",") if x.strip()])
+    report["warmup"] = args.warmup
+    report["order"] = [key for key, _ in phases]
+    for key, phase in phases:
         fn = {"python": python_api_phase, "http": http_phase}[phase]
-        res, checks[phase] = fn(cfg, args, deadline)
-        report[phase] = res
-        print(f"[{phase}] {json.dumps(res)}", flush=True)
+        res, checks[key] = fn(cfg, args, deadline)
+        report[key] = res
+        print(f"[{key}] {json.dumps(res)}", flush=True)
     if len(set(checks.values())) > 1:
         report["correctness"] = f"MISMATCH: greedy answers differ between paths: {checks}"
     else:
         report["correctness"] = f"ok: greedy answer identical on every path ({next(iter(checks.values()), None)!r})"
-    if "python" in report and "http" in report:
-        report["http_over_python_decode"] = round(report["http"]["decode_tok_per_s"] /
-                                                  max(report["python"]["decode_tok_per_s"], 1e-9), 3)
+    report.update(compare(report, [key for key, _ in phases]))
     print(json.dumps(report, indent=1), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    failed = any(report.get(ph, {}).get("failures") for ph in phases) or report["correctness"].startswith("MISMATCH")
+    failed = any(report[key].get("failures") or not report[key].get("complete") for key, _ in phases) or report["correctness"].startswith("MISMATCH")
     return 1 if failed else 0
 
 

@@ -1,11 +1,18 @@
 """AsyncEngine: the server's interface to LLMEngine (contract 2).
 
-One background thread owns the engine and runs steps back to back while there is work; each
-request has an asyncio.Queue on the caller's event loop, fed through call_soon_threadsafe with
-the cumulative RequestOutput after every step that produced tokens for it. Adding a request
-runs in a worker thread (tokenizing and validating must not stall the event loop, and the
-engine is only touched under one lock), so a request that can never run raises ConfigError
-from generate() before anything is yielded. Aborting (abort(), cancelling the consumer task, or
+One background thread owns the engine and runs steps back to back while there is work. Adds
+and aborts go through one ordered inbox that the engine thread drains between steps (a caller
+never waits for the engine's lock, which a step holds: a request arriving during a busy run
+would otherwise wait for a gap between two steps, and the thread that just released the lock
+usually wins it back). Tokenizing a text prompt runs in a worker thread first, so it stalls
+neither the event loop nor the engine. A request that can never run raises ConfigError from
+generate() before anything is yielded.
+
+Outputs: after each step the engine thread hands the step's RequestOutputs to each caller's
+event loop with one call_soon_threadsafe (not one per request), and each request's stream
+keeps only the newest one (outputs are cumulative, so the newest says everything the older
+ones did): a consumer is woken at most once per step, and one that fell behind catches up in
+one wake instead of one per missed step. Aborting (abort(), cancelling the consumer task, or
 closing the iterator) is queued for the engine thread, which frees the blocks before its next
 step; abort() waits for that.
 """
@@ -25,7 +32,56 @@ from moet.outputs import RequestOutput
 from moet.sampling_params import SamplingParams
 
 log = logging.getLogger("moet.engine")
-_END = object()          # queue sentinel: the engine shut down
+_END = object()          # stream end marker: the engine dropped the request (aborted, shut down)
+_ADD, _ABORT = 0, 1      # inbox operations
+
+
+class _Refused:
+    """The engine refused a request at add time (the exception to raise from generate())."""
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class _Stream:
+    """One request's outputs on its caller's event loop: the newest RequestOutput not yet taken
+    and, once the request is over, how it ended (_END, an exception, or _Refused). Only touched
+    on that loop."""
+    __slots__ = ("loop", "latest", "end", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.latest: RequestOutput | None = None
+        self.end = None
+        self.waiter: asyncio.Future | None = None
+
+    def push(self, item) -> None:
+        if isinstance(item, RequestOutput):
+            self.latest = item                        # cumulative: replaces one not taken yet
+        elif self.end is None:
+            self.end = item
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self):
+        while self.latest is None and self.end is None:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item = self.latest
+        if item is not None:
+            self.latest = None
+            return item
+        return self.end
+
+
+def _push_all(items: list) -> None:
+    for stream, item in items:
+        stream.push(item)
 
 
 class AsyncEngine:
@@ -36,12 +92,13 @@ class AsyncEngine:
         self.model_name = model_name or getattr(cfg, "served_model_name", None) or \
             os.path.basename(os.path.normpath(cfg.model))
         self.max_model_len = engine.max_model_len
-        self._lock = threading.Lock()                 # guards self.engine
+        self._lock = threading.Lock()                 # guards self.engine (the engine thread's)
         self._wake = threading.Event()
-        self._inbox_lock = threading.Lock()           # guards _aborts only (never held during a step)
-        self._aborts: list[tuple[str, asyncio.AbstractEventLoop | None, asyncio.Future | None]] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox_lock = threading.Lock()           # guards _inbox only (never held during a step)
+        self._inbox: list[tuple] = []                 # (_ADD, id, prompt, params, stream) | (_ABORT, id, loop, fut)
+        self._streams: dict[str, _Stream] = {}        # engine thread only
         self._stopping = False
+        self._closed = False                          # the engine thread has exited (set under _inbox_lock)
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="moet-engine", daemon=True)
         self._thread.start()
@@ -56,24 +113,36 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, loop, queue) -> None:
-        with self._lock:
-            if self._stopping:
-                raise MoetError("the engine is shutting down; retry on a new engine")
-            self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = (loop, queue)
+    def _encode(self, prompt) -> dict:
+        text, ids = self.engine.encode(prompt)
+        return {"prompt_token_ids": ids, "prompt": text}
+
+    def _post(self, op: tuple) -> bool:
+        """Queue an add / abort for the engine thread; False once that thread has exited."""
+        with self._inbox_lock:
+            if self._closed:
+                return False
+            self._inbox.append(op)
         self._wake.set()
+        return True
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        await asyncio.to_thread(self._add, request_id, prompt, params, loop, queue)
+        if self._stopping:
+            raise MoetError("the engine is shutting down; retry on a new engine")
+        stream = _Stream(asyncio.get_running_loop())
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
+            prompt = await asyncio.to_thread(self._encode, prompt)
+        if self._stopping or not self._post((_ADD, request_id, prompt, params, stream)):
+            raise MoetError("the engine is shutting down; retry on a new engine")
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.get()
                 if item is _END:
                     return
+                if isinstance(item, _Refused):        # never added: nothing to abort
+                    finished = True
+                    raise item.exc
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -82,18 +151,13 @@ class AsyncEngine:
                     return
         finally:
             if not finished:                          # cancelled, closed early or failed: free its blocks
-                self._queue_abort(request_id, None, None)
-
-    def _queue_abort(self, request_id: str, loop, fut) -> None:
-        with self._inbox_lock:
-            self._aborts.append((request_id, loop, fut))
-        self._wake.set()
+                self._post((_ABORT, request_id, None, None))
 
     async def abort(self, request_id: str) -> None:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue_abort(request_id, loop, fut)
-        await fut
+        if self._post((_ABORT, request_id, loop, fut)):   # else the engine thread is gone: nothing runs
+            await fut
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (never waits for a running step)."""
@@ -107,42 +171,69 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the engine thread
 
-    def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, queue = stream
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:                          # the caller's loop is closed
-            pass
+    @staticmethod
+    def _send(batches: dict, stream: _Stream, item) -> None:
+        batches.setdefault(stream.loop, []).append((stream, item))
 
-    def _drain_aborts(self) -> None:
+    @staticmethod
+    def _flush(batches: dict) -> None:
+        """One wake-up per event loop for everything this step produced."""
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, items)
+            except RuntimeError:                      # the caller's loop is closed
+                pass
+
+    def _drain_inbox(self, batches: dict, close: bool = False) -> None:
+        """Run the queued adds and aborts in order (adds are refused while stopping); with
+        close, also mark the inbox closed in the same critical section, so that nothing can
+        be queued after the last drain."""
         with self._inbox_lock:
-            aborts, self._aborts = self._aborts, []
-        for rid, loop, fut in aborts:
-            self.engine.abort_request(rid)            # frees the blocks now
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream[0].call_soon_threadsafe(stream[1].put_nowait, _END)
-            if fut is not None:
-                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+            ops, self._inbox = self._inbox, []
+            self._closed = close
+        for op in ops:
+            if op[0] == _ADD:
+                _, rid, prompt, params, stream = op
+                if self._stopping:
+                    self._send(batches, stream, _Refused(MoetError("the engine is shutting down; retry on a new engine")))
+                    continue
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as exc:              # ConfigError: a request that can never run
+                    self._send(batches, stream, _Refused(exc))
+                    continue
+                self._streams[rid] = stream
+            else:
+                _, rid, loop, fut = op
+                self.engine.abort_request(rid)        # frees the blocks now
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    self._send(batches, stream, _END)
+                if fut is not None:
+                    try:
+                        loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+                    except RuntimeError:
+                        pass
 
     def _run(self) -> None:
         while True:
             self._wake.wait(timeout=0.5)
             self._wake.clear()
             while True:
+                batches: dict = {}
                 with self._lock:
-                    self._drain_aborts()
+                    self._drain_inbox(batches)
                     if self._stopping:
-                        for rid in list(self._streams):
+                        self._drain_inbox(batches, close=True)
+                        for rid, stream in self._streams.items():
                             self.engine.abort_request(rid)
-                            self._deliver(rid, _END)
+                            self._send(batches, stream, _END)
                         self._streams.clear()
+                        self._flush(batches)
                         return
                     if not self.engine.has_unfinished_requests():
                         self._stats = self.engine.stats()
+                        self._flush(batches)
                         break
                     try:
                         outs = self.engine.step()
@@ -151,11 +242,18 @@ class AsyncEngine:
                         err = MoetError(f"engine step failed: {type(exc).__name__}: {exc}")
                         for rid in list(self.engine.requests):
                             self.engine.abort_request(rid)
-                            self._deliver(rid, err)
+                            stream = self._streams.get(rid)
+                            if stream is not None:
+                                self._send(batches, stream, err)
                         self._streams.clear()
+                        self._flush(batches)
                         continue
                     self._stats = self.engine.stats()
+                    streams = self._streams
                     for out in outs:
-                        self._deliver(out.request_id, out)
-                        if out.finished:
-                            self._streams.pop(out.request_id, None)
+                        stream = streams.get(out.request_id)
+                        if stream is not None:
+                            self._send(batches, stream, out)
+                            if out.finished:
+                                del streams[out.request_id]
+                self._flush(batches)

@@ -9,9 +9,10 @@
 
 Request bodies are parsed here, not by FastAPI, so every failure has OpenAI's error shape and
 a status that says what was wrong (errors.py lists them); a bad request never takes the
-server down. A client that goes away aborts its engine requests at once (streamed: when the
-response task is cancelled; non-streamed: a watcher on the connection). One log line per
-request at the end of its response: method, path, status, prompt / completion tokens, seconds.
+server down. A client that goes away aborts its engine requests at once (a watcher on the
+connection: streamed, it interrupts the generation's wait for the engine; non-streamed, it
+cancels the handler's work). One log line per request at the end of its response: method,
+path, status, prompt / completion tokens, seconds.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from moet.serve.chat import ChatPlan, ChatStream, chat_response
 from moet.serve.completion import CompletionPlan, CompletionStream, completion_response
 from moet.serve.errors import APIError, BadRequest, TooLarge, Unauthorized, Unavailable, Unprocessable
+from moet.serve.generation import ClientGone, Generation
 from moet.serve.metrics import CONTENT_TYPE, ServerMetrics
 from moet.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
 from moet.serve.reasoning import ReasoningParser
@@ -97,28 +99,26 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _guarded(request: Request, events: AsyncIterator[str], on_close: Callable[[], None]) -> AsyncIterator[str]:
+async def _guarded(request: Request, gen: Generation, events: AsyncIterator[str],
+                   on_close: Callable[[], None]) -> AsyncIterator[str]:
     """Server-sent events that stop, and abort generation, as soon as the client disconnects,
-    whatever the ASGI server's disconnect signalling."""
+    whatever the ASGI server's disconnect signalling: a watcher on the connection interrupts
+    the generation, whose wait for the engine then raises ClientGone (one watcher task per
+    request; nothing extra per event)."""
+    def gone(w: asyncio.Future) -> None:
+        if not w.cancelled() and w.exception() is None:
+            gen.interrupt(ClientGone())
+
     watcher = asyncio.ensure_future(_wait_disconnect(request))
-    nxt: asyncio.Future | None = None
+    watcher.add_done_callback(gone)
     try:
-        while True:
-            nxt = asyncio.ensure_future(events.__anext__())
-            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                request.state.status_note = "client disconnected"
-                return
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
+        async for item in events:
             yield item
+    except ClientGone:
+        request.state.status_note = "client disconnected"
     finally:
+        watcher.remove_done_callback(gone)
         watcher.cancel()
-        if nxt is not None and not nxt.done():  # its cancellation runs the generators' finally: abort
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
         await events.aclose()
         on_close()
 
@@ -267,7 +267,7 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
             state.release()
             request.state.usage = stream.current_usage()
 
-        body = _guarded(request, stream.events(_chain(first, deltas)), on_close)
+        body = _guarded(request, stream.gen, stream.events(_chain(first, deltas)), on_close)
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -20,12 +20,11 @@ from moet.serve.chat_template import render_chat
 from moet.serve.errors import APIError, BadRequest
 from moet.serve.generation import ChoiceDelta, Generation
 from moet.serve.protocol import (
-    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ResponseFunctionCall,
-    ResponseToolCall, TokenLogprob, TopLogprob)
+    AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, NamedToolChoice,
+    ResponseFunctionCall, ResponseToolCall)
 from moet.serve.sampling import check_unsupported, sampling_params
 from moet.serve.server_state import ServerState
-from moet.serve.sse import SSE_DONE, EventStream, sse_event
+from moet.serve.sse import SSE_DONE, EventStream, clamp_logprob, sse_event
 
 
 class ChatPlan:
@@ -94,19 +93,28 @@ def _token_text(tok, tid: int, lp) -> str:
     return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
 
 
-def chat_logprobs(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int) -> ChatLogprobs | None:
+def chat_logprobs_dict(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int) -> dict | None:
+    """ChatLogprobs' shape as plain dicts (TokenLogprob / TopLogprob fields, in order)."""
     if positions is None:
         return None
     content = []
     for tid, pos in zip(token_ids, positions):
         lp = pos.get(tid)
         text = _token_text(tok, tid, lp)
-        top = sorted(((i, p) for i, p in pos.items() if p.rank is not None and p.rank <= k), key=lambda x: x[1].rank)
-        content.append(TokenLogprob(
-            token=text, logprob=max(lp.logprob, -9999.0) if lp else -9999.0, bytes=list(text.encode()),
-            top_logprobs=[TopLogprob(token=_token_text(tok, i, p), logprob=max(p.logprob, -9999.0),
-                                     bytes=list(_token_text(tok, i, p).encode())) for i, p in top]))
-    return ChatLogprobs(content=content)
+        tops = []
+        if k:
+            for i, p in sorted(((i, p) for i, p in pos.items() if p.rank is not None and p.rank <= k),
+                               key=lambda x: x[1].rank):
+                t = _token_text(tok, i, p)
+                tops.append({"token": t, "logprob": clamp_logprob(p.logprob), "bytes": list(t.encode())})
+        content.append({"token": text, "logprob": clamp_logprob(lp.logprob) if lp else -9999.0,
+                        "bytes": list(text.encode()), "top_logprobs": tops})
+    return {"content": content}
+
+
+def chat_logprobs(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int) -> ChatLogprobs | None:
+    d = chat_logprobs_dict(tok, token_ids, positions, k)
+    return ChatLogprobs.model_validate(d) if d is not None else None
 
 
 def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
@@ -134,6 +142,7 @@ async def chat_response(plan: ChatPlan, request_id: str) -> ChatCompletionRespon
 
 class ChatStream(EventStream):
     """Turns a Generation's per-step deltas into chat.completion.chunk events."""
+    object = "chat.completion.chunk"
 
     def __init__(self, plan: ChatPlan, request_id: str):
         super().__init__(plan, request_id)
@@ -142,32 +151,45 @@ class ChatStream(EventStream):
         self.calls_made = [0] * n
         self.started = False
 
-    def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, model=self.plan.state.model_name, choices=choices,
-                                   usage=self.current_usage() if self.continuous_usage else None)
-
-    def _choice(self, d: ChoiceDelta, parts: ChoiceDeltaParts) -> ChatStreamChoice | None:
+    def _choice(self, d: ChoiceDelta, parts: ChoiceDeltaParts) -> dict | None:
+        """A ChatStreamChoice as model_dump(exclude_none=True) gives it. Tool calls arrive whole
+        from the parser (name and complete arguments), never half a call."""
         i = d.index
-        calls = []
-        for c in parts.calls:
-            calls.append(DeltaToolCall(index=self.calls_made[i], id=c.id, type="function",
-                                       function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
-            self.calls_made[i] += 1
-        logprobs = chat_logprobs(self.plan.state.tokenizer, d.token_ids, d.logprobs, self.plan.logprobs or 0) \
+        logprobs = chat_logprobs_dict(self.plan.state.tokenizer, d.token_ids, d.logprobs, self.plan.logprobs or 0) \
             if d.logprobs is not None and d.token_ids else None
         if not parts and d.finish_reason is None and logprobs is None:
             return None
-        delta = DeltaMessage(content=parts.content or None, reasoning_content=parts.reasoning or None,
-                             tool_calls=calls or None)
-        return ChatStreamChoice(index=i, delta=delta, logprobs=logprobs,
-                                finish_reason=_finish_reason(d.finish_reason, self.calls_made[i] > 0),
-                                stop_reason=d.stop_reason)
+        delta: dict = {}
+        if parts.content:
+            delta["content"] = parts.content
+        if parts.reasoning:
+            delta["reasoning_content"] = parts.reasoning
+        if parts.calls:
+            calls = []
+            for c in parts.calls:
+                call = {"index": self.calls_made[i]}
+                if c.id is not None:
+                    call["id"] = c.id
+                call["type"] = "function"
+                call["function"] = {k: v for k, v in (("name", c.name), ("arguments", c.arguments)) if v is not None}
+                calls.append(call)
+                self.calls_made[i] += 1
+            delta["tool_calls"] = calls
+        choice = {"index": i, "delta": delta}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        reason = _finish_reason(d.finish_reason, self.calls_made[i] > 0)
+        if reason is not None:
+            choice["finish_reason"] = reason
+        if d.stop_reason is not None:
+            choice["stop_reason"] = d.stop_reason
+        return choice
 
     async def events(self, deltas_iter: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
         n = self.gen.num_choices
+        usage = self.continuous_usage
         # the role comes first, once per choice, as OpenAI sends it
-        yield sse_event(self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                                for i in range(n)]))
+        yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(n)], usage=usage)
         if self.plan.prefix:
             for i in range(n):  # the forced call opener is part of each reply
                 self.parsers[i].feed(self.plan.prefix)
@@ -180,10 +202,9 @@ class ChatStream(EventStream):
                     if c is not None:
                         choices.append(c)
                 if choices:
-                    yield sse_event(self._chunk(choices))
+                    yield self.chunk(choices, usage=usage)
         except APIError as exc:  # headers are gone: report in-band, then end the stream properly
             yield sse_event(exc.response())
         if self.include_usage:
-            yield sse_event(ChatCompletionChunk(id=self.request_id, model=self.plan.state.model_name, choices=[],
-                                                usage=self.current_usage()))
+            yield self.chunk([], usage=True)
         yield SSE_DONE

@@ -10,7 +10,7 @@ from moet.serve.generation import ChoiceDelta, Generation
 from moet.serve.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from moet.serve.sampling import check_unsupported, sampling_params
 from moet.serve.server_state import ServerState
-from moet.serve.sse import SSE_DONE, EventStream, sse_event
+from moet.serve.sse import SSE_DONE, EventStream, clamp_logprob, sse_event
 
 
 class CompletionPlan:
@@ -52,23 +52,34 @@ class CompletionPlan:
         return self.prompt_texts[index // self.req.n] if self.req.echo else ""
 
 
-def completion_logprobs(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int,
-                        offset: int) -> CompletionLogprobs | None:
-    """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
+def completion_logprobs_dict(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int,
+                            offset: int) -> dict | None:
+    """The legacy completions shape (CompletionLogprobs' fields, in order): parallel lists,
+    top_logprobs as {token text: logprob}."""
     if positions is None:
         return None
-    out = CompletionLogprobs()
+    offsets, token_lps, tokens, tops = [], [], [], []
     for tid, pos in zip(token_ids, positions):
         lp = pos.get(tid)
         text = lp.decoded_token if lp is not None and lp.decoded_token is not None else tok.decode([tid])
-        out.tokens.append(text)
-        out.token_logprobs.append(max(lp.logprob, -9999.0) if lp else None)
-        top = sorted(((i, p) for i, p in pos.items() if p.rank is not None and p.rank <= k), key=lambda x: x[1].rank)
-        out.top_logprobs.append({(p.decoded_token if p.decoded_token is not None else tok.decode([i])):
-                                 max(p.logprob, -9999.0) for i, p in top} if k else None)
-        out.text_offset.append(offset)
+        tokens.append(text)
+        token_lps.append(clamp_logprob(lp.logprob) if lp else None)
+        if k:
+            top = sorted(((i, p) for i, p in pos.items() if p.rank is not None and p.rank <= k),
+                         key=lambda x: x[1].rank)
+            tops.append({(p.decoded_token if p.decoded_token is not None else tok.decode([i])):
+                         clamp_logprob(p.logprob) for i, p in top})
+        else:
+            tops.append(None)
+        offsets.append(offset)
         offset += len(text)
-    return out
+    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
+
+
+def completion_logprobs(tok, token_ids: list[int], positions: list[PositionLogprobs] | None, k: int,
+                        offset: int) -> CompletionLogprobs | None:
+    d = completion_logprobs_dict(tok, token_ids, positions, k, offset)
+    return CompletionLogprobs(**d) if d is not None else None
 
 
 async def completion_response(plan: CompletionPlan, request_id: str) -> CompletionResponse:
@@ -86,29 +97,34 @@ async def completion_response(plan: CompletionPlan, request_id: str) -> Completi
 
 
 class CompletionStream(EventStream):
+    object = "text_completion"
+
     def __init__(self, plan: CompletionPlan, request_id: str):
         super().__init__(plan, request_id)
         self.offsets = [len(plan.echo_text(i)) for i in range(self.gen.num_choices)]
 
     async def events(self, deltas_iter: AsyncIterator[list[ChoiceDelta]]) -> AsyncIterator[str]:
         tok = self.plan.state.tokenizer
-        model = self.plan.state.model_name
+        k = self.plan.logprobs or 0
+        offsets = self.offsets
         if self.plan.req.echo:
-            yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=[
-                CompletionChoice(index=i, text=self.plan.echo_text(i)) for i in range(self.gen.num_choices)]))
+            yield self.chunk([{"index": i, "text": self.plan.echo_text(i)} for i in range(self.gen.num_choices)])
         try:
             async for deltas in deltas_iter:
                 choices = []
                 for d in deltas:
-                    lp = completion_logprobs(tok, d.token_ids, d.logprobs, self.plan.logprobs or 0,
-                                             self.offsets[d.index])
-                    self.offsets[d.index] += len(d.text)
-                    choices.append(CompletionChoice(index=d.index, text=d.text, logprobs=lp,
-                                                    finish_reason=d.finish_reason, stop_reason=d.stop_reason))
-                yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=choices,
-                                                   usage=self.current_usage() if self.continuous_usage else None))
+                    c = {"index": d.index, "text": d.text}
+                    if d.logprobs is not None:
+                        c["logprobs"] = completion_logprobs_dict(tok, d.token_ids, d.logprobs, k, offsets[d.index])
+                    offsets[d.index] += len(d.text)
+                    if d.finish_reason is not None:
+                        c["finish_reason"] = d.finish_reason
+                    if d.stop_reason is not None:
+                        c["stop_reason"] = d.stop_reason
+                    choices.append(c)
+                yield self.chunk(choices, usage=self.continuous_usage)
         except APIError as exc:
             yield sse_event(exc.response())
         if self.include_usage:
-            yield sse_event(CompletionResponse(id=self.request_id, model=model, choices=[], usage=self.current_usage()))
+            yield self.chunk([], usage=True)
         yield SSE_DONE

@@ -7,6 +7,13 @@ next token may complete) is held back until the text grows past it or the choice
 
 Leaving the stream early for any reason (client gone, cancelled task, timeout, error) aborts
 every unfinished engine request, which frees its KV blocks at once.
+
+Per wake-up, not per token: a single-prompt request (the common case) iterates the engine's
+generate() in the consumer's own task (no pump task, no queue hop); with several prompts, pump
+tasks feed one queue and everything queued is taken in one wake, the newest output per engine
+request (outputs are cumulative). The deadline is one timer per request, not one per wait;
+it and a client disconnect (interrupt()) wake the waiting consumer by cancelling its wait,
+which the stream turns into Timeout or ClientGone.
 """
 from __future__ import annotations
 
@@ -20,11 +27,16 @@ from typing import AsyncIterator
 from moet.errors import ConfigError, MoetError
 from moet.outputs import PositionLogprobs, RequestOutput
 from moet.sampling_params import SamplingParams
-from moet.serve.errors import BadRequest, Timeout, Unavailable
+from moet.serve.errors import APIError, BadRequest, Timeout, Unavailable
 from moet.serve.metrics import ServerMetrics
 from moet.serve.protocol import UsageInfo
 
 log = logging.getLogger("moet.serve")
+
+
+class ClientGone(Exception):
+    """The client disconnected (raised by a stream that interrupt() woke); not an API error:
+    there is no one left to send one to."""
 
 
 @dataclass
@@ -76,6 +88,39 @@ class Generation:
         self.choices: dict[int, _Choice] = {k: _Choice() for k in range(len(prompts) * n)}
         self.completion_tokens = 0
         self.finished_jobs: set[str] = set()
+        self._interrupt: BaseException | None = None   # set by interrupt(): what the waiting stream raises
+        self._waiting: asyncio.Task | None = None       # the task blocked in _wait, if any
+        self._cancel_sent = False
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Make the stream raise `exc` at its next wait, or now if it is waiting (its wait is
+        cancelled: the engine request is aborted on the way out). Idempotent: the first wins."""
+        if self._interrupt is None:
+            self._interrupt = exc
+        task = self._waiting
+        if task is not None and not self._cancel_sent and not task.done():
+            self._cancel_sent = True
+            task.cancel()
+
+    def _expire(self) -> None:
+        self.interrupt(Timeout(f"generation ran past the server's request timeout ({self.timeout_s:g} s); "
+                               "ask for fewer tokens or raise --request-timeout-s"))
+
+    async def _wait(self, awaitable):
+        if self._interrupt is not None:
+            awaitable.close()
+            raise self._interrupt
+        task = self._waiting = asyncio.current_task()
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            # our own cancel (interrupt) becomes the interrupt's exception; anyone else's stays
+            if self._cancel_sent and self._interrupt is not None and task.uncancel() == 0:
+                self._cancel_sent = False
+                raise self._interrupt from None
+            raise
+        finally:
+            self._waiting = None
 
     # ------------------------------------------------------------------ internals
 
@@ -103,7 +148,7 @@ class Generation:
             finished = c.finish_reason is not None or out.finished
             stable = len(c.text) if finished or not c.text.endswith("\ufffd") else len(c.text.rstrip("\ufffd"))
             text = c.text[st.text_len:stable] if stable > st.text_len else ""
-            new_ids = list(c.token_ids[st.tokens:])
+            new_ids = c.token_ids[st.tokens:]
             lps = list(c.logprobs[st.tokens:len(c.token_ids)]) if c.logprobs is not None else None
             if new_ids and self.metrics is not None:
                 self.metrics.observe_tokens(st.first_at is None, now - self.arrival, now - (st.last_at or now),
@@ -125,53 +170,80 @@ class Generation:
 
     # ------------------------------------------------------------------ public
 
+    @staticmethod
+    def _engine_error(item: BaseException) -> BaseException:
+        if isinstance(item, ConfigError):         # a request that can never run: the client's to fix
+            return BadRequest(str(item))
+        if isinstance(item, MoetError):           # shutting down, a failed step: not the client's fault
+            return Unavailable(str(item))
+        if isinstance(item, asyncio.CancelledError):
+            return Unavailable("the engine cancelled this request (shutting down?)")
+        return Unavailable(f"the engine failed on this request: {type(item).__name__}: {item}")
+
     async def stream(self) -> AsyncIterator[list[ChoiceDelta]]:
-        """Per engine step: the deltas of the choices that moved. Raises BadRequest for a request
-        the engine refuses, Timeout past timeout_s, Unavailable when the engine fails."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(job, queue)) for job in self.jobs]
-        live = len(tasks)
-        deadline = self.arrival + self.timeout_s
+        """Per wake-up: the deltas of the choices that moved. Raises BadRequest for a request
+        the engine refuses, Timeout past timeout_s, Unavailable when the engine fails, and
+        ClientGone after interrupt(ClientGone())."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(max(0.0, self.arrival + self.timeout_s - time.perf_counter()), self._expire)
+        single = len(self.jobs) == 1
+        outs = tasks = queue = None
+        if single:
+            job = self.jobs[0]
+            outs = self.engine.generate(job.request_id, job.prompt_ids, job.params)
+        else:
+            queue = asyncio.Queue()
+            tasks = [asyncio.create_task(self._pump(job, queue)) for job in self.jobs]
+        live = len(self.jobs)
         try:
             while live:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    raise Timeout(f"generation ran past the server's request timeout ({self.timeout_s:g} s); "
-                                  "ask for fewer tokens or raise --request-timeout-s")
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
-                # cancellation that races with queue.get() completing, and a cancelled request
-                # (client gone) would then run to the end instead of aborting.
-                try:
-                    async with asyncio.timeout(left):
-                        job, item = await queue.get()
-                except TimeoutError:
-                    continue
-                if item is None:
-                    live -= 1
-                    continue
-                if isinstance(item, ConfigError):     # a request that can never run: the client's to fix
-                    raise BadRequest(str(item)) from None
-                if isinstance(item, MoetError):       # shutting down, a failed step: not the client's fault
-                    raise Unavailable(str(item)) from None
-                if isinstance(item, asyncio.CancelledError):
-                    raise Unavailable("the engine cancelled this request (shutting down?)")
-                if isinstance(item, BaseException):
-                    raise Unavailable(f"the engine failed on this request: {type(item).__name__}: {item}") from item
-                deltas = self._deltas(job, item)
+                err = None
+                if single:
+                    try:
+                        out = await self._wait(outs.__anext__())
+                    except StopAsyncIteration:    # the engine dropped the request without finishing it
+                        return
+                    except (APIError, ClientGone, asyncio.CancelledError):
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 -- the engine's, turned into an API error
+                        raise self._engine_error(exc) from exc
+                    if out.finished:
+                        self.finished_jobs.add(job.request_id)
+                        live = 0
+                    deltas = self._deltas(job, out)
+                else:
+                    batch = [await self._wait(queue.get())]
+                    while not queue.empty():
+                        batch.append(queue.get_nowait())
+                    newest: dict[str, tuple[EngineJob, RequestOutput]] = {}
+                    for j, item in batch:
+                        if item is None:
+                            live -= 1
+                        elif isinstance(item, BaseException):
+                            err = err or item
+                        else:
+                            newest[j.request_id] = (j, item)
+                    deltas = [d for j, o in newest.values() for d in self._deltas(j, o)]
                 if deltas:
                     yield deltas
+                if err is not None:
+                    raise self._engine_error(err) from err
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
+            timer.cancel()
+            if tasks:
+                for t in tasks:
+                    if not t.done():
+                        t.cancel()
+            if outs is not None:
+                await outs.aclose()               # a generator left mid-way queues its abort itself
             for job in self.jobs:
                 if job.request_id not in self.finished_jobs:
                     try:
                         await asyncio.shield(self.engine.abort(job.request_id))
                     except Exception:   # an engine shutting down must not mask the request's own error
                         log.warning("abort of %s failed", job.request_id, exc_info=True)
-            # let the cancelled pumps unwind (the engine's generate() sees the cancellation too)
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:   # let the cancelled pumps unwind (the engine's generate() sees the cancellation too)
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, with_logprobs: bool) -> list[WholeChoice]:
         """The whole stream joined up per choice (index = choice index). Chat and completions

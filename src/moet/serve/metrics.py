@@ -9,14 +9,21 @@ Two sources:
     prompt / generation token totals, and every entry of `stats().extra` (residency and
     quantization counters) as a gauge `moet:<key>`.
 Each app has its own registry, so several servers (tests) can live in one process.
+
+The three latency histograms are observed once per streamed token (inter-token latency), on
+the event loop: LoopHistogram keeps them as plain counters (no lock, one bisect) and renders
+them at scrape time exactly as prometheus_client's Histogram would.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
+import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -69,17 +76,47 @@ class EngineStatsCollector:
                 yield g
 
 
+class LoopHistogram:
+    """A one-label histogram written from one thread (the event loop) without a lock: observe()
+    is a bisect and two additions. A scrape (any thread) copies the counts, so it sees every
+    observation either entirely or not at all except for the sum, which may run one ahead."""
+
+    def __init__(self, name: str, doc: str, model_name: str, buckets: tuple[float, ...]):
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)     # the last one: +Inf
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self):
+        counts, total = list(self.counts), self.sum
+        buckets, acc = [], 0
+        for bound, n in zip(self.bounds + [float("inf")], counts):
+            acc += n
+            buckets.append((floatToGoString(bound), float(acc)))
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        family.add_metric([self.model_name], buckets, total)
+        family.add_sample(self.name + "_created", {"model_name": self.model_name}, self.created)
+        yield family
+
+
 class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.model_name = model_name
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
-        self.ttft = Histogram("moet:time_to_first_token_seconds", "time from arrival to the first generated token",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("moet:inter_token_latency_seconds", "time between consecutive generated tokens",
-                             labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("moet:e2e_request_latency_seconds", "time from arrival to the last token",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.ttft = LoopHistogram("moet:time_to_first_token_seconds", "time from arrival to the first generated token",
+                                  model_name, _LATENCY_BUCKETS)
+        self.itl = LoopHistogram("moet:inter_token_latency_seconds", "time between consecutive generated tokens",
+                                 model_name, _ITL_BUCKETS)
+        self.e2e = LoopHistogram("moet:e2e_request_latency_seconds", "time from arrival to the last token",
+                                 model_name, _LATENCY_BUCKETS)
+        for h in (self.ttft, self.itl, self.e2e):
+            r.register(h)
         self.request_success = Counter("moet:request_success", "finished requests by finish reason",
                                        labels + ["finished_reason"], registry=r)
         self.http_requests = Counter("moet:http_requests", "HTTP requests by endpoint and status",
@@ -97,8 +134,10 @@ class ServerMetrics:
         if first:
             self.ttft.observe(since_arrival)
             new_tokens -= 1
-        for _ in range(new_tokens):
-            self.itl.observe(since_last / max(new_tokens, 1))
+        if new_tokens:
+            each, itl = since_last / new_tokens, self.itl
+            for _ in range(new_tokens):
+                itl.observe(each)
 
     def finished(self, reason: str | None, e2e_s: float) -> None:
         self.request_success.labels(self.model_name, reason or "abort").inc()

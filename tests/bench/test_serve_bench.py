@@ -1,0 +1,68 @@
+"""serve_bench's fairness plumbing (no engine): phases run in the order given with distinct keys,
+every timed pass follows a warm-up of the same load, and the comparisons name what they compare.
+(The HTTP load itself runs against the server's test double in tests/serve/test_api_server.py.)"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from moet.bench.serve_bench import _prompt, _warm_then_time, compare, main, phase_keys
+
+
+def test_phase_keys_keep_order_and_number_repeats():
+    assert phase_keys(["python", "http", "python", "http", "http"]) == [
+        ("python", "python"), ("http", "http"), ("python_2", "python"), ("http_2", "http"), ("http_3", "http")]
+    with pytest.raises(SystemExit, match="unknown phase"):
+        phase_keys(["python", "grpc"])
+
+
+def test_compare_first_pair_and_every_pair():
+    report = {"python": {"decode_tok_per_s": 1000.0}, "http": {"decode_tok_per_s": 500.0},
+              "python_2": {"decode_tok_per_s": 2000.0}}
+    out = compare(report, ["python", "http", "python_2"])
+    assert out["http_over_python_decode"] == 0.5
+    assert out["ratios"] == {"http/python": 0.5, "http/python_2": 0.25}
+    assert compare({"python": {"decode_tok_per_s": 1.0}}, ["python"]) == {}
+
+
+@pytest.mark.parametrize("warmup,warm_calls", [("full", 10), ("round", 4), ("none", 0)])
+def test_the_timed_pass_follows_a_warm_up_of_the_same_load(warmup, warm_calls):
+    calls = []
+    running, peak = [0], {"warm": 0, "task": 0}
+
+    async def one(i, tag):
+        calls.append((tag, i))
+        running[0] += 1
+        peak[tag] = max(peak[tag], running[0])
+        await asyncio.sleep(0.001)
+        running[0] -= 1
+        return 8, None
+
+    res = asyncio.run(_warm_then_time(one, requests=10, concurrency=4, deadline=time.perf_counter() + 60,
+                                      warmup=warmup))
+    warm = [c for c in calls if c[0] == "warm"]
+    timed = [c for c in calls if c[0] == "task"]
+    assert len(warm) == warm_calls and sorted(i for _, i in timed) == list(range(10))
+    assert calls[:len(warm)] == warm                     # every warm-up request before any timed one
+    assert res["requests_done"] == 10 and res["complete"] and res["generated_tokens"] == 80
+    if warmup == "full":                                 # the same concurrency as the timed pass
+        assert peak["warm"] == peak["task"] == 4 and res["warmup"]["requests_done"] == 10
+    assert ("warmup" in res) == (warmup != "none")
+
+
+def test_warm_up_prompts_differ_in_text_not_in_length():
+    """Same token counts (the same prefill shapes as the timed pass), different first block (the
+    prefix cache cannot serve the timed pass from the warm-up)."""
+    from tests.serve.fake_engine import _tokenizer
+
+    tok = _tokenizer()
+    for i in range(0, 200, 7):
+        warm, task = tok(_prompt(i, "warm")).input_ids, tok(_prompt(i)).input_ids
+        assert len(warm) == len(task) and warm[:4] != task[:4]
+
+
+def test_an_unknown_phase_fails_before_any_engine_starts():
+    with pytest.raises(SystemExit):
+        main(["--phases", "python,gpu", "--device", "cpu"])
