@@ -34,7 +34,8 @@ rest)
     timeout 200 python -m moet.bench.residency_bench --out $OUT/acc --budget-s 190 --cards 32 --skip-boot \
         --skip-model > $OUT/acc/log.txt 2>&1; echo "rc=$?"; grep -v "it/s\]\|B/s\]" $OUT/acc/log.txt | tail -8
     el "serve bench"
-    timeout 170 python -m moet.bench.serve_bench --requests 64 --concurrency 16 --max-tokens 64 --budget-s 160 \
+    timeout 170 python -m moet.bench.serve_bench --phases python,http,python --requests 64 --concurrency 16 \
+        --max-tokens 64 --budget-s 160 \
         --out $OUT/serve_bench.json > $OUT/serve_log.txt 2>&1; echo "rc=$?"; tail -12 $OUT/serve_log.txt | cut -c1-300
     el "attention"
     left=$(( 470 - ($(date +%s) - t0) ))
