@@ -56,6 +56,9 @@ engine)
             --budget-s 140 --out $OUT/engine/$name $flag > $OUT/engine/log_$name.txt 2>&1
         echo "rc=$?"; grep -E "single stream|streams:|FAIL" $OUT/engine/log_$name.txt | cut -c1-200
     done
+    el "profile glm45air batch 32"        # where a 32-stream step goes (issue 6's 8x target)
+    timeout 80 python tools/kernel_lab/engine_profile.py --out $OUT/engine --model glm45air --batch 32 --steps 10 \
+        > /dev/null 2>&1; head -1 $OUT/engine/engine_profile_glm45air_b32.txt
     el "done" ;;
 *) echo "usage: run11.sh train|res|rest|engine"; exit 2 ;;
 esac
