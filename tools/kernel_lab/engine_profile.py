@@ -31,7 +31,7 @@ def main():
     dev = torch.device("cuda" if cuda else "cpu")
     name, cfg = eb.MODELS[args.model] if cuda else ("smoke", eb.SMOKE)
     model = eb.random_model(cfg, dev)
-    ns = SimpleNamespace(streams="1,4,8", prefill=512, gpu_memory_utilization=0.85, kv_cache_memory_gb=4.0,
+    ns = SimpleNamespace(streams=f"1,4,8,{args.batch}", prefill=512, gpu_memory_utilization=0.85, kv_cache_memory_gb=4.0,
                          enforce_eager=False)
     eng = eb.make_engine(model, cfg, dev, ns, 2048)
     sp = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
