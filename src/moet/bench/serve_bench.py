@@ -194,9 +194,23 @@ async def http_load(url: str, requests: int, concurrency: int, max_tokens: int, 
         return await _warm_then_time(one, requests, concurrency, deadline, warmup), check
 
 
-def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
+def wait_until_healthy(url: str, proc: subprocess.Popen, deadline: float, log_tail, poll_s: float = 0.5) -> None:
+    """Poll url/health until it answers 200; raise with the server's last output (log_tail())
+    if the process exits or the deadline (perf_counter) passes first."""
     import httpx
 
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.perf_counter() > deadline:
+            raise RuntimeError(f"moet serve did not come up: {log_tail()[-2000:]}")
+        time.sleep(poll_s)
+
+
+def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -208,16 +222,7 @@ def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.perf_counter() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"moet serve did not come up: {log.read()[-2000:]}")
-            time.sleep(0.5)
+        wait_until_healthy(url, proc, deadline, lambda: (log.seek(0), log.read())[1])
         print(f"[http] server up in {time.perf_counter() - t0:.1f}s", flush=True)
 
         return asyncio.run(http_load(url, args.requests, args.concurrency, args.max_tokens, deadline,

@@ -282,7 +282,7 @@ async def stream_load(url: str, requests: int, concurrency: int, max_tokens: int
 
 
 def http_row(args) -> dict:
-    import httpx
+    from moet.bench.serve_bench import wait_until_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -295,16 +295,7 @@ def http_row(args) -> dict:
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
     reader.start()
     try:
-        t_end = time.perf_counter() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.perf_counter() > t_end:
-                raise RuntimeError("server did not come up: " + "".join(out)[-2000:])
-            time.sleep(0.2)
+        wait_until_healthy(url, proc, time.perf_counter() + 120, lambda: "".join(out), poll_s=0.2)
         deadline = time.perf_counter() + args.budget_s
         load = lambda prefix: asyncio.run(stream_load(url, args.requests, args.concurrency, args.max_tokens,
                                                       args.endpoint, args.logprobs, deadline, prefix))
