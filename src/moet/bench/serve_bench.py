@@ -175,14 +175,7 @@ async def http_load(url: str, requests: int, concurrency: int, max_tokens: int, 
             async with client.stream("POST", "/v1/completions", json={
                     "prompt": _prompt(i, tag), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        raise RuntimeError(ev["error"]["message"])
+                async for ev in sse_events(resp):
                     if first is None and ev["choices"] and ev["choices"][0]["text"]:
                         first = time.perf_counter()
                     if ev.get("usage"):
@@ -192,6 +185,20 @@ async def http_load(url: str, requests: int, concurrency: int, max_tokens: int, 
             return n, first
 
         return await _warm_then_time(one, requests, concurrency, deadline, warmup), check
+
+
+async def sse_events(resp):
+    """The JSON events of a streamed OpenAI response (httpx), `data: [DONE]` excluded; a non-200
+    status or an in-band error event raises RuntimeError."""
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if "error" in ev:
+            raise RuntimeError(ev["error"]["message"])
+        yield ev
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, deadline: float, log_tail, poll_s: float = 0.5) -> None:

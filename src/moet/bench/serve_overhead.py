@@ -161,7 +161,7 @@ class InstantEngine:
         return replace(self._stats, extra=dict(self._stats.extra))
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the stand-in holds no model, cache or device memory."""
 
 
 def _tokenizer():
@@ -213,6 +213,8 @@ async def stream_load(url: str, requests: int, concurrency: int, max_tokens: int
     max_tokens, one logprob per token when asked) and its text returned for the caller to check."""
     import httpx
 
+    from moet.bench.serve_bench import sse_events
+
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     events = tokens = 0
     failures: list[str] = []
@@ -233,14 +235,7 @@ async def stream_load(url: str, requests: int, concurrency: int, max_tokens: int
             text, n_lp, usage, n_ev = [], 0, None, 0
             async with client.stream("POST", f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
                                      json=body) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        raise RuntimeError(ev["error"]["message"])
+                async for ev in sse_events(resp):
                     if ev.get("usage"):
                         usage = ev["usage"]
                     for c in ev.get("choices", []):
