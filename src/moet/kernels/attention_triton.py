@@ -48,7 +48,6 @@ fp8_ds_mla: MLA decode at 128 heads is compute-bound, its useful figure is TFLOP
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -58,6 +57,7 @@ import triton.language as tl
 from moet.errors import ConfigError
 from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_shape_key, lookup_gqa_decode
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
+from moet.kernels.launch_tables import device_name as _device_name
 
 _SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
 
@@ -422,11 +422,6 @@ def gqa_decode_launch(q: torch.Tensor, cache: GQALayerKV, tile_tokens: int | Non
     step = max(1, (tile_tokens or GQA_TILE_TOKENS) // bs) * bs
     key = gqa_shape_key(cache.fmt, cache.k.dtype, cache.k.shape[-1], cache.v.shape[-1], step)
     return lookup_gqa_decode(_device_name(q.device), key, q.shape[0])
-
-
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from moet.kernels.fp8_gemm_reference import MODES
+from moet.kernels.launch_tables import device_name as _device_name
 
 BLOCK = 128
 E4M3_MAX = tl.constexpr(448.0)   # a constexpr: jitted code reads only constexpr globals
@@ -180,11 +181,6 @@ TABLE_PATH = Path(__file__).with_name("fp8_gemm_configs.json")
 @functools.lru_cache(maxsize=None)
 def _table() -> dict:
     return json.loads(TABLE_PATH.read_text()) if TABLE_PATH.exists() else {}
-
-
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def table_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8GemmConfig | None:

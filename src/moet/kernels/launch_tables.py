@@ -1,11 +1,13 @@
 """The repository's JSON launch tables (moe_configs.json, attention_configs.json beside this file):
 `{"version": 1, "devices": {device name: {...}}}`. A missing file reads as an empty table, so a
-checkout without one runs every kernel on its defaults."""
+checkout without one runs every kernel on its defaults. device_name: the key the tables use."""
 from __future__ import annotations
 
 import json
 from functools import lru_cache
 from pathlib import Path
+
+import torch
 
 
 @lru_cache(maxsize=8)
@@ -14,3 +16,9 @@ def read_table(path: str) -> dict:
     if not p.exists():
         return {"version": 1, "devices": {}}
     return json.loads(p.read_text())
+
+
+@lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str:
+    """torch's name of a CUDA device ("NVIDIA H200"), else the device type ("cpu")."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -50,7 +50,6 @@ moet.bench.moe_kernel_tune). Measured speed and its limits: docs/perf.md.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 
@@ -58,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
 from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, MoEConfig, lookup
 from moet.kernels.pools import FP4Pool, W2Pool
@@ -418,11 +418,6 @@ def _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, 
 
 
 # ====================================================================================== driver
-
-@functools.lru_cache(maxsize=None)
-def _device_name(dev: torch.device) -> str:
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
-
 
 def _workspace(shape, dtype, device) -> torch.Tensor:
     """Every buffer the kernels write (tests replace this to poison them)."""
