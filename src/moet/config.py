@@ -76,8 +76,9 @@ class EngineConfig:
                                                "running decodes (bounds inter-token latency)")
     enforce_eager: bool = _knob(False, "never capture CUDA graphs for decode (slower; for debugging)")
     overlap_shared_experts: bool = _knob(
-        False, "on CUDA, compute the shared experts on a second stream while the routed experts run "
-               "(decode graphs included); outputs bit-identical either way")
+        True, "on CUDA, compute the shared experts on a second stream while the routed experts run "
+              "(decode graphs included); outputs bit-identical either way (H200, GLM-4.5-Air W2: "
+              "133.3 vs 124.0 tok/s single stream, 998 vs 982 at 32 streams)")
     # ---- expert residency (moet/store): pack file on disk -> host arena -> device expert cache
     pack_dir: str | None = _knob(
         None, "where pack files live (routed experts converted to expert_format once, keyed by checkpoint "

@@ -95,7 +95,7 @@ def test_loop_steps_and_query_dtypes_match_reference(fmt, lens, hq, hkv, d, wind
 def test_launch_table_picks_per_device_format_and_batch(monkeypatch):
     """paged_decode_gqa's default launch comes from attention_configs.json: on an H200 (the
     device name faked here) bf16 queries over a bf16 d-128 cache with 64-token steps take 7
-    stages at batch 1 and 3 at batch 32, fp8 per-tensor caches 5; other shapes, fp32 queries and
+    stages at batch 1, 5 from batch 8 and 3 from batch 32, fp8 per-tensor caches 5; other shapes, fp32 queries and
     other devices the fallback. The launch changes no bits (the interpreter ignores it; on the
     GPU test_attention_cuda and attention_bench check the stages bit for bit)."""
     at = _tri()
@@ -110,7 +110,8 @@ def test_launch_table_picks_per_device_format_and_batch(monkeypatch):
     monkeypatch.setattr(at, "_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
     assert launch(bf16, 128, 1) == DEFAULT_GQA_DECODE          # a device the table lacks
     monkeypatch.setattr(at, "_device_name", lambda device: "NVIDIA H200")
-    assert [launch(bf16, 128, b) for b in (1, 2, 31, 32, 64)] == [GQALaunch(4, 7)] * 3 + [GQALaunch(4, 3)] * 2
+    assert [launch(bf16, 128, b) for b in (1, 7, 8, 31, 32, 64)] == \
+        [GQALaunch(4, 7)] * 2 + [GQALaunch(4, 5)] * 2 + [GQALaunch(4, 3)] * 2
     assert [launch(fp8, 128, b) for b in (1, 8, 32, 256)] == [GQALaunch(4, 5)] * 4
     assert launch(bf16, 128, 1, torch.float32) == DEFAULT_GQA_DECODE                      # exact dots
     assert launch(bf16, 256, 1) == DEFAULT_GQA_DECODE                                     # unmeasured shape

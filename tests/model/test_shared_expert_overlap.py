@@ -19,7 +19,7 @@ def test_overlap_is_a_noop_off_cuda():
     m = eb.random_model(GLM_TINY, torch.device("cpu"), seed=int(torch.seed() % 2**31))
     assert m.overlap_shared_experts(torch.device("cpu")) == 0
     assert all(b.shared_stream is None for b in m.modules() if isinstance(b, MoE))
-    assert EngineConfig(model="x").overlap_shared_experts is False      # default off until measured
+    assert EngineConfig(model="x").overlap_shared_experts is True       # on: measured faster (docs/perf.md)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter only: it hands CPU tensors to the kernels; "
