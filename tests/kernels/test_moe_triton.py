@@ -38,6 +38,8 @@ CFG_SPLIT_GU = MoEConfig(16, GemmConfig(32, 16, 2, 4, 2), GemmConfig(16, 16, 1, 
 # decode tiles of one or two pairs (the H200 table picks BM 1 at T = 1: no padded token rows)
 CFG_BM1 = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2))
 CFG_BM2 = MoEConfig(2, GemmConfig(32, 16, 1, 2, 2), GemmConfig(16, 16, 2, 2, 2))
+# token-major decode (two launches, no alignment): up to TOKEN_MAJOR_MAX_PAIRS pairs, else the tiles above
+CFG_TM = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2), token_major=True)
 
 
 def _mt():
@@ -213,6 +215,10 @@ CASES = [
     ("w2", 3, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_BM1),          # one pair per tile
     ("w2", 9, 3, 96, 64, 4, 4, [1, 3, 0, 2], 1.0, CFG_BM2),                   # several 2-pair tiles per slot
     ("fp4", 3, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_BM1),
+    ("w2", 1, 4, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_TM),           # token-major, one token
+    ("w2", 2, 3, 96, 64, 6, 8, [3, -1, 0, 7, -1, 5], 1.0, CFG_TM),            # K tails, clamp, 2 tokens
+    ("fp4", 2, 2, 96, 48, 6, 8, [3, -1, 0, 7, -1, 5], 1.0, CFG_TM),
+    ("w2", 9, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_TM),           # 18 pairs: falls back to tiles
 ]
 
 
@@ -265,6 +271,40 @@ def test_misses_zero_counted_slot_invariant_and_bit_identical(poisoned):
     assert torch.equal(out2, outs[0])
 
 
+def test_token_major_misses_slot_invariant_bit_identical_and_bf16(poisoned):
+    """The token-major path: misses zero and counted once per pair, the same bits from permuted
+    slots and on reruns, bf16 hidden states (as the engine passes them) against the reference, and
+    the same result as the tiled path (within the bound: the dot shapes differ)."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(17)
+    pool = _w2_pool(6, 64, 32, g)
+    tab = _table([3, -1, 0, 5, -1, 1])
+    x, ids, w = _inputs(2, 4, 64, 6, g)
+    ids[0] = torch.tensor([1, 4, 0, 2])
+    m = torch.full((1,), 11, dtype=torch.int64, device=DEVICE)
+    out = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m, config=CFG_TM)
+    misses = int((tab.long()[ids.long()] < 0).sum())
+    assert int(m.item()) == 11 + misses and misses >= 2
+    ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    assert _relerr(out, ref) <= BOUND
+    assert torch.equal(out, mt.moe_experts_w2_triton(x, ids, w, tab, pool, m, config=CFG_TM))
+    perm = torch.tensor([4, 2, 5, 0, 3, 1], device=DEVICE)
+    inv = torch.argsort(perm).to(torch.int32)
+    pool2 = W2Pool(*(getattr(pool, f)[perm] for f in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales")),
+                   layout="nb8")
+    tab2 = torch.where(tab >= 0, inv[tab.clamp(min=0).long()], tab)
+    assert torch.equal(out, mt.moe_experts_w2_triton(x, ids, w, tab2, pool2, m, config=CFG_TM))
+    tiled = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m, config=CFG_BM1)
+    assert _relerr(out, tiled) <= BOUND
+    none = _table([-1] * 6)                                  # nothing resident: exactly zero
+    m0 = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    assert (mt.moe_experts_w2_triton(x, ids, w, none, pool, m0, config=CFG_TM) == 0).all() and int(m0.item()) == 8
+    xb = x.bfloat16()
+    ob = mt.moe_experts_w2_triton(xb, ids, w, tab, pool, m, config=CFG_TM)
+    rb = moe_experts_reference(xb, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    assert ob.dtype == torch.bfloat16 and _relerr(ob, rb) <= 2 ** -7
+
+
 def test_prefill_path_and_token_chunks(poisoned, monkeypatch):
     """The sort-based alignment (P above the small-align limit) and token chunking (workspace
     cap) give the reference's result."""
@@ -313,6 +353,7 @@ def test_config_table_lookup(monkeypatch):
                 assert MoEConfig.from_json(c.to_json()) == c and c.BM >= 1 and c.BM & (c.BM - 1) == 0
     pdl = MoEConfig(1, GemmConfig(), GemmConfig(), pdl=True)
     assert MoEConfig.from_json(pdl.to_json()) == pdl and "pdl" not in MoEConfig(1, GemmConfig(), GemmConfig()).to_json()
+    assert MoEConfig.from_json(CFG_TM.to_json()) == CFG_TM and "token_major" not in CFG_BM1.to_json()
     fake = {"version": 1, "devices": {"GPU X": {"w2 H64 I32": {
         "8": MoEConfig(16, GemmConfig(16), GemmConfig(32)).to_json(),
         "64": MoEConfig(16, GemmConfig(64), GemmConfig(64)).to_json(),

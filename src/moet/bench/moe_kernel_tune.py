@@ -252,6 +252,17 @@ def candidates(regime: str, fmt: str):
     return base, gu, dn
 
 
+def token_major_candidates():
+    """(gate_up, down) launches for the token-major path: its grids are (row blocks, pairs) and
+    (row blocks, tokens), so at T = 1 the down side has only H / BN programs: narrow rows and
+    deeper pipelines keep enough bytes in flight."""
+    from moet.kernels.moe_configs import GemmConfig
+    gu = (GemmConfig(32, 32, 1, 2, 4), GemmConfig(16, 32, 1, 1, 4), GemmConfig(64, 32, 1, 4, 4))
+    dn = (GemmConfig(32, 32, 1, 2, 4), GemmConfig(16, 32, 1, 1, 6), GemmConfig(16, 64, 1, 2, 4),
+          GemmConfig(64, 32, 1, 4, 4))
+    return [(gu[0], d) for d in dn] + [(g, dn[0]) for g in gu[1:]]
+
+
 def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
     """Token-tile sizes worth timing at decode: up to ~4x the mean pairs per expert (>= 2)."""
     cap = max(2, 1 << max(0, math.ceil(math.log2(max(1.0, 4 * pairs / experts)))))
@@ -275,7 +286,7 @@ def main():
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     from moet.kernels import moe_triton as mt
-    from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TABLE_PATH, lookup, shape_key
+    from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TABLE_PATH, TOKEN_MAJOR_MAX_PAIRS, MoEConfig, lookup, shape_key
     from moet.kernels.reference import moe_experts_reference
     import triton
     name = torch.cuda.get_device_name(dev)
@@ -374,6 +385,27 @@ def main():
                             print(f"    {key} T{t} PDL: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                             if chk.get("ok") and on["us"] < 0.98 * best_us:      # clearly faster: keep it
                                 best, best_us = c, on["us"]
+                        if regime == "decode" and p <= TOKEN_MAJOR_MAX_PAIRS and left() > 0:
+                            # two launches, no alignment (MoEConfig.token_major): kept if clearly
+                            # faster and correct; rows per program and warps swept on both sides
+                            tm, tiled_us = [], best_us
+                            for gu, dn in token_major_candidates():
+                                c = replace(best, gate_up=gu, down=dn, token_major=True)
+                                try:
+                                    r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
+                                except Exception as exc:
+                                    traceback.print_exc()
+                                    r = {"us": float("inf"), "error": repr(exc)[:1000]}
+                                tm.append({"cfg": c.to_json(), **r})
+                                print(f"    {key} T{t} token-major {c.to_json()} {r['us']:.1f} us", flush=True)
+                            fast = min(tm, key=lambda r: r["us"]) if tm else None
+                            if fast is not None and fast["us"] < 0.98 * best_us:
+                                c = MoEConfig.from_json(fast["cfg"])
+                                chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
+                                fast["check"] = chk
+                                if chk.get("ok"):
+                                    best, best_us = c, fast["us"]
+                            rep.setdefault("token_major", {})[f"{key}/T{t}"] = {"tiled_us": tiled_us, "tried": tm}
                         cfg = best
                         entries[str(p)] = best.to_json()
                         if t == 1:

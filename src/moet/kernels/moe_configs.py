@@ -20,6 +20,9 @@ TABLE_PATH = Path(__file__).with_name("moe_configs.json")
 # Up to this many pairs the slot alignment is one Triton program (O(P^2) compares, no host
 # sync, one launch); above it, the sort-based moe_align_block_size in torch.
 SMALL_ALIGN_MAX_PAIRS = 512
+# The token-major decode path (MoEConfig.token_major) re-reads an expert's weights for every pair
+# that routes to it, so it is only for a few tokens (T = 1..2 at top-8), where pairs rarely share one.
+TOKEN_MAJOR_MAX_PAIRS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +44,23 @@ class MoEConfig:
     # programmatic dependent launch between the layer's kernels (sm_90+): each kernel's launch
     # overlaps the one before; pays off where the kernels are short (small models at T = 1)
     pdl: bool = False
+    # token-major decode (moe_triton's _tm kernels, up to TOKEN_MAJOR_MAX_PAIRS pairs): two launches
+    # (gate/up + SwiGLU per pair; down + the top-k combine per token), no slot alignment, no
+    # activation copy, no fp32 workspace; BM and SPLIT_K are unused (each pair is its own tile)
+    token_major: bool = False
 
     def to_json(self) -> dict:
         d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
         if self.pdl:
             d["pdl"] = True
+        if self.token_major:
+            d["token_major"] = True
         return d
 
     @staticmethod
     def from_json(d: dict) -> "MoEConfig":
-        return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)))
+        return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
+                         bool(d.get("token_major", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

@@ -21,6 +21,12 @@ CUDA-graph capturable in both regimes):
      j = 0..k-1, s = 0..SPLIT_K-1; pairs of non-resident experts are skipped (zero).
 Every output element has one writer and a fixed summation order: reruns are bit-identical,
 and an expert gives the same bits whichever slot holds it.
+Token-major decode (MoEConfig.token_major, table-driven, up to TOKEN_MAJOR_MAX_PAIRS pairs): 2
+launches, no alignment and no hidden-state copy: _tm_gate_up_kernel (row block, pair) reads its
+token's hidden row in natural order and writes act with the SwiGLU epilogue; _tm_down_kernel
+(row block, token) runs the token's k down projections in order j and sums them with the router
+weights (the combine), writing out directly. An expert shared by two pairs is read twice, which
+is why it is for one or two tokens only.
 
 The weight tile is the MMA's A operand, decoded in registers; the activation rows (padded to
 BM, masked rows read nothing) are the B operand. Codes are read as 16-bit units (8 W2 / 4 FP4
@@ -59,7 +65,7 @@ import triton.language as tl
 
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
-from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, MoEConfig, lookup
+from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig, lookup
 from moet.kernels.pools import FP4Pool, W2Pool
 
 FMT_W2 = 0
@@ -417,6 +423,146 @@ def _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, 
     tl.store(miss_ptr, old + misses.to(old.dtype))
 
 
+# ====================================================================== token-major decode kernels
+# MoEConfig.token_major, up to TOKEN_MAJOR_MAX_PAIRS pairs: each (token, expert) pair is its own
+# one-row tile, so no slot alignment and no slot-major copy of the hidden states is needed, and
+# each token's down projections and top-k combine are one program per row block. Two launches
+# per layer instead of four or five: at T = 1 the launch boundaries (each a full ramp-up and
+# drain of the GPU) were measured to cost more than the weight decode (docs/perf.md, run 10).
+
+@triton.jit
+def _op_cast(v, USE_ASM: tl.constexpr):
+    """The MMA operand dtype: bf16 on the GPU, fp32 under the interpreter (as x_perm holds)."""
+    if USE_ASM:
+        return v.to(tl.bfloat16)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _tm_gate_up_kernel(x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, miss_ptr,
+                       s_x, s_wq_slot, s_sc_slot, limit,
+                       N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
+                       HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Grid (cdiv(N, BN), P): gate rows n and up rows N + n of pair p's expert against its token's
+    hidden row, read in natural order (slot q of unit u is element UPW u + q: a strided load, but
+    the row is a few KiB and stays in L1); SwiGLU in the epilogue; act[p] stored slot-major as the
+    down kernel reads it. A pair whose expert is not resident writes nothing and is counted once
+    (by row block 0) into the miss counter."""
+    _pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    slot = tl.load(table_ptr + tl.load(ids_ptr + p))
+    if slot < 0:
+        if pid_n == 0:
+            tl.atomic_add(miss_ptr, 1)
+    else:
+        UPW: tl.constexpr = 8 if FMT == 0 else 4
+        UNITS: tl.constexpr = K // UPW
+        G: tl.constexpr = UNITS // 4
+        STEPS: tl.constexpr = (UNITS + BKH - 1) // BKH
+        n = pid_n * BN + tl.arange(0, BN)
+        nmask = n < N
+        slot64 = slot.to(tl.int64)
+        wq = wq_ptr + slot64 * s_wq_slot
+        sc = sc_ptr + slot64 * s_sc_slot
+        hcols = tl.arange(0, BKH)
+        gcols = tl.arange(0, BKH // 4)
+        xb = x_ptr + (p // TOPK).to(tl.int64) * s_x
+        acc = tl.zeros([BN, 1], dtype=tl.float32)
+        acc2 = tl.zeros([BN, 1], dtype=tl.float32)
+        for st in range(STEPS):
+            u = st * BKH + hcols
+            umask = u < UNITS
+            g = st * (BKH // 4) + gcols
+            gmask = g < G
+            xm = umask[None, :]
+            xp = xb + (u * UPW)[None, :]
+            x0 = _op_cast(tl.load(xp, mask=xm, other=0.0), USE_ASM)
+            x1 = _op_cast(tl.load(xp + 1, mask=xm, other=0.0), USE_ASM)
+            x2 = _op_cast(tl.load(xp + 2, mask=xm, other=0.0), USE_ASM)
+            x3 = _op_cast(tl.load(xp + 3, mask=xm, other=0.0), USE_ASM)
+            if FMT == 0:
+                x4 = _op_cast(tl.load(xp + 4, mask=xm, other=0.0), USE_ASM)
+                x5 = _op_cast(tl.load(xp + 5, mask=xm, other=0.0), USE_ASM)
+                x6 = _op_cast(tl.load(xp + 6, mask=xm, other=0.0), USE_ASM)
+                x7 = _op_cast(tl.load(xp + 7, mask=xm, other=0.0), USE_ASM)
+            else:
+                x4 = x0
+                x5 = x0
+                x6 = x0
+                x7 = x0
+            acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                             UNITS, G, FMT, BN, BKH, USE_ASM)
+            acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                              UNITS, G, FMT, BN, BKH, USE_ASM)
+        if FMT == 1:
+            acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
+            acc2 = acc2 * (tl.load(s2_ptr + slot64 * 2 + 1) * 256.0)
+        a = _swiglu(acc, acc2, limit, HAS_LIMIT)
+        nperm = (n % UPW) * (N // UPW) + n // UPW
+        tl.store(act_ptr + p.to(tl.int64) * N + nperm[:, None], a.to(act_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
+@triton.jit
+def _tm_down_kernel(act_ptr, ids_ptr, table_ptr, tw_ptr, wq_ptr, sc_ptr, s2_ptr, out_ptr,
+                    s_wq_slot, s_sc_slot, s_out,
+                    N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
+                    USE_ASM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(N, BN), T): out[t, n] = sum_j w[t, j] * (W_down[slot of pair t k + j] @ act[t k + j])[n]
+    in the fixed order j = 0..k-1 (fp32), the down rows of each resident pair read once; pairs whose
+    expert is not resident add nothing (their act rows were never written)."""
+    _pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    UPW: tl.constexpr = 8 if FMT == 0 else 4
+    UNITS: tl.constexpr = K // UPW
+    G: tl.constexpr = UNITS // 4
+    STEPS: tl.constexpr = (UNITS + BKH - 1) // BKH
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < N
+    hcols = tl.arange(0, BKH)
+    gcols = tl.arange(0, BKH // 4)
+    out = tl.zeros([BN, 1], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pr = t * TOPK + j
+        slot = tl.load(table_ptr + tl.load(ids_ptr + pr))
+        w = tl.load(tw_ptr + pr).to(tl.float32)
+        if slot >= 0:
+            slot64 = slot.to(tl.int64)
+            wq = wq_ptr + slot64 * s_wq_slot
+            sc = sc_ptr + slot64 * s_sc_slot
+            xb = act_ptr + pr * K
+            acc = tl.zeros([BN, 1], dtype=tl.float32)
+            for st in range(STEPS):
+                u = st * BKH + hcols
+                umask = u < UNITS
+                g = st * (BKH // 4) + gcols
+                gmask = g < G
+                xm = umask[None, :]
+                xp = xb + u[None, :]                           # act is slot-major: contiguous per slot
+                x0 = tl.load(xp, mask=xm, other=0.0)
+                x1 = tl.load(xp + UNITS, mask=xm, other=0.0)
+                x2 = tl.load(xp + 2 * UNITS, mask=xm, other=0.0)
+                x3 = tl.load(xp + 3 * UNITS, mask=xm, other=0.0)
+                if FMT == 0:
+                    x4 = tl.load(xp + 4 * UNITS, mask=xm, other=0.0)
+                    x5 = tl.load(xp + 5 * UNITS, mask=xm, other=0.0)
+                    x6 = tl.load(xp + 6 * UNITS, mask=xm, other=0.0)
+                    x7 = tl.load(xp + 7 * UNITS, mask=xm, other=0.0)
+                else:
+                    x4 = x0
+                    x5 = x0
+                    x6 = x0
+                    x7 = x0
+                acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                                 UNITS, G, FMT, BN, BKH, USE_ASM)
+            if FMT == 1:
+                acc = acc * (tl.load(s2_ptr + slot64) * 256.0)
+            out += acc * w
+    tl.store(out_ptr + t * s_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
 # ====================================================================================== driver
 
 def _workspace(shape, dtype, device) -> torch.Tensor:
@@ -513,6 +659,20 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     # slot's K tile is one contiguous load; the gate/up epilogue writes act in that order.
     op_dtype = torch.bfloat16 if use_asm else torch.float32
     upw = 8 if fmt == FMT_W2 else 4
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    has_limit = swiglu_limit is not None
+    tw = topk_weights.reshape(-1).contiguous()
+    if config.token_major and p <= TOKEN_MAJOR_MAX_PAIRS:
+        act = _workspace((p, i), op_dtype, dev)
+        _tm_gate_up_kernel[(triton.cdiv(i, cg.BN), p)](
+            hidden, ids, table, gu_q, gu_s, gu_s2, act, miss_counter, hidden.stride(0), gu_q.stride(0),
+            gu_s.stride(0), limit, N=i, K=h, TOPK=k, FMT=fmt, HAS_LIMIT=has_limit, USE_ASM=use_asm,
+            BN=cg.BN, BKH=cg.BKH, num_warps=cg.num_warps, num_stages=cg.num_stages, **pdl)
+        _tm_down_kernel[(triton.cdiv(h, cd.BN), t)](
+            act, ids, table, tw, dn_q, dn_s, dn_s2, out, dn_q.stride(0), dn_s.stride(0), out.stride(0),
+            N=h, K=i, TOPK=k, FMT=fmt, USE_ASM=use_asm, BN=cd.BN, BKH=cd.BKH,
+            num_warps=cd.num_warps, num_stages=cd.num_stages, **pdl)
+        return
     x_perm = _workspace((t, upw, h // upw), op_dtype, dev)
     if p <= SMALL_ALIGN_MAX_PAIRS:
         nb = min(p, p // bm + min(p, num_slots))
@@ -530,8 +690,6 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         miss_counter += aligned.num_misses.to(miss_counter.dtype)
         x_perm.copy_(hidden.view(t, h // upw, upw).transpose(1, 2))
     act = _workspace((p, i), op_dtype, dev)
-    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    has_limit = swiglu_limit is not None
     common = dict(TOPK=k, FMT=fmt, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=bm)
     if cg.SPLIT_K == 1:
         gu_out = act
@@ -552,7 +710,6 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
         num_warps=cd.num_warps, num_stages=cd.num_stages, **common, **pdl)
     bh = min(1024, triton.next_power_of_2(h))
-    tw = topk_weights.reshape(-1).contiguous()
     _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K, BH=bh,
                                              num_warps=4, **pdl)
 
