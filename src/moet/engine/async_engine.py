@@ -84,13 +84,17 @@ def _push_all(items: list) -> None:
         stream.push(item)
 
 
+def served_model_name(config) -> str:
+    """The name /v1/models shows: the config's served_model_name, else the checkpoint's folder."""
+    return getattr(config, "served_model_name", None) or os.path.basename(os.path.normpath(config.model))
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         cfg = engine.config
-        self.model_name = model_name or getattr(cfg, "served_model_name", None) or \
-            os.path.basename(os.path.normpath(cfg.model))
+        self.model_name = model_name or served_model_name(cfg)
         self.max_model_len = engine.max_model_len
         self._lock = threading.Lock()                 # guards self.engine (the engine thread's)
         self._wake = threading.Event()

@@ -9,7 +9,7 @@ A step: scheduler -> model runner (one forward over every scheduled token) -> sa
 sequences whose last token was computed -> detokenizer / stop checks -> finished sequences
 free their blocks. Requests with n > 1 run n sequences; with prefix caching the siblings wait
 until the first one has prefilled the prompt, then take its full blocks from the cache.
-Not thread-safe: AsyncEngine drives it from one thread.
+Not thread-safe: AsyncEngine drives it from one thread (EngineProcess: from its own process).
 """
 from __future__ import annotations
 
@@ -67,6 +67,21 @@ def load_tokenizer(path: str, trust_remote_code: bool):
         raise MoetError(f"{path}: cannot load a tokenizer ({type(exc).__name__}: {exc}); "
                         "pass tokenizer=DIR, trust_remote_code=True for a tokenizer that ships its own code "
                         "(e.g. Kimi-K2), or prompt_token_ids prompts") from exc
+
+
+def encode_prompt(tokenizer, prompt, tokenizer_source: str) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) of a prompt as LLMEngine.encode takes it; a module
+    function so that engine_process.py's parent tokenizes exactly as the engine would."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        prompt = prompt["prompt"]
+    if isinstance(prompt, (list, tuple)):
+        return None, [int(t) for t in prompt]
+    if tokenizer is None:
+        raise ConfigError(f"{tokenizer_source} has no tokenizer files: pass "
+                          "tokenizer=DIR or prompts as {'prompt_token_ids': [...]}")
+    return prompt, list(tokenizer(prompt).input_ids)
 
 
 @dataclass
@@ -169,16 +184,7 @@ class LLMEngine:
 
     def encode(self, prompt) -> tuple[str | None, list[int]]:
         """str | list[int] | {"prompt": str} | {"prompt_token_ids": [...], "prompt"?: str}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt["prompt"]
-        if isinstance(prompt, (list, tuple)):
-            return None, [int(t) for t in prompt]
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.config.tokenizer or self.config.model} has no tokenizer files: pass "
-                              "tokenizer=DIR or prompts as {'prompt_token_ids': [...]}")
-        return prompt, list(self.tokenizer(prompt).input_ids)
+        return encode_prompt(self.tokenizer, prompt, self.config.tokenizer or self.config.model)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate and queue. Raises ConfigError for a request that can never run."""
@@ -364,6 +370,7 @@ class LLMEngine:
         st.num_running = len(self.scheduler.running)
         st.num_waiting = len(self.scheduler.waiting) + sum(len(r.pending) for r in self.requests.values())
         st.kv_usage = self.block_manager.usage
+        st.num_free_kv_blocks = self.block_manager.num_free_blocks
         st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
         st.num_preemptions = self.scheduler.num_preemptions
         st.extra["cuda_graphs"] = float(len(self.runner.graphs))

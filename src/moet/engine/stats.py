@@ -17,5 +17,6 @@ class EngineStats:
     last_step_num_tokens: int = 0        # tokens the last step computed
     num_steps: int = 0
     num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0          # blocks no live sequence holds (prefix-cached ones included)
     block_size: int = 0
     extra: dict[str, float] = field(default_factory=dict)   # residency / quant counters, later
