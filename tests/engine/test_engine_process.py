@@ -259,3 +259,23 @@ def test_shutdown_leaves_no_child(path):
     asyncio.run(main())
     assert not _alive(pid) and ep._proc.exitcode == 0
     assert ep not in multiprocessing.active_children()
+
+
+def test_serve_flag_and_the_stand_in_engine_in_a_child(tmp_path):
+    import argparse
+    import json
+
+    from moet.bench import serve_overhead
+    from moet.serve.serve_config import add_serve_arguments, serve_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert serve_config_from_args(p.parse_args(["--engine-process", "true"])).engine_process is True
+    assert serve_config_from_args(p.parse_args([])).engine_process is False
+    # serve_overhead's stand-in, built in the child by its factory: every reply checked
+    out = tmp_path / "r.json"
+    assert serve_overhead.main(["--rows", "python_process", "--requests", "6", "--concurrency", "3", "--max-tokens",
+                                "8", "--step-ms", "1", "--logprobs", "2", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["python_process"]
+    assert row["requests_done"] == 6 and row["failures"] == 0 and row["tokens"] == 48 and row["engine_steps"] > 0
+    assert row["engine_cpu_us_per_token"] is not None          # (whole clock ticks: 0 for so short a pass)

@@ -7,7 +7,8 @@
 Phase "python" (Python API): AsyncEngine in this process; `concurrency` clients each send
 requests back to back until `requests` are done (ignore_eos, fixed max_tokens, distinct prompts).
 Phase "http": `moet serve` with the same engine flags in a subprocess on a free loopback port;
-the same load through /v1/completions (streamed, so time to first token is seen).
+the same load through /v1/completions (streamed, so time to first token is seen). Phase
+"http_process": the same with `--engine-process true` (the engine in its own process).
 Phases run in the order given, each on a fresh engine; a phase named again gets its own key
 (python, http, python_2, ...), so "python,http,python" shows what running first costs.
 
@@ -61,6 +62,7 @@ def _prompt(i: int, tag: str = "task") -> str:
 
 
 WARMUPS = ("full", "round", "none")
+PHASES = ("python", "http", "http_process")
 
 
 async def _warm_then_time(one, requests: int, concurrency: int, deadline: float, warmup: str) -> dict:
@@ -217,12 +219,13 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, deadline: float, log_ta
         time.sleep(poll_s)
 
 
-def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
+def http_phase(cfg, args, deadline: float, engine_process: bool = False) -> tuple[dict, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "moet.cli", "serve", cfg.model, "--port", str(port), "--log-requests", "false",
-           "--max-pending-requests", str(max(256, args.concurrency * 2))] + _engine_flags(cfg)
+           "--max-pending-requests", str(max(256, args.concurrency * 2))] + _engine_flags(cfg) \
+        + (["--engine-process", "true"] if engine_process else [])
     print("[http] " + " ".join(cmd), flush=True)
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe would block the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -248,8 +251,8 @@ def phase_keys(names: list[str]) -> list[tuple[str, str]]:
     seen: dict[str, int] = {}
     out = []
     for name in names:
-        if name not in ("python", "http"):
-            raise SystemExit(f"serve_bench: unknown phase {name!r} (python, http)")
+        if name not in PHASES:
+            raise SystemExit(f"serve_bench: unknown phase {name!r} ({', '.join(PHASES)})")
         seen[name] = seen.get(name, 0) + 1
         out.append((name if seen[name] == 1 else f"{name}_{seen[name]}", name))
     return out
@@ -277,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--phases", default="python,http",
-                   help="comma list of python, http, run in this order; repeats allowed (python,http,python)")
+                   help="comma list of python, http, http_process, run in this order; repeats allowed "
+                        "(python,http,python)")
     p.add_argument("--warmup", choices=WARMUPS, default="full",
                    help="untimed pass before each timed one: full (the same load), round (one request per "
                         "client, the old warm-up), none")
@@ -298,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     report["warmup"] = args.warmup
     report["order"] = [key for key, _ in phases]
     for key, phase in phases:
-        fn = {"python": python_api_phase, "http": http_phase}[phase]
-        res, checks[key] = fn(cfg, args, deadline)
+        if phase == "python":
+            res, checks[key] = python_api_phase(cfg, args, deadline)
+        else:
+            res, checks[key] = http_phase(cfg, args, deadline, engine_process=phase == "http_process")
         report[key] = res
         print(f"[{key}] {json.dumps(res)}", flush=True)
     if len(set(checks.values())) > 1:

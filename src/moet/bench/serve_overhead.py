@@ -2,8 +2,11 @@
 
     python -m moet.bench.serve_overhead --requests 64 --concurrency 16 --max-tokens 64 \
         [--step-ms 2 --busy-ms 0 --ops 0] [--endpoint completions|chat] [--logprobs K] [--profile F] [--out F]
+        [--rows python,http,http_process]
 
-The real AsyncEngine drives InstantEngine, a stand-in for LLMEngine whose step() lasts
+The real AsyncEngine (rows python, http) or EngineProcess (rows python_process, http_process:
+the stand-in built in the spawned child by make_instant_engine) drives InstantEngine, a
+stand-in for LLMEngine whose step() lasts
 `step-ms` and then hands every running request its next token, from a reply that was
 tokenized and decoded once up front. The step first runs `ops` tiny torch ops (each releases
 and retakes the GIL, as eager kernel launches do), then spins `busy-ms` in Python (holding the
@@ -18,7 +21,8 @@ the same load first), checks every reply (text, usage, logprob count), and reads
 CPU time from /proc around the timed pass: the event-loop thread alone (the process's main
 thread) and the whole process. Reports per streamed token: loop CPU us, process CPU us, and
 SSE events per token (below 1 when the server coalesced several engine steps into one event).
-A Python-API row (AsyncEngine in this process, same engine) gives the floor.
+A Python-API row (AsyncEngine in this process, same engine) gives the floor. With the engine in
+a child process, engine_cpu_us_per_token is that child's CPU (process CPU stays the server's).
 
 --profile F writes a cProfile of the server's event-loop thread (pstats format) to F.
 Linux only (/proc); loopback only; bounded by --requests and --budget-s.
@@ -171,6 +175,36 @@ def _tokenizer():
     return AutoTokenizer.from_pretrained(default_model())
 
 
+def make_instant_engine(step_s: float, busy_s: float, ops: int) -> InstantEngine:
+    """EngineProcess's build for the stand-in (module level: the spawned child imports it by name)."""
+    return InstantEngine(_tokenizer(), step_s=step_s, busy_s=busy_s, ops=ops)
+
+
+def make_engine(step_s: float, busy_s: float, ops: int, process: bool):
+    """The EngineClient over the stand-in: AsyncEngine (a thread) or EngineProcess (a child process)."""
+    if process:
+        from moet.engine.engine_process import EngineProcess
+        return EngineProcess(make_instant_engine, (step_s, busy_s, ops), load_tokenizer=_tokenizer)
+    from moet.engine.async_engine import AsyncEngine
+    return AsyncEngine(make_instant_engine(step_s, busy_s, ops))
+
+
+def _children_cpu_s(pid: int) -> float:
+    """CPU seconds of pid's descendant processes (the engine process and its helpers), from /proc."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except OSError:
+        return 0.0
+    for k in kids:
+        try:
+            total += _cpu_s(k) + _children_cpu_s(k)
+        except OSError:
+            pass
+    return total
+
+
 def _cpu_s(pid: int, tid: int | None = None) -> float:
     """utime + stime of a process (or one of its threads) in seconds, from /proc."""
     path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
@@ -181,14 +215,13 @@ def _cpu_s(pid: int, tid: int | None = None) -> float:
 
 # ---------------------------------------------------------------------------- the server side
 
-def serve(port: int, step_s: float, busy_s: float, ops: int, profile: str | None) -> None:
+def serve(port: int, step_s: float, busy_s: float, ops: int, profile: str | None, process: bool = False) -> None:
     import uvicorn
 
-    from moet.engine.async_engine import AsyncEngine
     from moet.serve.api_server import build_app
     from moet.serve.serve_config import ServeConfig
 
-    engine = AsyncEngine(InstantEngine(_tokenizer(), step_s=step_s, busy_s=busy_s, ops=ops))
+    engine = make_engine(step_s, busy_s, ops, process)
     app = build_app(engine, ServeConfig(port=port, log_requests=False, max_pending_requests=4096),
                     tool_parser=None, reasoning_parser=None)
     prof = None
@@ -276,14 +309,15 @@ async def stream_load(url: str, requests: int, concurrency: int, max_tokens: int
             "tokens": tokens, "events": events, "wall_s": wall, "texts": texts}
 
 
-def http_row(args) -> dict:
+def http_row(args, process: bool = False) -> dict:
     from moet.bench.serve_bench import wait_until_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "moet.bench.serve_overhead", "--serve", str(port), "--step-ms", str(args.step_ms),
-           "--busy-ms", str(args.busy_ms), "--ops", str(args.ops)] + (["--profile", args.profile] if args.profile else [])
+           "--busy-ms", str(args.busy_ms), "--ops", str(args.ops)] + (["--profile", args.profile] if args.profile else []) \
+        + (["--engine-process"] if process else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     out: list[str] = []
@@ -298,9 +332,9 @@ def http_row(args) -> dict:
         if args.profile:
             os.kill(proc.pid, signal.SIGUSR1)
         steps0 = _fake_steps(url)
-        cpu0, loop0 = _cpu_s(proc.pid), _cpu_s(proc.pid, proc.pid)
+        cpu0, loop0, eng0 = _cpu_s(proc.pid), _cpu_s(proc.pid, proc.pid), _children_cpu_s(proc.pid)
         res = load("")
-        cpu1, loop1 = _cpu_s(proc.pid), _cpu_s(proc.pid, proc.pid)
+        cpu1, loop1, eng1 = _cpu_s(proc.pid), _cpu_s(proc.pid, proc.pid), _children_cpu_s(proc.pid)
         steps1 = _fake_steps(url)
         if args.profile:
             os.kill(proc.pid, signal.SIGUSR2)
@@ -311,7 +345,7 @@ def http_row(args) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     return _row(res, process_cpu=cpu1 - cpu0, loop_cpu=loop1 - loop0, args=args,
-                steps=(steps1[0] - steps0[0], steps1[1] - steps0[1]))
+                steps=(steps1[0] - steps0[0], steps1[1] - steps0[1]), engine_cpu=eng1 - eng0 if process else None)
 
 
 def _fake_steps(url: str) -> tuple[float, float]:
@@ -326,7 +360,8 @@ def _fake_steps(url: str) -> tuple[float, float]:
     return vals.get("moet:fake_steps", 0.0), vals.get("moet:fake_step_wall_s", 0.0)
 
 
-def _row(res: dict, *, process_cpu: float, loop_cpu: float | None, args, steps: tuple[float, float]) -> dict:
+def _row(res: dict, *, process_cpu: float, loop_cpu: float | None, args, steps: tuple[float, float],
+         engine_cpu: float | None = None) -> dict:
     """The report row; a reply whose text is not the stand-in's counts as a failure."""
     tok = max(res["tokens"], 1)
     texts = res.pop("texts")
@@ -340,17 +375,20 @@ def _row(res: dict, *, process_cpu: float, loop_cpu: float | None, args, steps: 
                ideal_tok_per_s=round(args.concurrency / (args.step_ms / 1e3), 1) if args.step_ms else None,
                process_cpu_us_per_token=round(process_cpu / tok * 1e6, 1),
                loop_cpu_us_per_token=round(loop_cpu / tok * 1e6, 1) if loop_cpu is not None else None,
+               engine_cpu_us_per_token=round(engine_cpu / tok * 1e6, 1) if engine_cpu is not None else None,
                events_per_token=round(res["events"] / tok, 3), distinct_texts=len(set(texts)),
                engine_steps=int(steps[0]), engine_step_ms=round(steps[1] / max(steps[0], 1) * 1e3, 3))
     return row
 
 
-def python_row(args) -> dict:
-    from moet.engine.async_engine import AsyncEngine
+def python_row(args, process: bool = False) -> dict:
     from moet.sampling_params import SamplingParams
 
-    inner = InstantEngine(_tokenizer(), step_s=args.step_ms / 1e3, busy_s=args.busy_ms / 1e3, ops=args.ops)
-    engine = AsyncEngine(inner)
+    engine = make_engine(args.step_ms / 1e3, args.busy_ms / 1e3, args.ops, process)
+
+    def steps_now() -> tuple[float, float]:       # the stand-in's counters, as the last step left them
+        extra = engine.stats().extra
+        return extra.get("fake_steps", 0.0), extra.get("fake_step_wall_s", 0.0)
 
     async def run(prefix: str) -> tuple[dict, float]:
         tokens = events = 0
@@ -374,16 +412,16 @@ def python_row(args) -> dict:
 
     async def main():
         await run("warm-")
-        s0, w0 = inner.num_steps, inner.step_wall_s
-        c0, l0 = time.process_time(), time.thread_time()
+        s0, w0 = steps_now()
+        c0, l0, e0 = time.process_time(), time.thread_time(), _children_cpu_s(os.getpid())
         res = await run("load-")
-        c1, l1 = time.process_time(), time.thread_time()
-        steps = (inner.num_steps - s0, inner.step_wall_s - w0)
+        c1, l1, e1 = time.process_time(), time.thread_time(), _children_cpu_s(os.getpid())
+        s1, w1 = steps_now()
         await engine.shutdown()
-        return res, c1 - c0, l1 - l0, steps
+        return res, c1 - c0, l1 - l0, e1 - e0, (s1 - s0, w1 - w0)
 
-    res, cpu, loop, steps = asyncio.run(main())
-    return _row(res, process_cpu=cpu, loop_cpu=loop, args=args, steps=steps)
+    res, cpu, loop, eng, steps = asyncio.run(main())
+    return _row(res, process_cpu=cpu, loop_cpu=loop, args=args, steps=steps, engine_cpu=eng if process else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,24 +435,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="tiny torch ops per step first (each releases and retakes the GIL, as eager launches do)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--logprobs", type=int, default=None, help="ask for logprobs (top K) on every token")
-    p.add_argument("--rows", default="python,http", help="comma list of python, http")
+    p.add_argument("--rows", default="python,http", help="comma list of python, http, python_process, http_process "
+                                                         "(_process: the engine in its own process)")
     p.add_argument("--profile", default=None, help="cProfile of the server's event loop during the timed pass")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--out", default=None)
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)   # the server subprocess
+    p.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)   # ... with EngineProcess
     args = p.parse_args(argv)
     if args.serve is not None:
-        serve(args.serve, args.step_ms / 1e3, args.busy_ms / 1e3, args.ops, args.profile)
+        serve(args.serve, args.step_ms / 1e3, args.busy_ms / 1e3, args.ops, args.profile, args.engine_process)
         return 0
     report = {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "step_ms", "busy_ms",
                                             "endpoint", "logprobs")}
     for row in [r.strip() for r in args.rows.split(",") if r.strip()]:
-        report[row] = {"python": python_row, "http": http_row}[row](args)
+        fn = {"python": python_row, "http": http_row, "python_process": python_row, "http_process": http_row}[row]
+        report[row] = fn(args, process=row.endswith("_process"))
         print(f"[{row}] {json.dumps(report[row])}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    return 1 if any(report.get(r, {}).get("failures") for r in ("python", "http")) else 0
+    return 1 if any(report.get(r, {}).get("failures") for r in ("python", "http", "python_process", "http_process")) else 0
 
 
 if __name__ == "__main__":

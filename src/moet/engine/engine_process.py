@@ -505,8 +505,11 @@ class EngineProcess:
         self._on_child_gone()
 
     def _on_child_gone(self) -> None:
-        why = (f"the engine process (pid {self._proc.pid}) exited unexpectedly ({self._exit_text()}); "
-               "requests in flight failed and the server cannot generate until it is restarted")
+        if self._stopping:
+            why = "the engine process has shut down"
+        else:
+            why = (f"the engine process (pid {self._proc.pid}) exited unexpectedly ({self._exit_text()}); "
+                   "requests in flight failed and the server cannot generate until it is restarted")
         with self._send_lock:
             self._dead = why
         if not self._stopping:

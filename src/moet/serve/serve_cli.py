@@ -37,8 +37,12 @@ def build_server_app(engine_config, serve_config, engine=None):
     from moet.serve.api_server import build_app
 
     if engine is None:
-        from moet.engine.async_engine import AsyncEngine
-        engine = AsyncEngine.from_config(engine_config)
+        if serve_config.engine_process:
+            from moet.engine.engine_process import EngineProcess
+            engine = EngineProcess.from_config(engine_config)
+        else:
+            from moet.engine.async_engine import AsyncEngine
+            engine = AsyncEngine.from_config(engine_config)
     model_dir = engine_config.model
     arch = (_read_json(os.path.join(model_dir, "config.json")).get("architectures") or [None])[0]
     template = getattr(engine.tokenizer, "chat_template", None) if engine.tokenizer is not None else None

@@ -26,6 +26,8 @@ class ServeConfig:
     request_timeout_s: float = _knob(600.0, "a request still generating after this many seconds is aborted (504)")
     max_request_bytes: int = _knob(16 * 1024 * 1024, "largest accepted request body (else 413)")
     log_requests: bool = _knob(True, "log one line per request (method, path, status, tokens, seconds)")
+    engine_process: bool = _knob(False, "run the engine in a process of its own (spawned), so the server's Python "
+                                        "never takes GIL time from it; false: a thread of the server process")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
