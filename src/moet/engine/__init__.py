@@ -8,5 +8,6 @@
     model_runner.py   model + KV cache, AttentionBatch, CUDA graphs
     llm_engine.py     add_request / abort_request / step
     async_engine.py   the server's interface (a background thread steps the engine)
+    engine_process.py the same interface with the engine in a spawned child process
     stats.py          EngineStats
 """
