@@ -221,6 +221,10 @@ class _EngineLoop:
             while True:
                 events: list = []
                 self.drain(events)
+                if events and not self.stopping:
+                    # refusals, aborted streams' ends and abort() acks now, not after the next step
+                    self.send(events)
+                    events = []
                 if self.stopping:
                     for rid, st in self.sent.items():
                         engine.abort_request(rid)
@@ -229,8 +233,6 @@ class _EngineLoop:
                     self.send(events)
                     return
                 if not engine.has_unfinished_requests():
-                    if events:
-                        self.send(events)
                     break
                 try:
                     outs = engine.step()
@@ -410,9 +412,10 @@ class EngineProcess:
         return True
 
     def _gone(self) -> MoetError:
-        if self._dead is not None and not self._stopping:
-            return MoetError(self._dead)
-        return MoetError(_SHUTTING_DOWN)
+        if self._stopping:
+            return MoetError(_SHUTTING_DOWN)
+        return MoetError(self._dead or f"the engine process (pid {self._proc.pid}) exited unexpectedly; the server "
+                                       "cannot generate until it is restarted")
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self._stopping or self._dead is not None:
