@@ -97,6 +97,11 @@ class EngineConfig:
     miss_tolerance: int = _knob(
         0, "expert-cache misses (token, expert pairs) a step may keep instead of being replayed; 0 = strict: "
            "outputs bit-identical to every expert resident")
+    expert_demand_fetch: bool = _knob(
+        True, "with the expert store, eager passes (prefill and mixed steps) fetch each MoE layer's experts "
+              "just before it runs (one host sync per layer) instead of replaying the step after a miss, so a "
+              "prefill step may take max_num_batched_tokens through a cache that holds one layer's experts; "
+              "captured decode steps keep miss replay")
     expert_prefetch: bool = _knob(
         True, "with the expert store: after each layer's attention, apply the next layer's router to guess "
               "its experts and fetch the missing ones early (eager steps; CUDA-graph decode steps only score "

@@ -53,10 +53,14 @@ def assert_identical(got, want):
         assert _logprob_lists(a) == _logprob_lists(b)       # exact float equality, ids and logprobs
 
 
+@pytest.mark.parametrize("demand", [False, True])
 @pytest.mark.parametrize("fraction", [0.10, 0.25, 0.50])
-def test_capped_cache_bit_identical_to_resident(path, prompts, resident, tmp_path, fraction):
+def test_capped_cache_bit_identical_to_resident(path, prompts, resident, tmp_path, fraction, demand):
+    """Miss replay (demand fetch off: on CPU every pass is eager, so this is the only way to run the
+    replay here) and demand fetch (store/demand.py: the default; no pass misses, no replay): both
+    give the fully resident ids and logprobs bit for bit."""
     slots = int(ROWS * fraction)
-    with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=slots, **KW) as llm:
+    with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=slots, expert_demand_fetch=demand, **KW) as llm:
         res = llm.engine.residency
         assert res is not None and res.cache.num_slots == slots
         # the scheduler's budget was not lowered (2 tokens x 4 rows <= 8 slots): same schedule as resident
@@ -65,8 +69,13 @@ def test_capped_cache_bit_identical_to_resident(path, prompts, resident, tmp_pat
         assert_identical(got, resident)
         st = llm.engine.stats().extra
     assert st["expert_cache_slots"] == slots and st["expert_cache_resident"] == slots
-    assert 0 <= st["expert_cache_hit_rate"] < 1 and st["expert_first_pass_misses_total"] > 0
-    assert st["expert_replays_total"] > 0 and st["expert_tolerated_misses_total"] == 0
+    assert 0 <= st["expert_cache_hit_rate"] < 1 and st["expert_tolerated_misses_total"] == 0
+    if demand:      # every miss fetched before its layer ran: one pass per step
+        assert st["expert_first_pass_misses_total"] == 0 and st["expert_replays_total"] == 0
+        assert st["expert_demand_rows_total"] > 0
+    else:
+        assert st["expert_first_pass_misses_total"] > 0 and st["expert_replays_total"] > 0
+        assert st["expert_demand_rows_total"] == 0
     assert st["expert_bytes_fetched_total"] == st["expert_rows_fetched_total"] * res.pack.layout.row_bytes > 0
     assert st["expert_bytes_fetched_per_token"] > 0
     assert os.path.exists(res.pack.paths.hot_set) and res.pack.fd == -1     # close(): hot set saved, pack released
@@ -97,15 +106,45 @@ def test_prefetch_off_bit_identical_and_unscored(path, prompts, resident, tmp_pa
         assert saved > 0
 
 
-def test_step_budget_lowered_to_fit_the_cache(path, prompts, resident, tmp_path):
+@pytest.mark.parametrize("demand", [False, True])
+def test_step_budget_lowered_to_fit_the_cache(path, prompts, resident, tmp_path, demand):
+    """8 slots, 2 MoE layers, top-2: with replay alone a step's every layer must fit (8 / (2 x 2) =
+    2 tokens); with demand fetch one layer's (8 / 2 = 4 tokens, the cache holding fewer experts
+    than a layer has), decode steps still 2 sequences."""
     kw = dict(KW, max_num_batched_tokens=64, max_num_seqs=2)
-    with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=8, **kw) as llm:
-        assert (llm.engine.scheduler.max_num_batched_tokens, llm.engine.scheduler.max_num_seqs) == (2, 2)
-        assert_identical(llm.generate(prompts, SP, use_tqdm=False), resident)
+    with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=8, expert_demand_fetch=demand, **kw) as llm:
+        want = (4, 2) if demand else (2, 2)
+        assert (llm.engine.scheduler.max_num_batched_tokens, llm.engine.scheduler.max_num_seqs) == want
+        got = llm.generate(prompts, SP, use_tqdm=False)
+    if demand:          # the resident engine at the same schedule (4-token prefill chunks)
+        with LLM(path, **dict(KW, max_num_batched_tokens=4, max_num_seqs=2)) as llm:
+            resident = llm.generate(prompts, SP, use_tqdm=False)
+    assert_identical(got, resident)
+
+
+def test_demand_fetch_lifts_the_prefill_cap(path, prompts, tmp_path):
+    """A cache that holds every expert of one layer but not of both: with demand fetch a step is not
+    capped in tokens (prefill takes max_num_batched_tokens), each pass runs once, the outputs are the
+    resident ones at the same schedule; without it the step budget is slots / (layers x top_k)."""
+    e = ROWS // 2
+    kw = dict(KW, max_num_batched_tokens=64, max_num_seqs=4)
+    with LLM(path, **kw) as llm:                                         # resident, whole-prompt prefill
+        want = llm.generate(prompts, SP, use_tqdm=False)
+    with LLM(path, pack_dir=str(tmp_path / "on"), expert_cache_slots=e + 4, **kw) as llm:
+        assert llm.engine.scheduler.max_num_batched_tokens == 64
+        assert llm.engine.scheduler.max_num_seqs == 4                  # 44 // (2 x 2) = 11 >= 4
+        assert_identical(llm.generate(prompts, SP, use_tqdm=False), want)
+        st = llm.engine.stats().extra
+        assert st["expert_replays_total"] == 0 and st["expert_demand_rows_total"] > 0
+    with LLM(path, pack_dir=str(tmp_path / "off"), expert_cache_slots=e + 4, expert_demand_fetch=False, **kw) as llm:
+        assert llm.engine.scheduler.max_num_batched_tokens == (e + 4) // 4
 
 
 def test_miss_tolerance_finishes_and_reports_misses(path, prompts, resident, tmp_path):
-    with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=8, miss_tolerance=1000, **KW) as llm:
+    # tolerance applies where a pass can miss: replayed steps (demand fetch off; on the GPU, the
+    # captured decode steps)
+    with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=8, miss_tolerance=1000, expert_demand_fetch=False,
+             **KW) as llm:
         got = llm.generate(prompts, SP, use_tqdm=False)
         st = llm.engine.stats().extra
     assert [len(o.outputs[0].token_ids) for o in got] == [6, 6, 6]

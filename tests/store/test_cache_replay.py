@@ -103,3 +103,44 @@ def test_sizing_helpers():
     assert min_cache_slots(61, 8, 64) == 61 * 8 * 4 and min_cache_slots(2, 2, 1, num_drafts=1) == 8
     assert cache_slots(7, None, 4096, 100) == 7 and cache_slots(None, 1.0, 2**20, 100) == 100
     assert cache_slots(None, 2**20 * 10 / 2**30, 2**20, 100) == 10 and cache_slots(None, None, 1, 1) is None
+
+
+def test_demand_fetch_one_pass_bit_identical_and_prefill_rows_go_first(qwen40_pack):
+    """store/demand.py: each MoE layer fetches its experts just before it runs, so with a cache
+    that holds one layer's experts (not both) every step runs in one pass, long prefill chunks
+    included, bit-identical to resident; the pairs of fetched experts count as misses in the hit
+    rate; rows a prefill brought in for an earlier layer are the first to make room."""
+    from moet.store.demand import attach_demand, detach_demand
+    ckpt, ref, pack = qwen40_pack
+    e = pack.num_experts
+    model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
+    blocks = model_moe_blocks(model)
+    cache = ExpertCache(pack, e + 3, "cpu", arena=HostArena(pack, 8, pin=False))
+    cache.attach(blocks)
+    assert attach_demand(blocks, cache) == pack.num_layers
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (24,), generator=g)
+    kv_ref, kv = ref.new_cache(64, "cpu"), model.new_cache(64, "cpu")
+    want = ref.forward(prompt, 0, kv_ref)                   # one 24-token prefill step
+    cache.scan_pass = True
+    got, res = run_with_replay(lambda: model.forward(prompt, 0, kv), cache, scan=True)
+    assert torch.equal(got, want) and res.passes == 1 and res.first_pass_misses == 0
+    assert cache.demand_rows > e and cache.demand_missed_pairs > 0 and cache.stats()["expert_cache_hit_rate"] < 1
+    # the last layer's rows are resident, and the slots an earlier layer's prefill rows held were reused
+    last = (pack.num_layers - 1) * e
+    assert (cache._table[last:last + e] >= 0).sum() >= len(np.unique(cache.route_counts[-1].numpy().nonzero()[0]))
+    # victim order: a decode-used row survives while an earlier layer's prefill rows are evicted
+    cache2 = ExpertCache(pack, 6, "cpu", arena=HostArena(pack, 8, pin=False))
+    cache2.scan_pass = False
+    cache2.demand(0, np.array([e - 2, e - 1]))              # rows a decode step used (layer 0)
+    cache2.end_step(np.zeros((pack.num_layers, e), dtype=np.int32))
+    cache2.scan_pass = True
+    cache2.demand(0, np.array([0, 1, 2, 3]))                # a prefill's layer 0: fills the 4 free slots
+    cache2.demand(1, np.array([5, 6]))                      # its layer 1: 2 slots from layer 0's rows
+    res2 = cache2.resident()
+    assert res2[0, [e - 2, e - 1]].all() and res2[1, [5, 6]].all()    # the decode rows were kept,
+    assert res2[0, :4].sum() == 2                                       # two prefill rows made room
+    with pytest.raises(ConfigError, match="one MoE layer needs"):
+        cache2.demand(0, np.arange(7))
+    detach_demand(blocks)
+    assert all(m.demand_fetch is None for m in blocks.values())

@@ -314,7 +314,8 @@ def card_slots(card: str, dense_bytes: int, row_bytes: int, total_rows: int, arg
 def counters(res) -> dict:
     """Monotonic counters of the store (per-phase numbers are differences of two of these)."""
     c, a = res.cache, res.arena
-    return {"pairs": c.pairs, "first_pass_missed_pairs": c.first_pass_missed_pairs, "passes": c.passes,
+    return {"pairs": c.pairs, "first_pass_missed_pairs": c.first_pass_missed_pairs,
+            "demand_missed_pairs": c.demand_missed_pairs, "demand_rows": c.demand_rows, "passes": c.passes,
             "steps": c.steps, "tolerated_pairs": c.tolerated_pairs, "rows_fetched": c.rows_fetched,
             "bytes_fetched": c.bytes_fetched, "fetch_s": c.fetch_seconds, "pack_bytes_read": res.pack.bytes_read,
             "arena_hits": a.hits, "arena_misses": a.misses}
@@ -395,7 +396,8 @@ def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_dir
             per_tok = d["bytes_fetched"] / max(1, gen)
             rec[f"tol{tol}"] = dict(
                 runs=runs, counters=d, generated=gen,
-                hit_rate=1 - d["first_pass_missed_pairs"] / d["pairs"] if d["pairs"] else None,
+                hit_rate=(1 - (d["first_pass_missed_pairs"] + d["demand_missed_pairs"]) / d["pairs"]
+                          if d["pairs"] else None),
                 passes_per_step=d["passes"] / d["steps"] if d["steps"] else None,
                 host_arena_hit_rate=d["arena_hits"] / (d["arena_hits"] + d["arena_misses"])
                 if d["arena_hits"] + d["arena_misses"] else None,

@@ -13,7 +13,9 @@ resumed or repaired first), a host arena fronts it, and a device ExpertCache tha
 block reads through. Each engine step runs under run_with_replay, so strict mode
 (miss_tolerance=0) gives exactly the fully resident outputs. One step's experts must fit in
 the cache at once: `step_token_cap` bounds the scheduler's token budget so that even the worst
-step (every token routed to distinct experts in every layer) fits. With `expert_prefetch` (and a
+step (every token routed to distinct experts in every layer) fits, unless `expert_demand_fetch`
+(store/demand.py) lets eager steps fetch layer by layer: then only captured decode steps are
+bounded, in sequences (`decode_seq_cap`). With `expert_prefetch` (and a
 cache smaller than the pack) each layer guesses the next layer's experts and fetches them early
 (store/prefetch.py); results are unchanged, accuracy goes to the stats. Every
 `expert_stats_interval_s` seconds (0 = off) one INFO line sums up the store since the last one
@@ -31,6 +33,7 @@ import torch
 from moet.config import EngineConfig
 from moet.errors import ConfigError
 from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, open_pack, run_with_replay
+from moet.store.demand import attach_demand
 from moet.store.expert_cache import cache_slots
 from moet.store.host_arena import arena_slots
 from moet.store.pack_builder import PACK_TAGS, pack_layers
@@ -119,6 +122,7 @@ class ExpertResidency:
         self.total_rows = self.pack.num_layers * self.pack.num_experts
         self.arena: HostArena | None = None
         self.cache: ExpertCache | None = None
+        self.demand = False           # demand fetch attached (start)
         self.tokens = 0
         self.warm_bytes = 0           # fetched at start (not by steps): kept out of the per-token rate
         self.warm_pack_bytes = 0      # read from the pack at start (hot set preload, warm-up)
@@ -172,6 +176,9 @@ class ExpertResidency:
         self.cache.attach(model_moe_blocks(self.model))
         if c.expert_prefetch and self.cache.num_slots < self.total_rows:     # a full cache never misses
             attach_prefetch(self.model, self.cache)
+        self.demand = bool(c.expert_demand_fetch) and self.cache.num_slots < self.total_rows
+        if self.demand:
+            attach_demand(model_moe_blocks(self.model), self.cache)
         if self.cache.num_slots >= self.total_rows:
             self.cache.warm(range(self.total_rows))
         elif self.arena is not None and self.arena.hot_keys():
@@ -184,7 +191,20 @@ class ExpertResidency:
                  self.total_rows, self.arena.num_slots if self.arena else 0)
 
     def step_token_cap(self) -> int | None:
-        """Most tokens one step may compute so that its experts always fit the cache (None: no cap)."""
+        """Most tokens one step may compute so that its experts always fit the cache (None: no cap).
+        With miss replay alone a step's experts of every layer must be resident at once; with
+        demand fetch an eager step needs one layer's at a time (a cache of at least one layer's
+        experts: no cap), but a captured decode step still needs them all (decode_seq_cap)."""
+        if self.cache is None or self.cache.num_slots >= self.total_rows:
+            return None
+        k = self.spec.router.top_k
+        if self.demand:
+            return None if self.cache.num_slots >= self.pack.num_experts else max(1, self.cache.num_slots // k)
+        return max(1, self.cache.num_slots // (self.layers_per_token * k))
+
+    def decode_seq_cap(self) -> int | None:
+        """Most sequences one (captured, replayed) decode step may hold so that its experts of every
+        layer fit the cache at once (None: no cap)."""
         if self.cache is None or self.cache.num_slots >= self.total_rows:
             return None
         return max(1, self.cache.num_slots // (self.layers_per_token * self.spec.router.top_k))
@@ -193,11 +213,14 @@ class ExpertResidency:
 
     def run(self, step: Callable[[], T], *, scan: bool, num_tokens: int) -> T:
         """The step, replayed until no expert missed (or at most miss_tolerance pairs did)."""
-        out, r = run_with_replay(step, self.cache, miss_tolerance=self.miss_tolerance, scan=scan)
+        c = self.cache
+        c.scan_pass = scan
+        rows0, s0 = c.demand_rows, c.demand_seconds
+        out, r = run_with_replay(step, c, miss_tolerance=self.miss_tolerance, scan=scan)
         self.tokens += num_tokens
-        if r.rows_fetched:
+        if r.rows_fetched or c.demand_rows > rows0:      # the step waited for copies: after a pass or per layer
             self.step_fetches += 1
-            self.step_fetch_s += r.fetch_s
+            self.step_fetch_s += r.fetch_s + (c.demand_seconds - s0)
         if self._log_every > 0 and time.monotonic() - self._log_t >= self._log_every:
             self.log_stats()
         return out
@@ -208,7 +231,7 @@ class ExpertResidency:
         """Monotonic totals the periodic log line takes differences of."""
         c, a = self.cache, self.arena
         return {"t": time.monotonic(), "tokens": self.tokens, "steps": c.steps, "passes": c.passes, "pairs": c.pairs,
-                "missed": c.first_pass_missed_pairs, "bytes": c.bytes_fetched, "pack_bytes": self.pack.bytes_read,
+                "missed": c.first_pass_missed_pairs + c.demand_missed_pairs, "bytes": c.bytes_fetched, "pack_bytes": self.pack.bytes_read,
                 "arena_hits": a.hits if a else 0, "arena_misses": a.misses if a else 0,
                 "fetches": self.step_fetches, "fetch_s": self.step_fetch_s, "predicted": c.predicted_pairs,
                 "true": c.true_pairs, "routed_predicted": c.routed_pairs_predicted}

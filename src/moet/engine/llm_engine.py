@@ -128,15 +128,20 @@ class LLMEngine:
         a partial expert cache could not hold the experts of a full step at once."""
         cfg = self.config
         cap = self.residency.step_token_cap() if self.residency is not None else None
+        seqs = self.residency.decode_seq_cap() if self.residency is not None else None
+        max_seqs = cfg.max_num_seqs if seqs is None else min(cfg.max_num_seqs, seqs)
         if cap is None or cap >= cfg.max_num_batched_tokens:
-            return cfg.max_num_seqs, cfg.max_num_batched_tokens
+            if max_seqs < cfg.max_num_seqs:
+                log.warning("expert cache of %d slots: decode steps limited to %d sequences (max_num_seqs=%d)",
+                            self.residency.cache.num_slots, max_seqs, cfg.max_num_seqs)
+            return max_seqs, cfg.max_num_batched_tokens
         if not cfg.enable_chunked_prefill and cap < max_model_len:
             raise ConfigError(f"the expert cache holds the experts of {cap} tokens per step, fewer than "
                               f"max_model_len={max_model_len}; enable chunked prefill, lower --max-model-len or raise "
                               "--expert-cache-slots / --expert-cache-gb")
         log.warning("expert cache of %d slots: steps limited to %d tokens (max_num_batched_tokens=%d), %d sequences",
-                    self.residency.cache.num_slots, cap, cfg.max_num_batched_tokens, min(cfg.max_num_seqs, cap))
-        return min(cfg.max_num_seqs, cap), cap
+                    self.residency.cache.num_slots, cap, cfg.max_num_batched_tokens, min(max_seqs, cap))
+        return min(max_seqs, cap), cap
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

@@ -61,6 +61,14 @@ class ExpertCache:
         self.predicted_layers = np.zeros(self.num_layers, dtype=bool)    # layers that have a predictor
         self._step_pinned = np.zeros(total, dtype=bool)     # rows fetched / prefetched for this step
         self._prefetched = np.zeros(total, dtype=bool)      # rows prefetched this step
+        # demand fetch (eager passes, demand()): rows a prefill (scan) pass brought in, first to go
+        # when a later layer of a prefill needs room, so a long prompt streams through a few
+        # layers' worth of slots instead of flushing the rows decode keeps using
+        self._scan_rows = np.zeros(total, dtype=bool)
+        self.scan_pass = False                              # set by the runner for each pass
+        self.demand_rows = 0
+        self.demand_missed_pairs = 0                        # pairs whose expert demand() had to fetch
+        self.demand_seconds = 0.0
         self.prefetched_rows = self.prefetch_used_rows = 0
         self.predicted_pairs = self.routed_pairs_predicted = self.true_pairs = 0
         # host mirror of the table (pinned: uploaded asynchronously) and per-row bookkeeping
@@ -210,6 +218,52 @@ class ExpertCache:
         self.fetch_seconds += time.perf_counter() - t0
         return len(missing)
 
+    def demand(self, layer: int, experts: np.ndarray, counts: np.ndarray | None = None) -> int:
+        """Make layer `layer`'s `experts` resident before that layer runs (eager passes: the MoE
+        block calls it between its router and its experts, store/demand.py), so the pass cannot
+        miss there and needs no replay. Room: free slots, then rows a prefill pass brought in for
+        a layer that already ran in this pass, then by the eviction policy rows this step has not
+        pinned, then any row but this layer's. On CUDA the copy runs on the side stream after
+        everything already queued (so no slot is rewritten while a kernel reads it) and the
+        compute stream waits for it. `counts`: tokens per expert (aligned with `experts`, unique),
+        for the hit rate: pairs of fetched experts count as misses. Returns the rows copied."""
+        keys = layer * self.num_experts + np.asarray(experts, dtype=np.int64)
+        absent = self._table[keys] < 0
+        missing = keys[absent]
+        self._step_pinned[keys] = True
+        if not len(missing):
+            return 0
+        self.demand_missed_pairs += int(counts[absent].sum()) if counts is not None else len(missing)
+        if len(keys) > self.num_slots:
+            raise ConfigError(f"one MoE layer needs {len(keys)} experts resident at once but the device cache has "
+                              f"{self.num_slots} slots; raise --expert-cache-slots (or --expert-cache-gb) or lower "
+                              "--max-num-batched-tokens")
+        t0 = time.perf_counter()
+        self._wait_previous()
+        slots = list(np.flatnonzero(self._key_of_slot < 0)[:len(missing)])
+        need = len(missing) - len(slots)
+        if need > 0:
+            resident = self._key_of_slot[self._key_of_slot >= 0]
+            cand = resident[resident // self.num_experts != layer]
+            done_scan = self._scan_rows[cand] & (cand // self.num_experts < layer)
+            pinned = self._step_pinned[cand]
+            if self.policy == "lru":
+                order = np.lexsort((cand, self._last_used[cand], pinned, ~done_scan))
+            else:
+                order = np.lexsort((cand, self._last_used[cand], self._score[cand], pinned, ~done_scan))
+            for v in cand[order[:need]]:
+                s = int(self._table[v])
+                self._table[v] = -1
+                self._key_of_slot[s] = -1
+                slots.append(s)
+        self._copy_in(missing, slots, self.scan_pass)
+        self._scan_rows[missing] = self.scan_pass
+        self.demand_rows += len(missing)
+        dt = time.perf_counter() - t0
+        self.fetch_seconds += dt
+        self.demand_seconds += dt
+        return len(missing)
+
     def _copy_in(self, missing: np.ndarray, slots: list, scan: bool) -> None:
         """Copy rows `missing` into `slots` (already freed) and upload the table; the compute
         stream waits for the copy (CUDA) before its next kernel."""
@@ -250,7 +304,10 @@ class ExpertCache:
         return {
             "expert_cache_slots": float(self.num_slots),
             "expert_cache_resident": float((self._key_of_slot >= 0).sum()),
-            "expert_cache_hit_rate": 1.0 - self.first_pass_missed_pairs / self.pairs if self.pairs else 1.0,
+            # a pair misses if its expert was absent when its layer ran: after a pass (replayed) or
+            # fetched just before (demand fetch, store/demand.py)
+            "expert_cache_hit_rate": (1.0 - (self.first_pass_missed_pairs + self.demand_missed_pairs) / self.pairs
+                                      if self.pairs else 1.0),
             "expert_replay_passes_per_step": self.passes / self.steps if self.steps else 0.0,
             "expert_tolerated_misses_total": float(self.tolerated_pairs),
             "expert_rows_fetched_total": float(self.rows_fetched),
@@ -266,11 +323,14 @@ class ExpertCache:
             "expert_prefetch_predicted_total": float(self.predicted_pairs),
             "expert_prefetch_rows_total": float(self.prefetched_rows),
             "expert_prefetch_misses_saved_total": float(self.prefetch_used_rows),
+            "expert_demand_rows_total": float(self.demand_rows),
         }
 
     def end_step(self, routed: np.ndarray) -> None:
         """Account the accepted pass's routes: frequencies decay, used rows score one."""
         used = np.flatnonzero(routed.reshape(-1) > 0)
+        if not self.scan_pass:
+            self._scan_rows[used] = False                   # decode uses them: ordinary rows now
         self._score *= self.decay
         self._score[used] += 1.0
         self._last_used[used] = self.step

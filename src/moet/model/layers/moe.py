@@ -42,6 +42,9 @@ class MoE(nn.Module):
         # The store's route log (int32 [num_experts] or None): how many tokens chose each expert
         # this pass, so the runner knows which experts a missed step needs (moet.store).
         self.route_counts: torch.Tensor | None = None
+        # The store's demand fetch (store/demand.py) or None: called with the routed ids in eager
+        # passes, it makes those experts resident before they run, so the pass needs no replay.
+        self.demand_fetch = None
         # A second CUDA stream for the shared experts (EngineConfig.overlap_shared_experts), or
         # None: at decode the routed and the shared experts are each a few small GEMVs that leave
         # the GPU half idle while they ramp up and drain; on two streams they overlap (SGLang's
@@ -67,6 +70,8 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x, self.gate.weight, self.spec.router, self.gate.e_score_correction_bias)
+        if self.demand_fetch is not None:  # expert store, eager pass: make these experts resident now
+            self.demand_fetch(ids)
         if self.route_counts is not None:  # integer adds: exact in any order (graph-capturable)
             flat = ids.reshape(-1)
             self.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.route_counts.dtype))
