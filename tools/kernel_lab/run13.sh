@@ -6,6 +6,9 @@
 #       table), then engine_bench GLM-4.5-Air and Qwen3-30B (shared-expert overlap now on by default)
 #   bash tools/kernel_lab/run13.sh rest    (~4 min) issue 5: attention_bench --quick (more splits at
 #       batch 1); issue 9: serve_bench python / http (engine thread) / http (engine process)
+#   bash tools/kernel_lab/run13.sh res     (~8 min) issue 7: residency_bench on the 32 GB card with
+#       64-token prefill steps (demand fetch: prefill no longer capped at 8 tokens per step); compare
+#       e2e tok/s (prefill included) with run 11's 4-token steps (4.2 tok/s e2e at batch 1)
 #   bash tools/kernel_lab/run13.sh train   (~9.5 min) issue 8: same-seed re-run of the shipped recipe
 #       (RECIPE=full-v2 unless v5 was shipped), then: python -m tools.train_tiny.compare
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -44,9 +47,14 @@ rest)
         --concurrency 16 --max-tokens 64 --budget-s 280 --out $OUT/serve_bench.json > $OUT/serve_log.txt 2>&1
     echo "rc=$?"; tail -12 $OUT/serve_log.txt | cut -c1-300
     el "done" ;;
+res)
+    mkdir -p $OUT/res
+    timeout 560 python -m moet.bench.residency_bench --out $OUT/res --budget-s 545 --cards 32 --skip-boot \
+        --accelerate-layers 0 --step-tokens 64 > $OUT/res/log.txt 2>&1; echo "rc=$?"
+    grep -v "it/s\]\|B/s\]" $OUT/res/log.txt | tail -40 | cut -c1-220 ;;
 train)
     mkdir -p /tmp/run && PYTHONPATH=src:. timeout 570 python -m tools.train_tiny \
         --recipe ${RECIPE:-full-v2} --out /tmp/run --pack $OUT --deadline 500; rc=$?
     cp /tmp/run/summary.json /tmp/run/run_log.jsonl $OUT/; exit $rc ;;
-*) echo "usage: run13.sh kern|rest|train"; exit 2 ;;
+*) echo "usage: run13.sh kern|rest|res|train"; exit 2 ;;
 esac
