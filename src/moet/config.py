@@ -20,6 +20,7 @@ W2_SCALE_RULES = ("published", "mse")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 EXPERT_CACHE_POLICIES = ("decayed", "lru")
 PACK_VERIFY_MODES = ("lazy", "full")
+EXPERT_DECODE_MODES = ("graph", "eager", "auto")
 
 
 def _knob(default, help: str, choices: tuple | None = None):
@@ -102,6 +103,11 @@ class EngineConfig:
               "just before it runs (one host sync per layer) instead of replaying the step after a miss, so a "
               "prefill step may take max_num_batched_tokens through a cache that holds one layer's experts; "
               "captured decode steps keep miss replay")
+    expert_decode_mode: str = _knob(
+        "graph", "with the expert store, how decode steps run: graph (the captured CUDA graph; a pass that "
+                 "missed is replayed), eager (not captured: every layer demand-fetches, one pass, no replay; "
+                 "needs expert_demand_fetch), or auto (per batch bucket, whichever measured faster lately)",
+        EXPERT_DECODE_MODES)
     expert_prefetch: bool = _knob(
         True, "with the expert store: after each layer's attention, apply the next layer's router to guess "
               "its experts and fetch the missing ones early (eager steps; CUDA-graph decode steps only score "
@@ -164,6 +170,9 @@ class EngineConfig:
             raise ConfigError(f"expert_stats_interval_s={self.expert_stats_interval_s!r} must be >= 0 (0 = off)")
         if not isinstance(self.miss_tolerance, int) or self.miss_tolerance < 0:
             raise ConfigError(f"miss_tolerance={self.miss_tolerance!r} must be an integer >= 0")
+        if self.expert_decode_mode != "graph" and not self.expert_demand_fetch:
+            raise ConfigError(f"expert_decode_mode={self.expert_decode_mode!r} runs decode steps eagerly with demand "
+                              "fetch; it needs expert_demand_fetch on (or expert_decode_mode=graph)")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -27,6 +27,8 @@ def test_residency_bench_cpu_smoke(tmp_path):
         assert t0["runs"]["2"]["decode_tok_s"] > 0      # some steps had both sequences decoding
         assert 0 <= t0["hit_rate"] < 1 and (t0["passes_per_step"] > 1 or t0["counters"]["demand_rows"] > 0) and t0["bytes_fetched_per_generated_token"] > 0
         assert t8["generated"] == t0["generated"] and t0["pcie_bound_tok_s_55GBps"] > 0
+        eager = run["eager"]          # decode steps eager with demand fetch: one pass each
+        assert eager["decode_mode"] == "eager" and eager["passes_per_step"] == 1 and eager["counters"]["demand_rows"] > 0
         plan = t0["plan"]["1"]        # moet plan's prediction for this configuration, and the ratio
         assert plan["predicted_tok_s"] > 0 and plan["measured_over_predicted"] > 0
         assert plan["predicted_hit_rate"] == 0.5 and plan["measured_hit_rate"] == t0["hit_rate"]

@@ -121,7 +121,8 @@ def test_every_engine_config_field_is_an_llm_keyword(path, tmp_path):
                   # expert store: pack_dir set turns it on; 1 GiB holds every expert of the tiny model
                   pack_dir=str(tmp_path), expert_cache_slots=None, expert_cache_gb=1.0, expert_cache_policy="lru",
                   host_arena_gb=0.01, miss_tolerance=2, pack_verify="full", rebuild_pack=True, o_direct=False,
-                  expert_prefetch=False, expert_demand_fetch=False, expert_stats_interval_s=0.0)
+                  expert_prefetch=False, expert_demand_fetch=False, expert_decode_mode="graph",
+                  expert_stats_interval_s=0.0)
     assert set(kwargs) == set(fields) - {"model"}  # a new field must be added here too
     llm = LLM(path, **kwargs)
     assert llm.config == EngineConfig(model=path, **kwargs)

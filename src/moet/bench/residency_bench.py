@@ -363,6 +363,7 @@ def predicted(facts, gbps: float | None, slots: int, arena_bytes: int, args, run
 
 def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_direct: bool, args, device,
               max_model_len: int, want: dict, budget: Budget, gbps: float | None, facts=None) -> dict:
+    from moet.engine.decode_mode import DecodeModeChooser
     from moet.engine.expert_residency import ExpertResidency
     from moet.engine.llm_engine import LLMEngine
     from moet.store.pack_file import PackFile
@@ -383,19 +384,22 @@ def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_dir
         if not rec["correctness"]["bit_identical"]:
             fail(f"{label}: strict replay differs from resident; timings skipped")
             return rec
-        for tol in (0, 8):
+        phases = [("graph", 0, "tol0"), ("graph", 8, "tol8")]
+        phases += [(m, 0, m) for m in args.decode_modes.split(",") if m in ("eager", "auto") and res.demand]
+        for mode, tol, key in phases:
             if not budget.ok(60):
                 log("  budget: stopping")
                 break
             res.miss_tolerance = tol
+            res.decode_mode = DecodeModeChooser(mode)
             before = counters(res)
-            log(f"  {label}, miss tolerance {tol}:")
+            log(f"  {label}, miss tolerance {tol}, decode steps {mode}:")
             runs = decode_runs(eng, model.spec.vocab_size, args, device, sorted({1, args.batch}))
             d = {k: v - before[k] for k, v in counters(res).items()}      # this phase only
             gen = sum(r["generated"] for r in runs.values())
             per_tok = d["bytes_fetched"] / max(1, gen)
-            rec[f"tol{tol}"] = dict(
-                runs=runs, counters=d, generated=gen,
+            rec[key] = dict(
+                runs=runs, counters=d, generated=gen, decode_mode=mode, miss_tolerance=tol,
                 hit_rate=(1 - (d["first_pass_missed_pairs"] + d["demand_missed_pairs"]) / d["pairs"]
                           if d["pairs"] else None),
                 passes_per_step=d["passes"] / d["steps"] if d["steps"] else None,
@@ -405,7 +409,7 @@ def store_run(label: str, model, paths, meta, slots: int, arena_gb: float, o_dir
                 pcie_bound_tok_s_55GBps=PCIE_GBPS * 1e9 / per_tok if per_tok else None,
                 pcie_bound_tok_s_measured=(gbps * 1e9 / per_tok) if per_tok and gbps else None,
                 engine_stats=dict(res.stats()))
-            r = rec[f"tol{tol}"]
+            r = rec[key]
             if facts is not None:
                 r["plan"] = predicted(facts, gbps, slots, int(arena_gb * 2**30), args, runs, tol, r["hit_rate"])
                 for b, c in r["plan"].items():
@@ -637,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=4,
                     help="max_num_batched_tokens of every engine (the smallest cache's cap: same schedule everywhere)")
+    ap.add_argument("--decode-modes", default="eager",
+                    help="besides graph decode (strict and tolerance 8): eager and/or auto decode steps, strict "
+                         "(EngineConfig.expert_decode_mode; comma list, '' for none)")
     ap.add_argument("--kv-gb", type=float, default=2.0)
     ap.add_argument("--activation-gb", type=float, default=2.0)
     ap.add_argument("--small-arena-gb", type=float, default=4.0)

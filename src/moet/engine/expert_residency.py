@@ -33,6 +33,7 @@ import torch
 from moet.config import EngineConfig
 from moet.errors import ConfigError
 from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, open_pack, run_with_replay
+from moet.engine.decode_mode import DecodeModeChooser
 from moet.store.demand import attach_demand
 from moet.store.expert_cache import cache_slots
 from moet.store.host_arena import arena_slots
@@ -123,6 +124,7 @@ class ExpertResidency:
         self.arena: HostArena | None = None
         self.cache: ExpertCache | None = None
         self.demand = False           # demand fetch attached (start)
+        self.decode_mode = DecodeModeChooser("graph")
         self.tokens = 0
         self.warm_bytes = 0           # fetched at start (not by steps): kept out of the per-token rate
         self.warm_pack_bytes = 0      # read from the pack at start (hot set preload, warm-up)
@@ -179,6 +181,8 @@ class ExpertResidency:
         self.demand = bool(c.expert_demand_fetch) and self.cache.num_slots < self.total_rows
         if self.demand:
             attach_demand(model_moe_blocks(self.model), self.cache)
+        # graph + replay or eager + demand fetch for decode steps (a full cache never misses: graphs)
+        self.decode_mode = DecodeModeChooser(c.expert_decode_mode if self.demand else "graph")
         if self.cache.num_slots >= self.total_rows:
             self.cache.warm(range(self.total_rows))
         elif self.arena is not None and self.arena.hot_keys():
@@ -267,6 +271,7 @@ class ExpertResidency:
             return {}
         c = self.cache
         out = c.stats()
+        out.update(self.decode_mode.stats())
         out.update({
             "expert_first_pass_misses_total": float(c.first_pass_missed_pairs),
             "expert_replays_total": float(c.passes - c.steps),

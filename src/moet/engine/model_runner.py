@@ -23,6 +23,7 @@ each hold a runner later; a rank / world size joins the config when parallelism 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -166,13 +167,21 @@ class ModelRunner:
         expert store the step may run several times (miss replay); nothing may read its output
         before this returns."""
         bucket = self._graph_bucket(batch)
-        if bucket is None:
+        res = self.residency
+        # with the expert store a decode step may run eagerly instead (demand fetch, no replay):
+        # res.decode_mode decides (engine/decode_mode.py)
+        graph = bucket is not None and (res is None or res.decode_mode.use_graph(bucket))
+        if not graph:
             step = lambda: self.model.forward_paged(input_ids, batch, self.kv)  # noqa: E731
         else:
             step = lambda: self._replay(bucket, input_ids, batch)  # noqa: E731
-        if self.residency is None:
+        if res is None:
             return step()
-        return self.residency.run(step, scan=not batch.is_pure_decode, num_tokens=int(input_ids.shape[0]))
+        t0 = time.perf_counter()
+        out = res.run(step, scan=not batch.is_pure_decode, num_tokens=int(input_ids.shape[0]))
+        if bucket is not None:
+            res.decode_mode.record(bucket, graph, time.perf_counter() - t0)
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
