@@ -8,7 +8,9 @@
 #       batch 1); issue 9: serve_bench python / http (engine thread) / http (engine process)
 #   bash tools/kernel_lab/run13.sh res     (~8 min) issue 7: residency_bench on the 32 GB card with
 #       64-token prefill steps (demand fetch: prefill no longer capped at 8 tokens per step); compare
-#       e2e tok/s (prefill included) with run 11's 4-token steps (4.2 tok/s e2e at batch 1)
+#       e2e tok/s (prefill included) with run 11's 4-token steps (4.2 tok/s e2e at batch 1), and strict
+#       decode as eager + demand fetch (expert_decode_mode eager) against graph + replay (37.8 tok/s);
+#       if eager wins, make expert_decode_mode auto (or eager) the default
 #   bash tools/kernel_lab/run13.sh train   (~9.5 min) issue 8: same-seed re-run of the shipped recipe
 #       (RECIPE=full-v2 unless v5 was shipped), then: python -m tools.train_tiny.compare
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -50,7 +52,7 @@ rest)
 res)
     mkdir -p $OUT/res
     timeout 560 python -m moet.bench.residency_bench --out $OUT/res --budget-s 545 --cards 32 --skip-boot \
-        --accelerate-layers 0 --step-tokens 64 > $OUT/res/log.txt 2>&1; echo "rc=$?"
+        --accelerate-layers 0 --step-tokens 64 --decode-modes eager > $OUT/res/log.txt 2>&1; echo "rc=$?"
     grep -v "it/s\]\|B/s\]" $OUT/res/log.txt | tail -40 | cut -c1-220 ;;
 train)
     mkdir -p /tmp/run && PYTHONPATH=src:. timeout 570 python -m tools.train_tiny \
