@@ -5,7 +5,7 @@
 #       at 8 / 256 / 512 pairs), tune T = 1 and 2 with the token-major candidates (written into the
 #       table), then engine_bench GLM-4.5-Air and Qwen3-30B (shared-expert overlap now on by default)
 #   bash tools/kernel_lab/run13.sh rest    (~4 min) issue 5: attention_bench --quick (more splits at
-#       batch 1); issue 9: serve_bench python / http (engine thread) / http (engine process)
+#       batch 1); issue 9: serve_bench python / http (engine thread) / http_process (moet serve --engine-process true) / python
 #   bash tools/kernel_lab/run13.sh res     (~8 min) issue 7: residency_bench on the 32 GB card with
 #       64-token prefill steps (demand fetch: prefill no longer capped at 8 tokens per step); compare
 #       e2e tok/s (prefill included) with run 11's 4-token steps (4.2 tok/s e2e at batch 1), and strict
@@ -45,7 +45,7 @@ rest)
     timeout 150 python -m moet.bench.attention_bench --quick --out $OUT/attn --budget-s 130 \
         > $OUT/attn/log.txt 2>&1; echo "rc=$?"; grep -A12 "GQA decode GB/s per setting" $OUT/attn/log.txt | cut -c1-200
     el "serve bench"
-    timeout 300 python -m moet.bench.serve_bench --phases ${SERVE_PHASES:-python,http,python} --requests 64 \
+    timeout 300 python -m moet.bench.serve_bench --phases ${SERVE_PHASES:-python,http,http_process,python} --requests 64 \
         --concurrency 16 --max-tokens 64 --budget-s 280 --out $OUT/serve_bench.json > $OUT/serve_log.txt 2>&1
     echo "rc=$?"; tail -12 $OUT/serve_log.txt | cut -c1-300
     el "done" ;;
