@@ -2,7 +2,7 @@
 expert format, merge the results into the run's summary, render MODEL_CARD.md, optionally ship.
 
     python -m tools.train_tiny.ingest RETURNED_DIR [--runs-dir tools/train_tiny/runs/full-v3]
-        [--experts nvfp4 --experts w2] [--budget full] [--baseline tools/train_tiny/runs/summary_shipped.json]
+        [--experts nvfp4 --experts w2] [--budget full] [--baseline tools/train_tiny/runs/full-v5/summary_shipped.json]
         [--note "markdown paragraph" ...] [--ship]
 
 RETURNED_DIR holds what the device run wrote to $OUT: ckpt.tar.part-NN, summary.json and
@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="formats probed on CPU (default: both; the BF16 row can only come from the run, "
                          "--experts bf16 on NVFP4 files equals nvfp4)")
     ap.add_argument("--budget", default="full", choices=["tiny", "quick", "full"])
-    ap.add_argument("--baseline", type=Path, default=Path(__file__).parent / "runs" / "summary_shipped.json",
-                    help="summary to compare against (default: the shipped v2 model's)")
+    ap.add_argument("--baseline", type=Path, default=Path(__file__).parent / "runs" / "full-v5" / "summary_shipped.json",
+                    help="summary to compare against (default: the shipped model's, full-v5; v2's is "
+                         "runs/summary_shipped.json)")
     ap.add_argument("--note", action="append", default=[], help="a markdown paragraph for the card's 'After the run'")
     ap.add_argument("--ship", action="store_true", help="replace src/moet/assets/moet-tiny with this checkpoint")
     args = ap.parse_args(argv)

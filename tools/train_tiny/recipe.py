@@ -1,5 +1,5 @@
-"""Pinned hyper-parameters. `full` is the shipped model's recipe (one H200, ~8 minutes wall
-including corpus and tokenizer); `smoke` checks throughput and the whole pipeline on the GPU
+"""Pinned hyper-parameters. `full-v5` is the shipped model's recipe (one H200, ~7.5 minutes to the
+checkpoint including corpus and tokenizer; `full` / `full-v2` are the earlier ones); `smoke` checks throughput and the whole pipeline on the GPU
 in under two minutes; `micro` runs everything on a laptop CPU in about a minute.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Recipe:
 
 RECIPES = {
     "full": Recipe("full"),
-    # THE SHIPPED MODEL (trained 2026-11-29 08:45 UTC on one H200; "full" is the first run,
+    # The shipped model 2026-11-29 to 2026-12-01 (trained 2026-11-29 08:45 UTC on one H200; "full" is the first run,
     # kept to reproduce its numbers). Adds dense copy/recall supervision so that a general copy
     # circuit forms within the budget (see copy_tasks.py for the diagnosis), and random
     # namespaces on 90% of training tool names so that names must be copied, not recalled.
@@ -86,7 +86,8 @@ RECIPES = {
     # Tool selection, third try (issue 8), after v4 could not write canonical words inside names
     # (diagnosis in tool_tasks_v4.py): any word may occur in a name, 20% of names are the tool's
     # own trained variant (recall fails 80%), more lookup practice (V5_TASKS). v4's shape, seed,
-    # steps and rows: ~435 s to the checkpoint on one H200.
+    # steps and rows: ~435 s to the checkpoint on one H200. THE SHIPPED MODEL since 2026-12-01
+    # (trained 09:31 UTC, 432.5 s to the checkpoint; runs/full-v5/).
     "full-v5": Recipe("full-v5", steps=2300, mix=Mix(chat_share=0.44, task_share=V5_TASKS),
                       probe_order=("tools", "code", "facts", "needle", "arithmetic")),
     "smoke": Recipe("smoke", code_bytes=30_000_000, text_bytes=3_000_000, tokenizer_sample_bytes=12_000_000,
