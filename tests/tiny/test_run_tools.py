@@ -87,11 +87,15 @@ def test_compare_flags_gaps_outside_noise():
 
 
 def test_shipped_recipe_is_unchanged():
-    """full-v2 (the shipped model) must stay reproducible: its pinned fields equal the shipped run's."""
+    """full-v5 (the shipped model, 2026-12-01) must stay reproducible: its pinned fields equal the
+    shipped run's; full-v2 (shipped before it) likewise against its own run's summary."""
     from pathlib import Path
 
     from tools.train_tiny.recipe import RECIPES
-    shipped = json.loads((Path(ingest.__file__).parent / "runs" / "summary.json").read_text())["recipe"]
+    runs = Path(ingest.__file__).parent / "runs"
+    shipped = json.loads((runs / "full-v5" / "summary.json").read_text())["recipe"]
+    assert json.loads(json.dumps(RECIPES["full-v5"].as_dict())) == shipped
+    v2 = json.loads((runs / "summary.json").read_text())["recipe"]
     now = json.loads(json.dumps(RECIPES["full-v2"].as_dict()))
     assert now.pop("probe_order") == ["code", "facts", "arithmetic", "needle", "tools"]  # added later; same order
-    assert now == shipped
+    assert now == v2
