@@ -12,7 +12,7 @@
 #       decode as eager + demand fetch (expert_decode_mode eager) against graph + replay (37.8 tok/s);
 #       if eager wins, make expert_decode_mode auto (or eager) the default
 #   bash tools/kernel_lab/run13.sh train   (~9.5 min) issue 8: same-seed re-run of the shipped recipe
-#       (RECIPE=full-v2 unless v5 was shipped), then: python -m tools.train_tiny.compare
+#       (RECIPE=full-v5: shipped 2026-12-01), then: python -m tools.train_tiny.compare
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/serve/*.whl 2>&1 | grep -v WARNING | tail -3
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
@@ -56,7 +56,7 @@ res)
     grep -v "it/s\]\|B/s\]" $OUT/res/log.txt | tail -40 | cut -c1-220 ;;
 train)
     mkdir -p /tmp/run && PYTHONPATH=src:. timeout 570 python -m tools.train_tiny \
-        --recipe ${RECIPE:-full-v2} --out /tmp/run --pack $OUT --deadline 500; rc=$?
+        --recipe ${RECIPE:-full-v5} --out /tmp/run --pack $OUT --deadline 500; rc=$?
     cp /tmp/run/summary.json /tmp/run/run_log.jsonl $OUT/; exit $rc ;;
 *) echo "usage: run13.sh kern|rest|res|train"; exit 2 ;;
 esac
