@@ -214,6 +214,46 @@ def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4,
 
 
 @triton.jit
+def _x_slots(xp, step, xm, FMT: tl.constexpr, CAST: tl.constexpr, USE_ASM: tl.constexpr):
+    """The activation tiles of slots 0..7 (W2; FP4 uses 0..3, the rest alias slot 0): slot q at
+    xp + q * step (step K / UPW for slot-major rows, 1 for a row in natural order); CAST: to
+    the MMA operand dtype (a hidden row of the caller's dtype)."""
+    x0 = tl.load(xp, mask=xm, other=0.0)
+    x1 = tl.load(xp + step, mask=xm, other=0.0)
+    x2 = tl.load(xp + 2 * step, mask=xm, other=0.0)
+    x3 = tl.load(xp + 3 * step, mask=xm, other=0.0)
+    if CAST:
+        x0 = _op_cast(x0, USE_ASM)
+        x1 = _op_cast(x1, USE_ASM)
+        x2 = _op_cast(x2, USE_ASM)
+        x3 = _op_cast(x3, USE_ASM)
+    if FMT == 0:
+        x4 = tl.load(xp + 4 * step, mask=xm, other=0.0)
+        x5 = tl.load(xp + 5 * step, mask=xm, other=0.0)
+        x6 = tl.load(xp + 6 * step, mask=xm, other=0.0)
+        x7 = tl.load(xp + 7 * step, mask=xm, other=0.0)
+        if CAST:
+            x4 = _op_cast(x4, USE_ASM)
+            x5 = _op_cast(x5, USE_ASM)
+            x6 = _op_cast(x6, USE_ASM)
+            x7 = _op_cast(x7, USE_ASM)
+    else:
+        x4 = x0
+        x5 = x0
+        x6 = x0
+        x7 = x0
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _op_cast(v, USE_ASM: tl.constexpr):
+    """The MMA operand dtype: bf16 on the GPU, fp32 under the interpreter (as x_perm holds)."""
+    if USE_ASM:
+        return v.to(tl.bfloat16)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _pdl_enter(PDL: tl.constexpr):
     """Programmatic dependent launch (sm_90+): wait until the kernel before has finished and its
     writes are visible, then let the next kernel of the layer start launching, so its launch and
@@ -278,20 +318,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             xm = pmask[:, None] & umask[None, :]
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
-            x0 = tl.load(xp, mask=xm, other=0.0)
-            x1 = tl.load(xp + UNITS, mask=xm, other=0.0)
-            x2 = tl.load(xp + 2 * UNITS, mask=xm, other=0.0)
-            x3 = tl.load(xp + 3 * UNITS, mask=xm, other=0.0)
-            if FMT == 0:
-                x4 = tl.load(xp + 4 * UNITS, mask=xm, other=0.0)
-                x5 = tl.load(xp + 5 * UNITS, mask=xm, other=0.0)
-                x6 = tl.load(xp + 6 * UNITS, mask=xm, other=0.0)
-                x7 = tl.load(xp + 7 * UNITS, mask=xm, other=0.0)
-            else:
-                x4 = x0
-                x5 = x0
-                x6 = x0
-                x7 = x0
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM)
             acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                              UNITS, G, FMT, BN, BKH, USE_ASM)
             if GATE_UP:
@@ -431,14 +458,6 @@ def _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, 
 # drain of the GPU) were measured to cost more than the weight decode (docs/perf.md, run 10).
 
 @triton.jit
-def _op_cast(v, USE_ASM: tl.constexpr):
-    """The MMA operand dtype: bf16 on the GPU, fp32 under the interpreter (as x_perm holds)."""
-    if USE_ASM:
-        return v.to(tl.bfloat16)
-    return v.to(tl.float32)
-
-
-@triton.jit
 def _tm_gate_up_kernel(x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, miss_ptr,
                        s_x, s_wq_slot, s_sc_slot, limit,
                        N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
@@ -478,20 +497,7 @@ def _tm_gate_up_kernel(x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr, act_pt
             gmask = g < G
             xm = umask[None, :]
             xp = xb + (u * UPW)[None, :]
-            x0 = _op_cast(tl.load(xp, mask=xm, other=0.0), USE_ASM)
-            x1 = _op_cast(tl.load(xp + 1, mask=xm, other=0.0), USE_ASM)
-            x2 = _op_cast(tl.load(xp + 2, mask=xm, other=0.0), USE_ASM)
-            x3 = _op_cast(tl.load(xp + 3, mask=xm, other=0.0), USE_ASM)
-            if FMT == 0:
-                x4 = _op_cast(tl.load(xp + 4, mask=xm, other=0.0), USE_ASM)
-                x5 = _op_cast(tl.load(xp + 5, mask=xm, other=0.0), USE_ASM)
-                x6 = _op_cast(tl.load(xp + 6, mask=xm, other=0.0), USE_ASM)
-                x7 = _op_cast(tl.load(xp + 7, mask=xm, other=0.0), USE_ASM)
-            else:
-                x4 = x0
-                x5 = x0
-                x6 = x0
-                x7 = x0
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, 1, xm, FMT, True, USE_ASM)
             acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                              UNITS, G, FMT, BN, BKH, USE_ASM)
             acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
@@ -541,20 +547,7 @@ def _tm_down_kernel(act_ptr, ids_ptr, table_ptr, tw_ptr, wq_ptr, sc_ptr, s2_ptr,
                 gmask = g < G
                 xm = umask[None, :]
                 xp = xb + u[None, :]                           # act is slot-major: contiguous per slot
-                x0 = tl.load(xp, mask=xm, other=0.0)
-                x1 = tl.load(xp + UNITS, mask=xm, other=0.0)
-                x2 = tl.load(xp + 2 * UNITS, mask=xm, other=0.0)
-                x3 = tl.load(xp + 3 * UNITS, mask=xm, other=0.0)
-                if FMT == 0:
-                    x4 = tl.load(xp + 4 * UNITS, mask=xm, other=0.0)
-                    x5 = tl.load(xp + 5 * UNITS, mask=xm, other=0.0)
-                    x6 = tl.load(xp + 6 * UNITS, mask=xm, other=0.0)
-                    x7 = tl.load(xp + 7 * UNITS, mask=xm, other=0.0)
-                else:
-                    x4 = x0
-                    x5 = x0
-                    x6 = x0
-                    x7 = x0
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM)
                 acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                                  UNITS, G, FMT, BN, BKH, USE_ASM)
             if FMT == 1:
