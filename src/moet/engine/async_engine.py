@@ -79,6 +79,31 @@ class _Stream:
         return self.end
 
 
+async def _stream_outputs(stream: _Stream, abort) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its stream until the finished one; `abort()` queues the
+    request's abort when it ends otherwise (cancelled, closed early, failed), so its blocks are
+    freed at once. Shared by AsyncEngine and EngineProcess; callers aclose() it in their own
+    finally (a nested async generator is otherwise only closed when collected)."""
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            if item is _END:
+                return
+            if isinstance(item, _Refused):            # never added: nothing to abort
+                finished = True
+                raise item.exc
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abort()
+
+
 def _push_all(items: list) -> None:
     for stream, item in items:
         stream.push(item)
@@ -138,24 +163,12 @@ class AsyncEngine:
             prompt = await asyncio.to_thread(self._encode, prompt)
         if self._stopping or not self._post((_ADD, request_id, prompt, params, stream)):
             raise MoetError("the engine is shutting down; retry on a new engine")
-        finished = False
+        outs = _stream_outputs(stream, lambda: self._post((_ABORT, request_id, None, None)))
         try:
-            while True:
-                item = await stream.get()
-                if item is _END:
-                    return
-                if isinstance(item, _Refused):        # never added: nothing to abort
-                    finished = True
-                    raise item.exc
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            async for item in outs:
                 yield item
-                if finished:
-                    return
         finally:
-            if not finished:                          # cancelled, closed early or failed: free its blocks
-                self._post((_ABORT, request_id, None, None))
+            await outs.aclose()
 
     async def abort(self, request_id: str) -> None:
         loop = asyncio.get_running_loop()

@@ -46,7 +46,7 @@ import traceback
 import weakref
 from typing import Any, AsyncIterator, Callable
 
-from moet.engine.async_engine import _END, _push_all, _Refused, _Stream, served_model_name
+from moet.engine.async_engine import _END, _push_all, _Refused, _Stream, _stream_outputs, served_model_name
 from moet.errors import MoetError
 from moet.outputs import CompletionOutput, Logprob, RequestOutput
 from moet.sampling_params import SamplingParams
@@ -428,24 +428,12 @@ class EngineProcess:
         if self._stopping or not self._post((_ADD, key, request_id, prompt, params)):
             self._requests.pop(key, None)
             raise self._gone()
-        finished = False
+        outs = _stream_outputs(stream, lambda: self._post((_ABORT, request_id, None)))
         try:
-            while True:
-                item = await stream.get()
-                if item is _END:
-                    return
-                if isinstance(item, _Refused):         # never added: nothing to abort
-                    finished = True
-                    raise item.exc
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            async for item in outs:
                 yield item
-                if finished:
-                    return
         finally:
-            if not finished:                           # cancelled, closed early or failed: free its blocks
-                self._post((_ABORT, request_id, None))
+            await outs.aclose()
 
     async def abort(self, request_id: str) -> None:
         loop = asyncio.get_running_loop()
