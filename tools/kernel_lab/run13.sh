@@ -31,6 +31,10 @@ kern)
         --shapes glm,qwen,deepseek --formats w2 --tokens 1,2 --tune glm:1,glm:2,qwen:1,qwen:2,deepseek:1 \
         --write-table > $OUT/tune/log.txt 2>&1; echo "rc=$?"; grep -v "^    " $OUT/tune/log.txt | tail -10 | cut -c1-200
     grep "token-major" $OUT/tune/log.txt | cut -c1-200 | head -30
+    el "profile glm45air batch 1"       # the router GEMV (now one expert per program) vs run 8's cuBLAS pair
+    timeout 70 python tools/kernel_lab/engine_profile.py --out $OUT/engine --model glm45air --batch 1 --steps 10 \
+        > /dev/null 2>&1; head -1 $OUT/engine/engine_profile_glm45air_b1.txt
+    grep -E "_router_gemv|_moe_gemm|_tm_|_prep_small|_combine|_swiglu_finish" $OUT/engine/engine_profile_glm45air_b1.txt | cut -c1-60,100-170 | head
     for m in glm45air qwen3_30b; do
         left=$(( 540 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { el "no time for $m"; break; }
         el "engine $m"
