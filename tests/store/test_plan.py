@@ -87,6 +87,21 @@ def test_prediction_falls_as_the_gpu_budget_shrinks(glm_air):
     assert preds[0].tok_s == pytest.approx(3670e9 / want)
 
 
+def test_prefill_chunk_fetch_floor(glm_air):
+    """A long prompt's chunk routes to every expert: with demand fetch it copies every row the GPU
+    does not hold once (the arena's from host memory, the rest from disk too); none when all fit."""
+    full = _plan(glm_air, 96, max_num_seqs=1).prediction
+    assert full.prefill_chunk_fetch_bytes == 0 and full.prefill_chunk_fetch_s == 0
+    plan = _plan(glm_air, 32, host_gib=16, max_num_seqs=1)
+    p, f = plan.prediction, glm_air
+    gpu, host = plan.tier("gpu").rows, plan.tier("host_arena").rows
+    assert p.prefill_chunk_fetch_bytes == (f.rows - gpu) * f.row_bytes > 0
+    assert p.prefill_chunk_disk_bytes == max(0, f.rows - gpu - host) * f.stride > 0      # 8 GiB arena < the rest
+    bw = plan.bandwidths
+    assert p.prefill_chunk_fetch_s == pytest.approx(p.prefill_chunk_fetch_bytes / (bw.h2d_gbps * 1e9)
+                                                    + p.prefill_chunk_disk_bytes / (bw.disk_gbps * 1e9))
+
+
 def test_kernel_calibration_scales_the_hbm_time(glm_air):
     """kernel_efficiency divides the bandwidth and pass_overhead_ms adds to every pass."""
     roof = _plan(glm_air, 96, max_num_seqs=1).prediction

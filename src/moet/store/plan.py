@@ -30,6 +30,10 @@ Decode prediction for one step of `batch` sequences at `context` tokens each:
               `pass_overhead_ms` (launches, host work per pass) calibrate it from measured kernels.
               Prefetch overlap is not modelled; `compare()` reports measured / predicted.
 Distinct experts per layer for a batch: experts x (1 - (1 - top_k / experts)^batch) (uniform).
+Prefill: a long prompt's chunk routes to every expert of every layer, and with demand fetch
+(store/demand.py) copies each row the GPU does not hold once, layer by layer: (rows - GPU rows) x
+row / host-to-device bandwidth, plus the rows the arena lacks read from disk, is the floor of one
+chunk's time (prefill_chunk_fetch_s).
 """
 from __future__ import annotations
 
@@ -151,6 +155,12 @@ class Prediction:
     tok_s: float
     resident_tok_s: float     # the same step with every expert on the GPU (the HBM bound)
     pcie_bound_tok_s: float | None   # fetches alone: batch / (fetch bytes / H2D bandwidth)
+    # a long prompt's prefill chunk routes to every expert of every layer; with demand fetch
+    # (store/demand.py) it copies each row the GPU does not hold once, layer by layer: the floor
+    # of that chunk's time from expert traffic alone (0 when every expert is resident)
+    prefill_chunk_fetch_bytes: float = 0.0
+    prefill_chunk_disk_bytes: float = 0.0
+    prefill_chunk_fetch_s: float = 0.0
 
 
 @dataclass
@@ -336,11 +346,17 @@ def predict(facts: ModelFacts, gpu_rows: int, host_rows: int, bw: Bandwidths, *,
     fetch_s = fetch_bytes / (bw.h2d_gbps * 1e9) + disk_bytes / (bw.disk_gbps * 1e9)
     passes = 1.0 + _binomial_tail(int(round(needed)), 1 - hit, miss_tolerance)
     step_s = passes * hbm_s + fetch_s
+    absent = max(0, facts.rows - gpu_rows)
+    pre_disk = max(0, absent - host_rows) * facts.stride
+    pre_bytes = absent * facts.row_bytes
+    pre_s = pre_bytes / (bw.h2d_gbps * 1e9) + pre_disk / (bw.disk_gbps * 1e9)
     return Prediction(batch=batch, context=context, hit_model=model, hit_rate=hit, arena_share=arena,
                       disk_share=disk, hbm_bytes_per_step=int(hbm_bytes), hbm_s=hbm_s, misses_per_step=misses,
                       fetch_bytes_per_step=fetch_bytes, disk_bytes_per_step=disk_bytes, fetch_s=fetch_s,
                       passes_per_step=passes, step_s=step_s, tok_s=batch / step_s, resident_tok_s=batch / hbm_s,
-                      pcie_bound_tok_s=batch / (fetch_bytes / (bw.h2d_gbps * 1e9)) if fetch_bytes else None)
+                      pcie_bound_tok_s=batch / (fetch_bytes / (bw.h2d_gbps * 1e9)) if fetch_bytes else None,
+                      prefill_chunk_fetch_bytes=float(pre_bytes), prefill_chunk_disk_bytes=float(pre_disk),
+                      prefill_chunk_fetch_s=pre_s)
 
 
 def make_plan(facts: ModelFacts, *, gpu_memory_bytes: int, host_memory_bytes: int,

@@ -106,6 +106,10 @@ def render(plan: P.Plan, summary=None, notes: dict | None = None) -> str:
             f"  predicted  {p.tok_s:.2f} tok/s (all resident: {p.resident_tok_s:.1f} tok/s; fetches alone at "
             f"{bw.h2d_gbps:g} GB/s: " + (f"{p.pcie_bound_tok_s:.1f} tok/s)" if p.pcie_bound_tok_s else "no fetches)"),
         ]
+        if p.prefill_chunk_fetch_bytes:
+            lines.append(f"prefill      a long prompt's chunk routes to every expert: {_gib(p.prefill_chunk_fetch_bytes)} "
+                         f"host-to-device ({_gib(p.prefill_chunk_disk_bytes)} from disk), layer by layer -> at least "
+                         f"{p.prefill_chunk_fetch_s:.2f} s per chunk of up to max_num_batched_tokens tokens")
     lines.append(f"kernels      {100 * bw.kernel_efficiency:g}% of the HBM bandwidth, {bw.pass_overhead_ms:g} ms per pass"
                  + (" (the roofline; --kernel-efficiency / --pass-overhead-ms calibrate it)"
                     if bw.kernel_efficiency == 1.0 and bw.pass_overhead_ms == 0 else " (given)"))
