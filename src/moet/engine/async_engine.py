@@ -104,6 +104,14 @@ async def _stream_outputs(stream: _Stream, abort) -> AsyncIterator[RequestOutput
             abort()
 
 
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """fn(*args) on `loop` from another thread; nothing if the caller's loop is already closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
 def _push_all(items: list) -> None:
     for stream, item in items:
         stream.push(item)
@@ -196,10 +204,7 @@ class AsyncEngine:
     def _flush(batches: dict) -> None:
         """One wake-up per event loop for everything this step produced."""
         for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_push_all, items)
-            except RuntimeError:                      # the caller's loop is closed
-                pass
+            _call(loop, _push_all, items)
 
     def _drain_inbox(self, batches: dict, close: bool = False) -> None:
         """Run the queued adds and aborts in order (adds are refused while stopping); with
@@ -227,10 +232,7 @@ class AsyncEngine:
                 if stream is not None:
                     self._send(batches, stream, _END)
                 if fut is not None:
-                    try:
-                        loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
-                    except RuntimeError:
-                        pass
+                    _call(loop, lambda f=fut: f.done() or f.set_result(None))
 
     def _run(self) -> None:
         while True:

@@ -46,7 +46,7 @@ import traceback
 import weakref
 from typing import Any, AsyncIterator, Callable
 
-from moet.engine.async_engine import _END, _push_all, _Refused, _Stream, _stream_outputs, served_model_name
+from moet.engine.async_engine import _END, _call, _push_all, _Refused, _Stream, _stream_outputs, served_model_name
 from moet.errors import MoetError
 from moet.outputs import CompletionOutput, Logprob, RequestOutput
 from moet.sampling_params import SamplingParams
@@ -552,9 +552,3 @@ def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
 
-
-def _call(loop, fn, arg) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, arg)
-    except RuntimeError:                               # the caller's loop is closed
-        pass
