@@ -551,4 +551,3 @@ class EngineProcess:
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
-
