@@ -248,9 +248,13 @@ def _x_slots(xp, step, xm, FMT: tl.constexpr, CAST: tl.constexpr, USE_ASM: tl.co
 @triton.jit
 def _op_cast(v, USE_ASM: tl.constexpr):
     """The MMA operand dtype: bf16 on the GPU, fp32 under the interpreter (as x_perm holds)."""
+    # One return after a static if/else: Triton compiles the code after a taken `if` too, so an
+    # early return in one branch is an "inconsistent return types" error on the GPU.
     if USE_ASM:
-        return v.to(tl.bfloat16)
-    return v.to(tl.float32)
+        out = v.to(tl.bfloat16)
+    else:
+        out = v.to(tl.float32)
+    return out
 
 
 @triton.jit
