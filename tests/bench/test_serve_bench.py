@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from moet.bench.serve_bench import _prompt, _warm_then_time, compare, main, phase_keys
+from moet.bench.serve_bench import Tally, _prompt, _shares, _warm_then_time, compare, main, phase_keys
 
 
 def test_phase_keys_keep_order_and_number_repeats():
@@ -66,3 +66,15 @@ def test_warm_up_prompts_differ_in_text_not_in_length():
 def test_an_unknown_phase_fails_before_any_engine_starts():
     with pytest.raises(SystemExit):
         main(["--phases", "python,gpu", "--device", "cpu"])
+
+
+def test_tallies_of_several_clients_merge_into_one_wall_time():
+    a = Tally(3, lat=[0.1, 0.2, 0.3], ttft=[0.01], tokens=30, t0=10.0, t1=11.0, cpu_s=0.5)
+    b = Tally(2, lat=[0.4], tokens=10, failures=["RuntimeError: x"], t0=10.5, t1=12.0, cpu_s=0.25)
+    m = Tally.merge([a, b])
+    s = m.summary()
+    assert (m.requests, m.tokens, m.clients, m.t0, m.t1) == (5, 40, 2, 10.0, 12.0)
+    assert s["wall_s"] == 2.0 and s["decode_tok_per_s"] == 20.0 and s["requests_done"] == 4
+    assert not s["complete"] and s["failures"] == 1 and s["latency_p99_s"] == 0.4
+    assert s["client_cpu_per_wall"] == round(0.75 / 2.0 / 2, 3)
+    assert _shares(10, 3) == [4, 3, 3] and _shares(16, 4) == [4, 4, 4, 4] and sum(_shares(7, 5)) == 7

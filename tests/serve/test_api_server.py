@@ -327,6 +327,21 @@ def test_load_test_client_counts_every_request_and_no_failures(server):
     assert check == script("hi")   # raw completion text: no parser in the way
 
 
+def test_load_from_several_client_processes_merges_into_one_pass(server):
+    """--client-procs: the requests and the concurrency split over spawned client processes, each
+    request number taken once, every token counted, one wall time from the earliest start to the
+    last end, the clients' own CPU reported."""
+    from moet.bench.serve_bench import http_load_procs
+    res, check = http_load_procs(server.url, requests=10, concurrency=4, max_tokens=5,
+                                 deadline=time.perf_counter() + 120, procs=3, check_ids=[1, 5, 9])
+    assert res["failures"] == 0 and res["requests_done"] == 10 and res["complete"]
+    assert res["generated_tokens"] == 10 * 5 and res["client_procs"] == 3
+    assert res["warmup"]["requests_done"] == 10 and res["warmup"]["failures"] == 0
+    assert 0 < res["client_cpu_per_wall"] and res["client_cpu_us_per_token"] > 0
+    assert res["wall_s"] >= res["latency_p99_s"] > 0
+    assert check == script("hi")
+
+
 def test_special_token_parsers_decode_with_special_tokens_and_drop_the_eos_text():
     """Kimi-K2 / DeepSeek-V3 markers are special tokens: the server asks the engine to keep them
     and cuts the end-of-turn token's text from the reply."""
