@@ -270,8 +270,19 @@ def test_serve_flag_and_the_stand_in_engine_in_a_child(tmp_path):
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    assert serve_config_from_args(p.parse_args(["--engine-process", "true"])).engine_process is True
-    assert serve_config_from_args(p.parse_args([])).engine_process is False
+    from moet.errors import ConfigError
+    from moet.serve.serve_config import ENGINE_PROCESS_MIN_CPUS, ServeConfig, uses_engine_process
+
+    on, off, auto = (serve_config_from_args(p.parse_args(a)) for a in
+                     (["--engine-process", "true"], ["--engine-process", "False"], []))
+    assert (on.engine_process, off.engine_process, auto.engine_process) == ("true", "false", "auto")
+    assert uses_engine_process(on, cpus=1) and not uses_engine_process(off, cpus=64)
+    # auto: a process only where it gets a core of its own next to the server's event loop
+    assert uses_engine_process(auto, cpus=ENGINE_PROCESS_MIN_CPUS)
+    assert not uses_engine_process(auto, cpus=ENGINE_PROCESS_MIN_CPUS - 1)
+    assert ServeConfig(engine_process=True).engine_process == "true"      # Python callers may pass a bool
+    with pytest.raises(ConfigError, match="engine_process='sometimes'"):
+        ServeConfig(engine_process="sometimes")
     # serve_overhead's stand-in, built in the child by its factory: every reply checked
     out = tmp_path / "r.json"
     assert serve_overhead.main(["--rows", "python_process", "--requests", "6", "--concurrency", "3", "--max-tokens",

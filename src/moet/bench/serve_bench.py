@@ -361,7 +361,7 @@ def http_phase(cfg, args, deadline: float, engine_process: bool = False) -> tupl
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "moet.cli", "serve", cfg.model, "--port", str(port), "--log-requests", "false",
            "--max-pending-requests", str(max(256, args.concurrency * 2))] + _engine_flags(cfg) \
-        + (["--engine-process", "true"] if engine_process else [])
+        + ["--engine-process", "true" if engine_process else "false"]   # explicit: the default is auto
     print("[http] " + " ".join(cmd), flush=True)
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe would block the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)

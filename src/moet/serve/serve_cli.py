@@ -35,9 +35,14 @@ def _read_json(path: str) -> dict:
 def build_server_app(engine_config, serve_config, engine=None):
     """The app for a checkpoint: starts the engine (unless given one) and resolves the parsers."""
     from moet.serve.api_server import build_app
+    from moet.serve.serve_config import uses_engine_process
 
     if engine is None:
-        if serve_config.engine_process:
+        in_process = uses_engine_process(serve_config)
+        logging.getLogger("moet.serve").info("engine in %s (--engine-process %s)",
+                                             "a process of its own" if in_process else "a thread of the server",
+                                             serve_config.engine_process)
+        if in_process:
             from moet.engine.engine_process import EngineProcess
             engine = EngineProcess.from_config(engine_config)
         else:

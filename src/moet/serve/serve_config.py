@@ -4,9 +4,26 @@ defaults live in one place."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, dataclass, field, fields
 
 from moet.errors import ConfigError
+
+
+# auto's threshold: the engine process pays only when it gets a core of its own next to the
+# server's event loop (H200 box, 16 cores, moet-tiny 16 streams: HTTP 8,330 tok/s with the process
+# vs 5,579 with the thread, run 16 in docs/perf.md; a 2-core box shared with another job: the
+# process's steps starved, no gain, docs/architecture.md).
+ENGINE_PROCESS_MIN_CPUS = 4
+ENGINE_PROCESS_CHOICES = ("auto", "true", "false")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as a container's cpuset limits it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _knob(default, help: str):
@@ -26,10 +43,17 @@ class ServeConfig:
     request_timeout_s: float = _knob(600.0, "a request still generating after this many seconds is aborted (504)")
     max_request_bytes: int = _knob(16 * 1024 * 1024, "largest accepted request body (else 413)")
     log_requests: bool = _knob(True, "log one line per request (method, path, status, tokens, seconds)")
-    engine_process: bool = _knob(False, "run the engine in a process of its own (spawned), so the server's Python "
-                                        "never takes GIL time from it; false: a thread of the server process")
+    engine_process: str = _knob("auto", "run the engine in a process of its own (spawned), so the server's Python "
+                                        "never takes GIL time from it: true, false (a thread of the server process), "
+                                        f"or auto (a process when this machine gives it >= {ENGINE_PROCESS_MIN_CPUS} "
+                                        "CPUs, else a thread)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.engine_process, bool):     # ServeConfig(engine_process=True) from Python
+            self.engine_process = "true" if self.engine_process else "false"
+        self.engine_process = str(self.engine_process).lower()
+        if self.engine_process not in ENGINE_PROCESS_CHOICES:
+            raise ConfigError(f"engine_process={self.engine_process!r}: expected one of {', '.join(ENGINE_PROCESS_CHOICES)}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port={self.port} must be in 1..65535")
         for name in ("max_pending_requests", "max_request_bytes"):
@@ -37,6 +61,14 @@ class ServeConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.request_timeout_s > 0:
             raise ConfigError(f"request_timeout_s={self.request_timeout_s} must be > 0")
+
+
+def uses_engine_process(config: ServeConfig, cpus: int | None = None) -> bool:
+    """Whether `moet serve` runs the engine in its own process (engine_process resolved; auto by
+    the CPUs this process may use)."""
+    if config.engine_process != "auto":
+        return config.engine_process == "true"
+    return (usable_cpus() if cpus is None else cpus) >= ENGINE_PROCESS_MIN_CPUS
 
 
 def _bool(s: str) -> bool:
