@@ -34,5 +34,7 @@ def test_quick_settings():
     labels = [ab.setting_label(s) for s in ab.QUICK_SPLITS["gqa"]]
     assert labels[0] == "256/32"                          # the defaults: the launch table's
     assert {"256/32 w4 s3", "256/32 w4 s5", "256/32 w4 s7"} <= set(labels)
+    # more splits only with the programs co-resident (run 14: deep pipelines made them run in waves)
+    assert {"256/64 w4 s3", "256/64/32 w4 s5", "256/128/32 w4 s3"} <= set(labels)
     assert ab.gqa_kw((256, 32, None, 4, 7)) == dict(split_tokens=256, max_splits=32, tile_tokens=None,
                                                    num_warps=4, num_stages=7)

@@ -71,10 +71,14 @@ SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (25
 # setting of run 10 (w8 s3), and the register-prefetch loop forms were removed after it; run 4
 # measured the other splits (256/128, 128/256, 16- and 32-token steps: all slower).
 # Run 11 (batch 8 added): 5 stages best from batch 8 on bf16, in the table since. Batch 1 bf16 stays at
-# 44% of the copy with 128 programs on 132 SMs: more, shorter splits (256/64, 256/128: 256 / 512
-# programs at batch 1) with the deep pipelines that did not exist when run 4 measured them.
+# 44% of the copy with 128 programs on 132 SMs. Run 14 tried more, shorter splits with deep
+# pipelines (256/64 s7, 256/128 s7 / s5): slower at every batch, but a 64-token stage is 32 KiB of
+# K + V, so 5-7 stages leave room for one program per SM and 256 / 512 programs ran in 2 / 4 waves.
+# Now: the same split counts with the programs co-resident (256/64 s3 = 96 KiB, two per SM; 32-token
+# tiles, 16 KiB a stage: 256/64/32 s5 two per SM, 256/128/32 s3 four per SM), and 256/32/32 s7
+# (the default split with the smaller tile).
 QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 4, 3), (256, 32, None, 4, 5), (256, 32, None, 4, 7),
-                        (256, 64, None, 4, 7), (256, 128, None, 4, 7), (256, 128, None, 4, 5)),
+                        (256, 64, None, 4, 3), (256, 64, 32, 4, 5), (256, 128, 32, 4, 3), (256, 32, 32, 4, 7)),
                 "mla": ((256, 32), (256, 64), (2048, 32))}
 
 
