@@ -52,6 +52,30 @@ def main(quick: bool = False) -> None:
     c = _compile(m._combine_kernel, dict(ws_ptr="*fp32", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
                                          out_ptr="*bf16", P="i32"), dict(H=7168, TOPK=8, SPLIT_K=2, BH=1024, PDL=False))
     print("combine", "cubin bytes", len(c.asm["cubin"]))
+    # the few-token decode paths (GLM-4.5-Air shape, T = 1): token-major's two kernels and the
+    # one-launch persistent kernel (its fences are inline asm, its waits atomics: GPU-only code)
+    tm_types = dict(x_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32",
+                    act_ptr="*bf16", miss_ptr="*i64", s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32")
+    for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
+        c = _compile(m._tm_gate_up_kernel, tm_types, dict(N=1408, K=4096, TOPK=8, FMT=fmt, HAS_LIMIT=False,
+                                                          USE_ASM=True, BN=32, BKH=32, PDL=True), 2, 4)
+        print("token-major", name, "gate_up cubin bytes", len(c.asm["cubin"]))
+        c = _compile(m._tm_down_kernel, dict(act_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
+                                             wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", out_ptr="*bf16",
+                                             s_wq_slot="i32", s_sc_slot="i32", s_out="i32"),
+                     dict(N=4096, K=1408, TOPK=8, FMT=fmt, USE_ASM=True, BN=32, BKH=32, PDL=True), 2, 4)
+        print("token-major", name, "down cubin bytes", len(c.asm["cubin"]))
+        from moet.kernels import moe_fused_decode as fd
+        c = _compile(fd._fused_decode_kernel,
+                     dict(x_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32", gq_ptr="*i16", gs_ptr="*u8",
+                          gs2_ptr="*fp32", dq_ptr="*i16", ds_ptr="*u8", ds2_ptr="*fp32", act_ptr="*bf16", y_ptr="*fp32",
+                          out_ptr="*bf16", cnt_ptr="*i32", miss_ptr="*i64", s_x="i32", s_gq="i32", s_gs="i32",
+                          s_dq="i32", s_ds="i32", s_out="i32", limit="fp32", P="i32", NPROG="i32"),
+                     dict(ROUNDS=4, H=4096, I=1408, TOPK=8, FMT=fmt, HAS_LIMIT=False, USE_ASM=True, BNA=32, BKA=32,
+                          BND=32, BKD=32, PDL=True), 2, 4)
+        ptx = c.asm["ptx"]
+        assert "fence.acq_rel.gpu" in ptx and "atom" in ptx, "the fused kernel lost its fences or atomics"
+        print("fused", name, "cubin bytes", len(c.asm["cubin"]))
 
 
 if __name__ == "__main__":

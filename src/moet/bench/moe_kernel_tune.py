@@ -263,6 +263,24 @@ def token_major_candidates():
     return [(gu[0], d) for d in dn] + [(g, dn[0]) for g in gu[1:]]
 
 
+def fused_candidates():
+    """(gate_up, down) tiles for the one-launch decode (moe_fused_decode): items of BN rows over the
+    whole K; the launch takes gate_up's warps and stages."""
+    from moet.kernels.moe_configs import GemmConfig
+    return [(GemmConfig(32, 32, 1, 2, 4), GemmConfig(32, 32, 1, 2, 4)),
+            (GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 32, 1, 2, 4)),
+            (GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 32, 1, 1, 4)),
+            (GemmConfig(64, 32, 1, 4, 4), GemmConfig(64, 32, 1, 4, 4)),
+            (GemmConfig(32, 32, 1, 4, 4), GemmConfig(32, 32, 1, 4, 4)),
+            (GemmConfig(32, 64, 1, 2, 4), GemmConfig(32, 64, 1, 2, 4))]
+
+
+def _alternatives():
+    from moet.kernels.moe_configs import FUSED_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS
+    return (("fused", FUSED_MAX_PAIRS, fused_candidates, "fused"),
+            ("token-major", TOKEN_MAJOR_MAX_PAIRS, token_major_candidates, "token_major"))
+
+
 def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
     """Token-tile sizes worth timing at decode: up to ~4x the mean pairs per expert (>= 2)."""
     cap = max(2, 1 << max(0, math.ceil(math.log2(max(1.0, 4 * pairs / experts)))))
@@ -286,7 +304,7 @@ def main():
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     from moet.kernels import moe_triton as mt
-    from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TABLE_PATH, TOKEN_MAJOR_MAX_PAIRS, MoEConfig, lookup, shape_key
+    from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TABLE_PATH, MoEConfig, lookup, shape_key
     from moet.kernels.reference import moe_experts_reference
     import triton
     name = torch.cuda.get_device_name(dev)
@@ -385,27 +403,29 @@ def main():
                             print(f"    {key} T{t} PDL: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                             if chk.get("ok") and on["us"] < 0.98 * best_us:      # clearly faster: keep it
                                 best, best_us = c, on["us"]
-                        if regime == "decode" and p <= TOKEN_MAJOR_MAX_PAIRS and left() > 0:
-                            # two launches, no alignment (MoEConfig.token_major): kept if clearly
-                            # faster and correct; rows per program and warps swept on both sides
-                            tm, tiled_us = [], best_us
-                            for gu, dn in token_major_candidates():
-                                c = replace(best, gate_up=gu, down=dn, token_major=True)
+                        for alt, max_pairs, candidates, flag in _alternatives():
+                            # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
+                            # each kept if clearly faster than the tiled best and correct
+                            if regime != "decode" or p > max_pairs or left() <= 0:
+                                continue
+                            tried, tiled_us = [], best_us
+                            for gu, dn in candidates():
+                                c = replace(best, gate_up=gu, down=dn, **{flag: True})
                                 try:
                                     r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 except Exception as exc:
                                     traceback.print_exc()
                                     r = {"us": float("inf"), "error": repr(exc)[:1000]}
-                                tm.append({"cfg": c.to_json(), **r})
-                                print(f"    {key} T{t} token-major {c.to_json()} {r['us']:.1f} us", flush=True)
-                            fast = min(tm, key=lambda r: r["us"]) if tm else None
+                                tried.append({"cfg": c.to_json(), **r})
+                                print(f"    {key} T{t} {alt} {c.to_json()} {r['us']:.1f} us", flush=True)
+                            fast = min(tried, key=lambda r: r["us"]) if tried else None
                             if fast is not None and fast["us"] < 0.98 * best_us:
                                 c = MoEConfig.from_json(fast["cfg"])
                                 chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
                                 fast["check"] = chk
                                 if chk.get("ok"):
                                     best, best_us = c, fast["us"]
-                            rep.setdefault("token_major", {})[f"{key}/T{t}"] = {"tiled_us": tiled_us, "tried": tm}
+                            rep.setdefault(flag, {})[f"{key}/T{t}"] = {"tiled_us": tiled_us, "tried": tried}
                         cfg = best
                         entries[str(p)] = best.to_json()
                         if t == 1:

@@ -23,6 +23,9 @@ SMALL_ALIGN_MAX_PAIRS = 512
 # The token-major decode path (MoEConfig.token_major) re-reads an expert's weights for every pair
 # that routes to it, so it is only for a few tokens (T = 1..2 at top-8), where pairs rarely share one.
 TOKEN_MAJOR_MAX_PAIRS = 16
+# The one-launch decode (MoEConfig.fused) reads an expert once per pair too, and its counters are
+# sized for a few tokens.
+FUSED_MAX_PAIRS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,10 @@ class MoEConfig:
     # (gate/up + SwiGLU per pair; down + the top-k combine per token), no slot alignment, no
     # activation copy, no fp32 workspace; BM and SPLIT_K are unused (each pair is its own tile)
     token_major: bool = False
+    # one-launch decode (moe_fused_decode, up to FUSED_MAX_PAIRS pairs): gate/up BN / BKH for the
+    # gate/up items, down BN / BKH for the down items, gate_up's num_warps / num_stages for the
+    # launch; BM and SPLIT_K are unused
+    fused: bool = False
 
     def to_json(self) -> dict:
         d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
@@ -55,12 +62,14 @@ class MoEConfig:
             d["pdl"] = True
         if self.token_major:
             d["token_major"] = True
+        if self.fused:
+            d["fused"] = True
         return d
 
     @staticmethod
     def from_json(d: dict) -> "MoEConfig":
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
-                         bool(d.get("token_major", False)))
+                         bool(d.get("token_major", False)), bool(d.get("fused", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

@@ -21,6 +21,8 @@ CUDA-graph capturable in both regimes):
      j = 0..k-1, s = 0..SPLIT_K-1; pairs of non-resident experts are skipped (zero).
 Every output element has one writer and a fixed summation order: reruns are bit-identical,
 and an expert gives the same bits whichever slot holds it.
+One-launch decode (MoEConfig.fused, up to FUSED_MAX_PAIRS pairs): moet.kernels.moe_fused_decode,
+a persistent kernel whose gate/up and down items wait on each other through counters.
 Token-major decode (MoEConfig.token_major, table-driven, up to TOKEN_MAJOR_MAX_PAIRS pairs): 2
 launches, no alignment and no hidden-state copy: _tm_gate_up_kernel (row block, pair) reads its
 token's hidden row in natural order and writes act with the SwiGLU epilogue; _tm_down_kernel
@@ -65,7 +67,8 @@ import triton.language as tl
 
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
-from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig, lookup
+from moet.kernels.moe_configs import (FUSED_MAX_PAIRS, SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig,
+                                      lookup)
 from moet.kernels.pools import FP4Pool, W2Pool
 
 FMT_W2 = 0
@@ -214,24 +217,25 @@ def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4,
 
 
 @triton.jit
-def _x_slots(xp, step, xm, FMT: tl.constexpr, CAST: tl.constexpr, USE_ASM: tl.constexpr):
+def _x_slots(xp, step, xm, FMT: tl.constexpr, CAST: tl.constexpr, USE_ASM: tl.constexpr, CACHE: tl.constexpr):
     """The activation tiles of slots 0..7 (W2; FP4 uses 0..3, the rest alias slot 0): slot q at
     xp + q * step (step K / UPW for slot-major rows, 1 for a row in natural order); CAST: to
-    the MMA operand dtype (a hidden row of the caller's dtype)."""
-    x0 = tl.load(xp, mask=xm, other=0.0)
-    x1 = tl.load(xp + step, mask=xm, other=0.0)
-    x2 = tl.load(xp + 2 * step, mask=xm, other=0.0)
-    x3 = tl.load(xp + 3 * step, mask=xm, other=0.0)
+    the MMA operand dtype (a hidden row of the caller's dtype); CACHE: the loads' cache modifier
+    (".cg" where another program of the same launch wrote the rows: past L1)."""
+    x0 = tl.load(xp, mask=xm, other=0.0, cache_modifier=CACHE)
+    x1 = tl.load(xp + step, mask=xm, other=0.0, cache_modifier=CACHE)
+    x2 = tl.load(xp + 2 * step, mask=xm, other=0.0, cache_modifier=CACHE)
+    x3 = tl.load(xp + 3 * step, mask=xm, other=0.0, cache_modifier=CACHE)
     if CAST:
         x0 = _op_cast(x0, USE_ASM)
         x1 = _op_cast(x1, USE_ASM)
         x2 = _op_cast(x2, USE_ASM)
         x3 = _op_cast(x3, USE_ASM)
     if FMT == 0:
-        x4 = tl.load(xp + 4 * step, mask=xm, other=0.0)
-        x5 = tl.load(xp + 5 * step, mask=xm, other=0.0)
-        x6 = tl.load(xp + 6 * step, mask=xm, other=0.0)
-        x7 = tl.load(xp + 7 * step, mask=xm, other=0.0)
+        x4 = tl.load(xp + 4 * step, mask=xm, other=0.0, cache_modifier=CACHE)
+        x5 = tl.load(xp + 5 * step, mask=xm, other=0.0, cache_modifier=CACHE)
+        x6 = tl.load(xp + 6 * step, mask=xm, other=0.0, cache_modifier=CACHE)
+        x7 = tl.load(xp + 7 * step, mask=xm, other=0.0, cache_modifier=CACHE)
         if CAST:
             x4 = _op_cast(x4, USE_ASM)
             x5 = _op_cast(x5, USE_ASM)
@@ -255,6 +259,14 @@ def _op_cast(v, USE_ASM: tl.constexpr):
     else:
         out = v.to(tl.float32)
     return out
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """The wait half of _pdl_enter only: for a kernel whose programs wait on each other, no later
+    kernel may start launching (and take SMs) before it ends (moe_fused_decode)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -322,7 +334,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             xm = pmask[:, None] & umask[None, :]
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, "")
             acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                              UNITS, G, FMT, BN, BKH, USE_ASM)
             if GATE_UP:
@@ -462,16 +474,87 @@ def _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, 
 # drain of the GPU) were measured to cost more than the weight decode (docs/perf.md, run 10).
 
 @triton.jit
+def _tm_gate_up_tile(pid_n, p, slot, x_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, s_x, s_wq_slot, s_sc_slot, limit,
+                     N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
+                     HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+    """Rows n of block pid_n of act[p] = SwiGLU(gate rows n, up rows N + n of resident slot
+    `slot` against pair p's token row, read in natural order: slot q of unit u is element
+    UPW u + q, a strided load, but the row is a few KiB and stays in L1), stored slot-major as
+    the down projection reads it."""
+    UPW: tl.constexpr = 8 if FMT == 0 else 4
+    UNITS: tl.constexpr = K // UPW
+    G: tl.constexpr = UNITS // 4
+    STEPS: tl.constexpr = (UNITS + BKH - 1) // BKH
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < N
+    slot64 = slot.to(tl.int64)
+    wq = wq_ptr + slot64 * s_wq_slot
+    sc = sc_ptr + slot64 * s_sc_slot
+    hcols = tl.arange(0, BKH)
+    gcols = tl.arange(0, BKH // 4)
+    xb = x_ptr + (p // TOPK).to(tl.int64) * s_x
+    acc = tl.zeros([BN, 1], dtype=tl.float32)
+    acc2 = tl.zeros([BN, 1], dtype=tl.float32)
+    for st in range(STEPS):
+        u = st * BKH + hcols
+        umask = u < UNITS
+        g = st * (BKH // 4) + gcols
+        gmask = g < G
+        xm = umask[None, :]
+        xp = xb + (u * UPW)[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, 1, xm, FMT, True, USE_ASM, "")
+        acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                         UNITS, G, FMT, BN, BKH, USE_ASM)
+        acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                          UNITS, G, FMT, BN, BKH, USE_ASM)
+    if FMT == 1:
+        acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
+        acc2 = acc2 * (tl.load(s2_ptr + slot64 * 2 + 1) * 256.0)
+    a = _swiglu(acc, acc2, limit, HAS_LIMIT)
+    nperm = (n % UPW) * (N // UPW) + n // UPW
+    tl.store(act_ptr + p.to(tl.int64) * N + nperm[:, None], a.to(act_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
+@triton.jit
+def _down_rows(act_row, slot, n, nmask, wq_ptr, sc_ptr, s2_ptr, s_wq_slot, s_sc_slot,
+               K: tl.constexpr, FMT: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+               CACHE: tl.constexpr):
+    """(W_down[slot] @ act_row)[n] as fp32 [BN, 1] (scale_2 applied for FP4): act_row is one
+    slot-major activation row of K values (contiguous per slot)."""
+    UPW: tl.constexpr = 8 if FMT == 0 else 4
+    UNITS: tl.constexpr = K // UPW
+    G: tl.constexpr = UNITS // 4
+    STEPS: tl.constexpr = (UNITS + BKH - 1) // BKH
+    hcols = tl.arange(0, BKH)
+    gcols = tl.arange(0, BKH // 4)
+    slot64 = slot.to(tl.int64)
+    wq = wq_ptr + slot64 * s_wq_slot
+    sc = sc_ptr + slot64 * s_sc_slot
+    acc = tl.zeros([BN, 1], dtype=tl.float32)
+    for st in range(STEPS):
+        u = st * BKH + hcols
+        umask = u < UNITS
+        g = st * (BKH // 4) + gcols
+        gmask = g < G
+        xm = umask[None, :]
+        xp = act_row + u[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, CACHE)
+        acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                         UNITS, G, FMT, BN, BKH, USE_ASM)
+    if FMT == 1:
+        acc = acc * (tl.load(s2_ptr + slot64) * 256.0)
+    return acc
+
+
+@triton.jit
 def _tm_gate_up_kernel(x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, miss_ptr,
                        s_x, s_wq_slot, s_sc_slot, limit,
                        N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
                        HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
                        PDL: tl.constexpr):
-    """Grid (cdiv(N, BN), P): gate rows n and up rows N + n of pair p's expert against its token's
-    hidden row, read in natural order (slot q of unit u is element UPW u + q: a strided load, but
-    the row is a few KiB and stays in L1); SwiGLU in the epilogue; act[p] stored slot-major as the
-    down kernel reads it. A pair whose expert is not resident writes nothing and is counted once
-    (by row block 0) into the miss counter."""
+    """Grid (cdiv(N, BN), P): _tm_gate_up_tile for row block pid_n of pair p. A pair whose
+    expert is not resident writes nothing and is counted once (by row block 0) into the miss
+    counter."""
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
@@ -480,38 +563,8 @@ def _tm_gate_up_kernel(x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr, act_pt
         if pid_n == 0:
             tl.atomic_add(miss_ptr, 1)
     else:
-        UPW: tl.constexpr = 8 if FMT == 0 else 4
-        UNITS: tl.constexpr = K // UPW
-        G: tl.constexpr = UNITS // 4
-        STEPS: tl.constexpr = (UNITS + BKH - 1) // BKH
-        n = pid_n * BN + tl.arange(0, BN)
-        nmask = n < N
-        slot64 = slot.to(tl.int64)
-        wq = wq_ptr + slot64 * s_wq_slot
-        sc = sc_ptr + slot64 * s_sc_slot
-        hcols = tl.arange(0, BKH)
-        gcols = tl.arange(0, BKH // 4)
-        xb = x_ptr + (p // TOPK).to(tl.int64) * s_x
-        acc = tl.zeros([BN, 1], dtype=tl.float32)
-        acc2 = tl.zeros([BN, 1], dtype=tl.float32)
-        for st in range(STEPS):
-            u = st * BKH + hcols
-            umask = u < UNITS
-            g = st * (BKH // 4) + gcols
-            gmask = g < G
-            xm = umask[None, :]
-            xp = xb + (u * UPW)[None, :]
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, 1, xm, FMT, True, USE_ASM)
-            acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                             UNITS, G, FMT, BN, BKH, USE_ASM)
-            acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                              UNITS, G, FMT, BN, BKH, USE_ASM)
-        if FMT == 1:
-            acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
-            acc2 = acc2 * (tl.load(s2_ptr + slot64 * 2 + 1) * 256.0)
-        a = _swiglu(acc, acc2, limit, HAS_LIMIT)
-        nperm = (n % UPW) * (N // UPW) + n // UPW
-        tl.store(act_ptr + p.to(tl.int64) * N + nperm[:, None], a.to(act_ptr.dtype.element_ty), mask=nmask[:, None])
+        _tm_gate_up_tile(pid_n, p, slot, x_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, s_x, s_wq_slot, s_sc_slot, limit,
+                         N, K, TOPK, FMT, HAS_LIMIT, USE_ASM, BN, BKH)
 
 
 @triton.jit
@@ -525,38 +578,16 @@ def _tm_down_kernel(act_ptr, ids_ptr, table_ptr, tw_ptr, wq_ptr, sc_ptr, s2_ptr,
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
-    UPW: tl.constexpr = 8 if FMT == 0 else 4
-    UNITS: tl.constexpr = K // UPW
-    G: tl.constexpr = UNITS // 4
-    STEPS: tl.constexpr = (UNITS + BKH - 1) // BKH
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < N
-    hcols = tl.arange(0, BKH)
-    gcols = tl.arange(0, BKH // 4)
     out = tl.zeros([BN, 1], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         pr = t * TOPK + j
         slot = tl.load(table_ptr + tl.load(ids_ptr + pr))
         w = tl.load(tw_ptr + pr).to(tl.float32)
         if slot >= 0:
-            slot64 = slot.to(tl.int64)
-            wq = wq_ptr + slot64 * s_wq_slot
-            sc = sc_ptr + slot64 * s_sc_slot
-            xb = act_ptr + pr * K
-            acc = tl.zeros([BN, 1], dtype=tl.float32)
-            for st in range(STEPS):
-                u = st * BKH + hcols
-                umask = u < UNITS
-                g = st * (BKH // 4) + gcols
-                gmask = g < G
-                xm = umask[None, :]
-                xp = xb + u[None, :]                           # act is slot-major: contiguous per slot
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM)
-                acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                                 UNITS, G, FMT, BN, BKH, USE_ASM)
-            if FMT == 1:
-                acc = acc * (tl.load(s2_ptr + slot64) * 256.0)
-            out += acc * w
+            out += _down_rows(act_ptr + pr * K, slot, n, nmask, wq_ptr, sc_ptr, s2_ptr, s_wq_slot, s_sc_slot,
+                              K, FMT, USE_ASM, BN, BKH, "") * w
     tl.store(out_ptr + t * s_out + n[:, None], out.to(out_ptr.dtype.element_ty), mask=nmask[:, None])
 
 
@@ -659,6 +690,11 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     has_limit = swiglu_limit is not None
     tw = topk_weights.reshape(-1).contiguous()
+    if config.fused and p <= FUSED_MAX_PAIRS:       # one persistent launch (moe_fused_decode)
+        from moet.kernels.moe_fused_decode import run_fused_decode
+        run_fused_decode(hidden, ids, table, tw, ops, fmt, t, k, h, i, limit, has_limit, config, miss_counter, out,
+                         _workspace, use_asm, pdl)
+        return
     if config.token_major and p <= TOKEN_MAJOR_MAX_PAIRS:
         act = _workspace((p, i), op_dtype, dev)
         _tm_gate_up_kernel[(triton.cdiv(i, cg.BN), p)](
