@@ -265,9 +265,13 @@ def token_major_candidates():
 
 def fused_candidates():
     """(gate_up, down) tiles for the one-launch decode (moe_fused_decode): items of BN rows over the
-    whole K; the launch takes gate_up's warps and stages."""
+    whole K; the launch takes gate_up's warps and stages. Down items are short (K = I: 1,408 at
+    GLM-4.5-Air, 5.5 steps of 32 units), so wider down tiles (fewer items, each paying its wait,
+    fences and atomics once) are in the sweep."""
     from moet.kernels.moe_configs import GemmConfig
     return [(GemmConfig(32, 32, 1, 2, 4), GemmConfig(32, 32, 1, 2, 4)),
+            (GemmConfig(32, 32, 1, 4, 4), GemmConfig(128, 32, 1, 4, 4)),
+            (GemmConfig(64, 32, 1, 4, 4), GemmConfig(128, 64, 1, 4, 4)),
             (GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 32, 1, 2, 4)),
             (GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 32, 1, 1, 4)),
             (GemmConfig(64, 32, 1, 4, 4), GemmConfig(64, 32, 1, 4, 4)),

@@ -34,8 +34,9 @@ Counters: ready[p] and tile[t, hb] live in a zeroed int32 buffer per device and 
 when the kernel ends: the last reader of each resets it (ready[p] also counts its ND readers:
 the one that brings it to NA + ND writes 0; tile[t, hb]'s last arriver writes 0 after its
 sum), so consecutive layers and CUDA-graph replays need no memset. A pair whose expert is not
-resident touches no counter except tile[t, hb], writes nothing, is counted once into the miss
-counter and adds zero.
+resident writes nothing, is counted once into the miss counter and adds zero; its items still
+signal and wait like any other, so liveness never depends on two items reading the slot table
+alike.
 
 Memory ordering: a producer's stores, then fence.acq_rel.gpu in every thread, a CTA barrier and
 the atomic; a consumer's acquire atomic, the fence and a barrier, then loads that bypass L1
@@ -121,7 +122,8 @@ def _fused_decode_kernel(x_ptr, ids_ptr, table_ptr, tw_ptr, gq_ptr, gs_ptr, gs2_
             else:
                 _tm_gate_up_tile(nb, p, slot, x_ptr, gq_ptr, gs_ptr, gs2_ptr, act_ptr, s_x, s_gq, s_gs, limit,
                                  I, H, TOPK, FMT, HAS_LIMIT, USE_ASM, BNA, BKA)
-                _signal(cnt_ptr + p, USE_ASM)
+            # signalled whatever the slot: no wait may hang on what one item read of the slot table
+            _signal(cnt_ptr + p, USE_ASM)
         else:
             d = it - n_gate_up
             p = d // ND
@@ -130,14 +132,14 @@ def _fused_decode_kernel(x_ptr, ids_ptr, table_ptr, tw_ptr, gq_ptr, gs_ptr, gs2_
             slot = tl.load(table_ptr + tl.load(ids_ptr + p))
             n = hb * BND + tl.arange(0, BND)
             nmask = n < H
+            _wait_at_least(cnt_ptr + p, NA, USE_ASM)
             if slot >= 0:
-                _wait_at_least(cnt_ptr + p, NA, USE_ASM)
                 acc = _down_rows(act_ptr + p.to(tl.int64) * I, slot, n, nmask, dq_ptr, ds_ptr, ds2_ptr, s_dq, s_ds,
                                  I, FMT, USE_ASM, BND, BKD, ".cg")
                 tl.store(y_ptr + p.to(tl.int64) * H + n[:, None], acc, mask=nmask[:, None])
-                # ready[p] counts its ND readers too; the last one leaves it at zero for the next launch
-                if tl.atomic_add(cnt_ptr + p, 1, sem="relaxed") == NA + ND - 1:
-                    tl.atomic_xchg(cnt_ptr + p, 0, sem="relaxed")
+            # ready[p] counts its ND readers too; the last one leaves it at zero for the next launch
+            if tl.atomic_add(cnt_ptr + p, 1, sem="relaxed") == NA + ND - 1:
+                tl.atomic_xchg(cnt_ptr + p, 0, sem="relaxed")
             tile = cnt_ptr + P + t * ND + hb
             if _signal(tile, USE_ASM) == TOPK - 1:          # the token's last pair for this block: combine
                 _gpu_fence(USE_ASM)
