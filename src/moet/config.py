@@ -80,6 +80,12 @@ class EngineConfig:
         True, "on CUDA, compute the shared experts on a second stream while the routed experts run "
               "(decode graphs included); outputs bit-identical either way (H200, GLM-4.5-Air W2: "
               "133.3 vs 124.0 tok/s single stream, 998 vs 982 at 32 streams)")
+    async_scheduling: bool = _knob(
+        False, "pure decode steps launch before the previous step's tokens reach the host (the sampled ids "
+               "feed the next step on the device; the host processes step N while step N+1 runs), so the GPU "
+               "does not idle through scheduling and output processing; outputs identical either way, one "
+               "extra token computed (and dropped) per finished sequence. Sequences with repetition / "
+               "frequency / presence penalties, and the expert store, run synchronously")
     # ---- expert residency (moet/store): pack file on disk -> host arena -> device expert cache
     pack_dir: str | None = _knob(
         None, "where pack files live (routed experts converted to expert_format once, keyed by checkpoint "

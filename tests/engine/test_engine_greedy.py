@@ -42,6 +42,11 @@ CASES = {
     "chunked-splits": dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=4),
     "no-chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=256, max_num_seqs=2),
     "preemption": dict(block_size=4, num_kv_blocks=16, max_model_len=60, max_num_batched_tokens=16, max_num_seqs=6),
+    # decode steps one step ahead of the host (engine/async_decode.py): the same tokens
+    "async": dict(async_scheduling=True),
+    "async-small-blocks": dict(async_scheduling=True, block_size=4),
+    "async-preemption": dict(async_scheduling=True, block_size=4, num_kv_blocks=16, max_model_len=60,
+                             max_num_batched_tokens=16, max_num_seqs=6),
 }
 
 
@@ -57,7 +62,10 @@ def test_greedy_equals_reference_loop(ckpt, case):
     assert st.num_running == st.num_waiting == 0 and st.kv_usage == 0.0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     assert st.generation_tokens_total == 2 * MAX_NEW * len(PROMPTS)
-    if case == "preemption":
+    if case.startswith("async"):                     # it did pipeline, and dropped what it over-computed
+        assert eng._async.pending is None and all(t >= 0 for o in run(eng, PROMPTS[:1], sp) for t in o.outputs[0].token_ids)
+        assert st.extra["async_pipelined_steps"] >= MAX_NEW - 2
+    if case.endswith("preemption"):
         assert st.num_preemptions > 0
     if case == "prefix-cache-small-blocks":
         assert st.prefix_cache_hit_rate > 0.2

@@ -141,7 +141,8 @@ def make_engine(model, cfg: dict, device, args, max_model_len: int):
                       max_num_seqs=max(int(s) for s in args.streams.split(",")),
                       max_num_batched_tokens=max(args.prefill, 512), gpu_memory_utilization=args.gpu_memory_utilization,
                       kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager,
-                      overlap_shared_experts=not getattr(args, "no_overlap_shared_experts", False))
+                      overlap_shared_experts=not getattr(args, "no_overlap_shared_experts", False),
+                      async_scheduling=getattr(args, "async_scheduling", False))
     return LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, device, max_model_len)
 
 
@@ -404,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-overlap-shared-experts", action="store_true",
                     help="EngineConfig.overlap_shared_experts off (default on: shared experts on a second CUDA stream)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="EngineConfig.async_scheduling on (decode steps launched one step ahead of the host)")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args(argv)

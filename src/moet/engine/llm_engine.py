@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from moet.config import EngineConfig
+from moet.engine.async_decode import AsyncDecode
 from moet.engine.block_manager import BlockManager
 from moet.engine.detokenizer import IncrementalDetokenizer
 from moet.engine.model_runner import ModelRunner
@@ -122,6 +123,8 @@ class LLMEngine:
         self._next_seq_id = 0
         self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.block_size)
         self._token_str_cache: dict[int, str] = {}
+        # pure decode steps one step ahead of the host (engine/async_decode.py), or None
+        self._async = AsyncDecode(self) if config.async_scheduling else None
 
     def _step_limits(self, max_model_len: int) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) the scheduler gets: the config's, lowered when
@@ -239,6 +242,8 @@ class LLMEngine:
             s.status = SequenceStatus.FINISHED_ABORTED
         req.pending = []
         for s in req.seqs:
+            if self._async is not None:
+                self._async.forget(s)
             if not s.is_finished:
                 self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
                 s.finish_reason = "abort"
@@ -268,10 +273,19 @@ class LLMEngine:
         """Run one scheduled step; returns the RequestOutputs (cumulative) of every request that
         produced a token or finished in it."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
         touched: dict[str, Request] = {}
+        a = self._async
+        if a is not None and a.pending is not None and not a.can_continue():
+            a.num_sync_resolves += 1
+            a.resolve(touched)                     # synchronously: scheduling must see real tokens
+        sched = self.scheduler.schedule()
         if not sched.is_empty:
-            self._run(sched, touched)
+            if a is not None and a.eligible_step(sched):
+                a.run(sched, touched)
+            elif a is not None and a.pending is not None:
+                raise AssertionError("async decode: a step that cannot be pipelined was scheduled over placeholders")
+            else:
+                self._run(sched, touched)
         elif self.scheduler.waiting and not self.scheduler.running:
             # cannot happen (a request alone always fits); fail loudly rather than spin
             raise MoetError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and none running")
@@ -327,6 +341,10 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, tok: int, lp: float, lps) -> None:
         seq.append_token(tok)
+        self._after_token(seq, tok, lp, lps)
+
+    def _after_token(self, seq: Sequence, tok: int, lp: float, lps) -> None:
+        """seq's newest token `tok` is in place: logprobs, stop / length checks, finish."""
         seq.cumulative_logprob += lp
         if seq.output_logprobs is not None:
             seq.output_logprobs.append(lps)
@@ -379,6 +397,9 @@ class LLMEngine:
         st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
         st.num_preemptions = self.scheduler.num_preemptions
         st.extra["cuda_graphs"] = float(len(self.runner.graphs))
+        if self._async is not None:
+            st.extra["async_pipelined_steps"] = float(self._async.num_pipelined_steps)
+            st.extra["async_sync_resolves"] = float(self._async.num_sync_resolves)
         if self.residency is not None:
             st.extra.update(self.residency.stats())
         return EngineStats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(st).items()})

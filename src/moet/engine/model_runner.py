@@ -147,7 +147,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def build_batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionBatch]:
+    def build_batch(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, AttentionBatch]:
+        """The step's input ids and AttentionBatch; input_ids: already on the device (an async
+        decode step's, the previous step's samples), else from the sequences' token ids."""
         ids: list[int] = []
         tables, ctx, q, sample = [], [], [], []
         for s in sched.scheduled:
@@ -159,6 +162,8 @@ class ModelRunner:
             sample.append(s.samples)
         batch = AttentionBatch.build(block_tables=tables, context_lens=ctx, query_lens=q, block_size=self.block_size,
                                      device=self.device, sample=sample, pad_blocks_to=self.table_width)
+        if input_ids is not None:
+            return input_ids, batch
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch
 
     @torch.inference_mode()

@@ -35,10 +35,12 @@ def new_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def position_logprobs(lp_row: torch.Tensor, actual: int, k: int, token_str=None,
-                      top: tuple[list[float], list[int]] | None = None) -> PositionLogprobs:
+def position_logprobs(lp_row: torch.Tensor | None, actual: int, k: int, token_str=None,
+                      top: tuple[list[float], list[int]] | None = None,
+                      actual_lp_rank: tuple[float, int] | None = None) -> PositionLogprobs:
     """vLLM semantics: the actual token (with its rank) plus the top-k, actual first when it
-    is not among them. `top` = precomputed (values, ids) of at least k entries."""
+    is not among them. `top` = precomputed (values, ids) of at least k entries; actual_lp_rank =
+    the actual token's precomputed (logprob, rank): with both, lp_row is not read (no device access)."""
     out: PositionLogprobs = {}
     s = token_str or (lambda t: None)
     if k:
@@ -50,10 +52,44 @@ def position_logprobs(lp_row: torch.Tensor, actual: int, k: int, token_str=None,
         for r, (v, i) in enumerate(zip(vals, ids)):
             out[i] = Logprob(v, r + 1, s(i))
     if actual not in out:
-        lp = lp_row[actual]
-        rank = int((lp_row > lp).sum()) + 1
-        out = {actual: Logprob(float(lp), rank, s(actual)), **out}
+        if actual_lp_rank is not None:
+            lp, rank = actual_lp_rank
+        else:
+            lp = float(lp_row[actual])
+            rank = int((lp_row > lp_row[actual]).sum()) + 1
+        out = {actual: Logprob(lp, rank, s(actual)), **out}
     return out
+
+
+def device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    """A small host list as a device index tensor without a host sync: a pageable copy would
+    first wait for everything queued on the stream (the step an async decode overlaps)."""
+    t = torch.tensor(ids, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """t's values on the host: an async copy into pinned memory on a GPU (read after the
+    sample's event), t itself on the CPU."""
+    if not t.is_cuda:
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
+
+
+@dataclass
+class LaunchedSample:
+    """Sampler.launch's result: the sampled ids on the device (`tok`: a later step may read them
+    there) and host copies of what finish() needs, complete once `event` has passed."""
+    tok: torch.Tensor
+    tok_host: torch.Tensor
+    lp_host: torch.Tensor
+    rank_host: torch.Tensor | None
+    top_host: tuple[torch.Tensor, torch.Tensor] | None
+    event: torch.cuda.Event | None
 
 
 class Sampler:
@@ -107,6 +143,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], token_str=None) -> SampleResult:
         """logits [B, V] (any float dtype), one row per sequence, in order. One host sync."""
+        return self.finish(self.launch(logits, seqs), seqs, token_str)
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedSample:
+        """Everything on the device, no host sync: the ids, their raw logprobs and ranks and the
+        top-k that the sequences asking for logprobs need, copied to the host asynchronously."""
         logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1)
         proc = logits
@@ -118,7 +159,7 @@ class Sampler:
             if not edited:
                 proc, edited = logits.clone(), True
             if blocked:
-                proc[b, torch.tensor(blocked, dtype=torch.long, device=proc.device)] = -math.inf
+                proc[b, device_ids(blocked, proc.device)] = -math.inf
             if seq.params.has_penalties:
                 self._penalize(proc[b], seq)
         tok = torch.argmax(proc, dim=-1)                    # greedy rows keep this
@@ -131,15 +172,34 @@ class Sampler:
             tok[b] = torch.argmax(probs / noise)
         tok_lp = raw_lp.gather(1, tok[:, None])[:, 0]
         kmax = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-        top = torch.topk(raw_lp, min(kmax, raw_lp.shape[-1]), dim=-1) if kmax else None
-        tokens, tok_lp = tok.tolist(), tok_lp.tolist()
-        lps: list[PositionLogprobs | None] = [None] * len(seqs)
+        rank = top = None
         if kmax is not None:
-            vals = top.values.tolist() if top is not None else None
-            ids = top.indices.tolist() if top is not None else None
+            rank = (raw_lp > tok_lp[:, None]).sum(-1) + 1        # 1 + tokens strictly more likely
+            if kmax:
+                t = torch.topk(raw_lp, min(kmax, raw_lp.shape[-1]), dim=-1)
+                top = (_to_host_async(t.values), _to_host_async(t.indices))
+        out = LaunchedSample(tok, _to_host_async(tok), _to_host_async(tok_lp),
+                             _to_host_async(rank) if rank is not None else None, top, None)
+        if tok.is_cuda:
+            out.event = torch.cuda.Event()
+            out.event.record()
+        return out
+
+    @staticmethod
+    def finish(sample: LaunchedSample, seqs: list[Sequence], token_str=None) -> SampleResult:
+        """The host side of a launched sample: waits for its copies only (not for later work)."""
+        if sample.event is not None:
+            sample.event.synchronize()
+        tokens, tok_lp = sample.tok_host.tolist(), sample.lp_host.tolist()
+        lps: list[PositionLogprobs | None] = [None] * len(seqs)
+        if sample.rank_host is not None:
+            ranks = sample.rank_host.tolist()
+            vals = sample.top_host[0].tolist() if sample.top_host is not None else None
+            ids = sample.top_host[1].tolist() if sample.top_host is not None else None
             for b, seq in enumerate(seqs):
                 k = seq.params.logprobs
                 if k is not None:
-                    lps[b] = position_logprobs(raw_lp[b], tokens[b], min(k, raw_lp.shape[-1]), token_str,
-                                               (vals[b], ids[b]) if top is not None else None)
+                    lps[b] = position_logprobs(None, tokens[b], min(k, len(vals[b]) if vals else 0), token_str,
+                                               (vals[b], ids[b]) if vals is not None else None,
+                                               (tok_lp[b], ranks[b]))
         return SampleResult(tokens, tok_lp, lps)

@@ -56,6 +56,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # the last token id is a placeholder: sampled on the device, not yet on the host
+        # (engine/async_decode.py); it counts in num_tokens for the scheduler, not in the outputs
+        self.pending_token = False
         self.generator: Any = None                  # the sampler's per-sequence torch.Generator
         self.detok: Any = None                      # the detokenizer's incremental state
 
@@ -75,7 +78,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.pending_token]
 
     @property
     def is_finished(self) -> bool:
