@@ -20,10 +20,12 @@ def path():
     return cached_checkpoint("glm4_moe")
 
 
-@pytest.fixture(scope="module")
-def eng(path):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def eng(path, request):
+    """Every test here runs on the synchronous engine and on async_scheduling (engine/async_decode.py)."""
     return LLMEngine.from_config(EngineConfig(model=path, expert_format="bf16", dtype="float32", device="cpu",
-                                              block_size=4, max_num_batched_tokens=32, max_num_seqs=8))
+                                              block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
+                                              async_scheduling=request.param))
 
 
 def run(eng, reqs):
