@@ -7,6 +7,9 @@
 #       interrupt a blocked synchronize, hence -k), then tune T = 1 / 2 with the fused candidates
 #       (written into the table when >= 2% faster and correct), then engine_bench GLM-4.5-Air + Qwen3
 #       at 1 and 32 streams, and the GLM batch-1 profile
+#   bash tools/kernel_lab/run15.sh async   (~5 min) issue 6: EngineConfig.async_scheduling (decode steps one
+#       step ahead of the host; never run on a GPU yet): engine_bench GLM-4.5-Air 1 / 8 / 32 streams without
+#       and with --async-scheduling in the same call (correctness: six runs bit-identical, reference agreement)
 #   bash tools/kernel_lab/run15.sh attn    (~3 min) issue 5: attention_bench --quick with the programs
 #       co-resident at more splits (256/64 s3, 256/64/32 s5, 256/128/32 s3; run 14 ran them in waves)
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -40,10 +43,20 @@ fused)
         echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_$m.txt | cut -c1-200
     done
     el "done" ;;
+async)
+    mkdir -p $R/engine
+    for flag in "" "--async-scheduling"; do
+        tag=${flag:-sync}; tag=${tag#--}
+        el "engine glm45air $tag"
+        timeout -k 5 140 python -m moet.bench.engine_bench --models glm45air --streams 1,8,32 --prefill 0 $flag \
+            --budget-s 130 --out $R/engine/$tag > $R/engine/log_$tag.txt 2>&1
+        echo "rc=$?"; grep -E "correctness|single stream|streams:|FAIL|rror|budget" $R/engine/log_$tag.txt | cut -c1-240
+    done
+    el "done" ;;
 attn)
     mkdir -p $R/attn
     timeout -k 5 170 python -m moet.bench.attention_bench --quick --out $R/attn --budget-s 150 \
         > $R/attn/log.txt 2>&1; echo "rc=$?"; grep -A14 "GQA decode GB/s per setting" $R/attn/log.txt | cut -c1-200 ;;
-*) echo "usage: run15.sh fused|attn"; exit 2 ;;
+*) echo "usage: run15.sh fused|async|attn"; exit 2 ;;
 esac
 tar czf $OUT/${1}.tgz -C $R .
