@@ -48,8 +48,8 @@ async)
     for flag in "" "--async-scheduling"; do
         tag=${flag:-sync}; tag=${tag#--}
         el "engine glm45air $tag"
-        timeout -k 5 140 python -m moet.bench.engine_bench --models glm45air --streams 1,8,32 --prefill 0 $flag \
-            --budget-s 130 --out $R/engine/$tag > $R/engine/log_$tag.txt 2>&1
+        timeout -k 5 175 python -m moet.bench.engine_bench --models glm45air --streams 1,8,32 --prefill 0 $flag \
+            --budget-s 165 --out $R/engine/$tag > $R/engine/log_$tag.txt 2>&1
         echo "rc=$?"; grep -E "correctness|single stream|streams:|FAIL|rror|budget" $R/engine/log_$tag.txt | cut -c1-240
     done
     el "done" ;;
