@@ -606,7 +606,9 @@ def accelerate_stage(cfg: dict, args, device, budget: Budget, results: dict, pat
                 x = ids
             try:
                 gen_s(model, x, 2, device)                                   # warm-up
-                dt = gen_s(model, x, n, device) - gen_s(model, x, 1, device)  # decode only: minus prefill
+                # decode only: minus prefill; best of 3 each, so that host noise cannot make the
+                # difference of two short runs negative (it did on a loaded 2-core CPU)
+                dt = min(gen_s(model, x, n, device) for _ in range(3)) - min(gen_s(model, x, 1, device) for _ in range(3))
                 c["decode_tok_s_cut_model"] = (n - 1) / dt
                 c["decode_tok_s_extrapolated_full"] = (n - 1) / dt * cut_moe / len(full.moe_layers)
                 log(f"  {card}: {share:.0%} of the BF16 weights on the GPU: {c['decode_tok_s_cut_model']:.2f} tok/s "
