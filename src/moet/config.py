@@ -83,9 +83,10 @@ class EngineConfig:
     async_scheduling: bool = _knob(
         False, "pure decode steps launch before the previous step's tokens reach the host (the sampled ids "
                "feed the next step on the device; the host processes step N while step N+1 runs), so the GPU "
-               "does not idle through scheduling and output processing; outputs identical either way, one "
-               "extra token computed (and dropped) per finished sequence. Sequences with repetition / "
-               "frequency / presence penalties, and the expert store, run synchronously")
+               "does not idle through scheduling and output processing; the same tokens as synchronous "
+               "steps, except that a sequence stopping on a stop token or string is computed once more "
+               "(dropped), which can move other rows' last bits in batch-variant kernels. Sequences with "
+               "repetition / frequency / presence penalties, and the expert store, run synchronously")
     # ---- expert residency (moet/store): pack file on disk -> host arena -> device expert cache
     pack_dir: str | None = _knob(
         None, "where pack files live (routed experts converted to expert_format once, keyed by checkpoint "
