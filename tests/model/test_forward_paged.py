@@ -135,9 +135,11 @@ def test_fp8_kv_stays_close(family, fmt):
         errs.append(_rel(logits, torch.stack([want[b][p] for b, p in rows])))
     # e4m3 keeps ~2**-4 relative per element of K/V; through 2-3 layers of a random tiny model the
     # logits move by a few 1e-2, and a flipped top-k expert choice can make one step jump (observed
-    # over 3 seeds x 4 families: step mean <= 0.2, single step <= 0.45); a dropped or wrong scale
-    # gives O(1) at every step
-    assert sum(errs) / len(errs) < 0.3 and max(errs) < 0.7, errs
+    # over 3 seeds x 4 families: step mean <= 0.2, single step <= 0.45; once in CI 0.71, with the
+    # other four steps at 0.03-0.08); a dropped or wrong scale gives O(1) at every step, which the
+    # median and the mean catch and one flipped step cannot fake
+    med = sorted(errs)[len(errs) // 2]
+    assert med < 0.15 and sum(errs) / len(errs) < 0.3 and max(errs) < 1.5, errs
     assert min(errs) > 1e-6, errs               # and it really went through fp8
 
 
