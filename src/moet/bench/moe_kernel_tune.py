@@ -414,7 +414,8 @@ def main():
                                 continue
                             tried, tiled_us = [], best_us
                             for gu, dn in candidates():
-                                c = replace(best, gate_up=gu, down=dn, **{flag: True})
+                                # one few-token path at a time (a fused best must not ride along)
+                                c = replace(best, gate_up=gu, down=dn, fused=False, token_major=False, **{flag: True})
                                 try:
                                     r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 except Exception as exc:
