@@ -134,12 +134,13 @@ def test_fp8_kv_stays_close(family, fmt):
     for _, _, _, logits, rows in steps:
         errs.append(_rel(logits, torch.stack([want[b][p] for b, p in rows])))
     # e4m3 keeps ~2**-4 relative per element of K/V; through 2-3 layers of a random tiny model the
-    # logits move by a few 1e-2, and a flipped top-k expert choice can make one step jump (observed
-    # over 3 seeds x 4 families: step mean <= 0.2, single step <= 0.45; once in CI 0.71, with the
-    # other four steps at 0.03-0.08); a dropped or wrong scale gives O(1) at every step, which the
-    # median and the mean catch and one flipped step cannot fake
+    # logits move by a few 1e-2 (MLA's latent cache more: deepseek_v3 per-tensor over 25 seeds had
+    # step medians <= 0.23, means <= 0.25, single steps <= 0.51), and a flipped top-k expert choice
+    # can make one step jump (once in CI 0.71, the other four steps at 0.03-0.08); a dropped or
+    # wrong scale gives O(1) at every step, which the median and the mean catch and one flipped
+    # step cannot fake
     med = sorted(errs)[len(errs) // 2]
-    assert med < 0.15 and sum(errs) / len(errs) < 0.3 and max(errs) < 1.5, errs
+    assert med < 0.4 and sum(errs) / len(errs) < 0.4 and max(errs) < 1.5, errs
     assert min(errs) > 1e-6, errs               # and it really went through fp8
 
 
