@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from moet.kernels.moe_configs import FUSED_MAX_PAIRS
-from moet.kernels.moe_triton import _down_rows, _pdl_wait, _tm_gate_up_tile
+from moet.kernels.moe_triton import _down_rows, _pdl_wait, _tm_gate_up_item
 
 # ready[P] then tile[T, ND]: at most FUSED_MAX_PAIRS + FUSED_MAX_PAIRS * cdiv(H, BN) ints
 _COUNTER_INTS = 1 << 16
@@ -110,21 +110,13 @@ def _fused_decode_kernel(x_ptr, ids_ptr, table_ptr, tw_ptr, gq_ptr, gs_ptr, gs2_
     pid = tl.program_id(0)
     for r in range(ROUNDS):                     # ROUNDS = cdiv(total, NPROG): item pid + r NPROG
         it = pid + r * NPROG
-        if it >= total:
-            pass
-        elif it < n_gate_up:
+        if it < n_gate_up:
             p = it // NA
-            nb = it % NA
-            slot = tl.load(table_ptr + tl.load(ids_ptr + p))
-            if slot < 0:
-                if nb == 0:
-                    tl.atomic_add(miss_ptr, 1)
-            else:
-                _tm_gate_up_tile(nb, p, slot, x_ptr, gq_ptr, gs_ptr, gs2_ptr, act_ptr, s_x, s_gq, s_gs, limit,
-                                 I, H, TOPK, FMT, HAS_LIMIT, USE_ASM, BNA, BKA)
+            _tm_gate_up_item(it % NA, p, x_ptr, ids_ptr, table_ptr, gq_ptr, gs_ptr, gs2_ptr, act_ptr, miss_ptr,
+                             s_x, s_gq, s_gs, limit, I, H, TOPK, FMT, HAS_LIMIT, USE_ASM, BNA, BKA)
             # signalled whatever the slot: no wait may hang on what one item read of the slot table
             _signal(cnt_ptr + p, USE_ASM)
-        else:
+        elif it < total:
             d = it - n_gate_up
             p = d // ND
             hb = d % ND

@@ -552,12 +552,19 @@ def _tm_gate_up_kernel(x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr, act_pt
                        N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
                        HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
                        PDL: tl.constexpr):
-    """Grid (cdiv(N, BN), P): _tm_gate_up_tile for row block pid_n of pair p. A pair whose
-    expert is not resident writes nothing and is counted once (by row block 0) into the miss
-    counter."""
+    """Grid (cdiv(N, BN), P): _tm_gate_up_item for row block pid_n of pair p."""
     _pdl_enter(PDL)
-    pid_n = tl.program_id(0)
-    p = tl.program_id(1)
+    _tm_gate_up_item(tl.program_id(0), tl.program_id(1), x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr,
+                     act_ptr, miss_ptr, s_x, s_wq_slot, s_sc_slot, limit, N, K, TOPK, FMT, HAS_LIMIT, USE_ASM, BN, BKH)
+
+
+@triton.jit
+def _tm_gate_up_item(pid_n, p, x_ptr, ids_ptr, table_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, miss_ptr,
+                     s_x, s_wq_slot, s_sc_slot, limit,
+                     N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, FMT: tl.constexpr,
+                     HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+    """Row block pid_n of pair p: _tm_gate_up_tile when its expert is resident, else nothing
+    written and the pair counted once (by row block 0) into the miss counter."""
     slot = tl.load(table_ptr + tl.load(ids_ptr + p))
     if slot < 0:
         if pid_n == 0:
