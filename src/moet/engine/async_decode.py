@@ -85,6 +85,13 @@ class AsyncDecode:
         bm = e.block_manager
         return sum(bm.new_blocks_needed(s, s.num_computed_tokens + 1) for s in live) <= bm.num_free_blocks
 
+    def before_schedule(self, touched: dict[str, "Request"]) -> None:
+        """Read the pending step now (synchronously) unless the next step can be launched over it:
+        scheduling must see real tokens."""
+        if self.pending is not None and not self.can_continue():
+            self.num_sync_resolves += 1
+            self.resolve(touched)
+
     def eligible_step(self, sched: SchedulerOutput) -> bool:
         if self.engine.residency is not None or sched.preempted or not sched.scheduled:
             return False

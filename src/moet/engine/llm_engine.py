@@ -275,9 +275,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         touched: dict[str, Request] = {}
         a = self._async
-        if a is not None and a.pending is not None and not a.can_continue():
-            a.num_sync_resolves += 1
-            a.resolve(touched)                     # synchronously: scheduling must see real tokens
+        if a is not None:
+            a.before_schedule(touched)
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             if a is not None and a.eligible_step(sched):
