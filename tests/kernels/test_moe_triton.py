@@ -310,7 +310,8 @@ def test_token_major_misses_slot_invariant_bit_identical_and_bf16(poisoned):
 @pytest.mark.parametrize("fmt", ["w2", "fp4"])
 def test_fused_decode_misses_slot_invariant_bit_identical_and_counters_left_zero(poisoned, fmt):
     """The one-launch decode: the reference's result (SwiGLU clamp on), misses zero and counted once
-    per pair, bit-identical to the token-major path (same tiles, same combine order), to itself on
+    per pair, the token-major path's result (same tiles, same combine order: bit-identical under the
+    interpreter, within fp32 rounding compiled), bit-identical to itself on
     reruns and from permuted slots, bf16 hidden states, and its counters zero after every launch
     (the next layer and graph replays rely on it)."""
     mt = _mt()
@@ -330,7 +331,11 @@ def test_fused_decode_misses_slot_invariant_bit_identical_and_counters_left_zero
     assert _relerr(out, ref) <= BOUND
     assert int(fd._counters[out.device].abs().sum()) == 0
     tm = MoEConfig(1, CFG_FUSED.gate_up, CFG_FUSED.down, token_major=True)
-    assert torch.equal(out, run(x, ids, w, tab, pool, m, swiglu_limit=1.5, config=tm))
+    tm_out = run(x, ids, w, tab, pool, m, swiglu_limit=1.5, config=tm)
+    if DEVICE == "cpu":                                      # the interpreter runs the same numpy ops
+        assert torch.equal(out, tm_out)
+    else:                                                    # two programs: ptxas may contract and order
+        assert _relerr(out, tm_out) <= 1e-5                  # the same sums differently (H200: not bitwise)
     assert torch.equal(out, run(x, ids, w, tab, pool, m, swiglu_limit=1.5, config=CFG_FUSED))
     if fmt == "w2":
         perm = torch.tensor([4, 2, 5, 0, 3, 1], device=DEVICE)

@@ -407,15 +407,15 @@ def main():
                             print(f"    {key} T{t} PDL: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                             if chk.get("ok") and on["us"] < 0.98 * best_us:      # clearly faster: keep it
                                 best, best_us = c, on["us"]
-                        for alt, max_pairs, candidates, flag in _alternatives():
+                        for alt, max_pairs, alt_candidates, flag in _alternatives():
                             # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
                             # each kept if clearly faster than the tiled best and correct
                             if regime != "decode" or p > max_pairs or left() <= 0:
                                 continue
                             tried, tiled_us = [], best_us
-                            for gu, dn in candidates():
+                            for gu, dn in alt_candidates():
                                 # one few-token path at a time (a fused best must not ride along)
-                                c = replace(best, gate_up=gu, down=dn, fused=False, token_major=False, **{flag: True})
+                                c = replace(best, gate_up=gu, down=dn, **{"fused": False, "token_major": False, flag: True})
                                 try:
                                     r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 except Exception as exc:

@@ -150,10 +150,12 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
 # 7.3 MB), so T tokens cost T weight reads; cuBLAS's GEMM reads it once. Small decode batches only.
 ROUTER_GEMV_MAX_TOKENS = 4
 # One expert row per program (E programs per token: 128-256 of the H200's 132 SMs pull bytes at
-# once) and 1,024-wide K tiles (4 steps at H 4096). The first form (4 rows per program, 256-wide
-# tiles: 32 programs of 16 latency-bound steps) measured no faster than torch's cast + cuBLAS
-# pair in the engine (GLM-4.5-Air single stream 124-126 vs 127-131 tok/s, runs 8-12).
-_GEMV_BE, _GEMV_BK = 1, 1024
+# once) and the whole row in one 4,096-wide tile of 8 warps: a 2 MB GEMV is latency-bound, so
+# one round trip to HBM beats a pipelined loop. H200, 2026-12-01 (tools/kernel_lab/router_bench.py,
+# 45 layers in one graph, T = 1): GLM E128 H4096 3.01 us vs 4.42 with 1,024-wide tiles of 4 warps
+# and 7.78 for torch's cast + cuBLAS; DeepSeek E256 H7168 4.15 vs 6.63 vs 9.12. (The first form,
+# 4 rows per program and 256-wide tiles, was no faster than cuBLAS in the engine.)
+_GEMV_BE, _GEMV_BK, _GEMV_WARPS = 1, 4096, 8
 
 
 @triton.jit
@@ -174,12 +176,14 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, s_x, s_w, H: tl.constexpr, E: tl.
     tl.store(out_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
 
 
-def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor, *, rows_per_program: int | None = None,
+                       block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The sigmoid routers' F.linear(x.float(), weight.float()) for a decode batch as one launch
     (torch's is a cast of x plus cuBLAS's two-kernel fp32 GEMV: three launches per MoE layer
     in a launch-bound decode step). x [T, H] (bf16 / fp16 / fp32), weight [E, H] (fp32 or bf16,
     read as it is stored) -> fp32 [T, E]. The fp32 sums are in another order than cuBLAS's, so
-    logits may differ in the last bits (as cuBLAS's and the CPU's do); reruns are bit-identical."""
+    logits may differ in the last bits (as cuBLAS's and the CPU's do); reruns are bit-identical.
+    rows_per_program / block_k / num_warps override the launch (tools/kernel_lab/router_bench.py)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ConfigError(f"router gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     t, h = x.shape
@@ -188,9 +192,10 @@ def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
     if t:
-        _router_gemv_kernel[(t, triton.cdiv(e, _GEMV_BE))](x, weight, out, x.stride(0), weight.stride(0),
-                                                         H=h, E=e, BE=_GEMV_BE,
-                                                         BK=min(_GEMV_BK, triton.next_power_of_2(h)), num_warps=4)
+        be = rows_per_program or _GEMV_BE
+        bk = min(block_k or _GEMV_BK, triton.next_power_of_2(h))
+        _router_gemv_kernel[(t, triton.cdiv(e, be))](x, weight, out, x.stride(0), weight.stride(0),
+                                                   H=h, E=e, BE=be, BK=bk, num_warps=num_warps or _GEMV_WARPS)
     return out
 
 
