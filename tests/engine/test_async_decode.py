@@ -135,3 +135,25 @@ def test_random_arrivals_and_aborts_leak_nothing(path):
         want = ref.generate_all([(rid, prompt, sp)])[rid]
         assert outs[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid
     assert eng.stats().extra["async_pipelined_steps"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_is_freed_without_a_gc_pass(path, async_scheduling):
+    """`del engine` must release the model at once (the server bench's next phase is another
+    process that needs the device memory back): no reference cycle through the engine, its
+    async pipeline included. With the collector off, only reference counting can free it."""
+    import gc
+    import weakref
+
+    eng = make(path, async_scheduling)
+    drive(eng, {0: [("add", "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
+                    ("add", "b", PROMPT[:5], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))]})
+    assert (eng._async is not None) == async_scheduling
+    model, engine = weakref.ref(eng.runner.model), weakref.ref(eng)
+    gc.collect()
+    gc.disable()
+    try:
+        del eng
+        assert engine() is None and model() is None
+    finally:
+        gc.enable()

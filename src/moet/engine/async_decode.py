@@ -31,6 +31,8 @@ last output can be one token behind the synchronous engine's (its newest token w
 """
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,10 +59,20 @@ def eligible_seq(seq: Sequence) -> bool:
 
 class AsyncDecode:
     def __init__(self, engine: "LLMEngine"):
-        self.engine = engine
+        # A weak reference: the engine owns this object, and a cycle back to it would keep the
+        # model's device memory alive after the last `del engine` until a gc pass (the server
+        # bench's next phase, a new process, then found the GPU full).
+        self._engine = weakref.ref(engine)
         self.pending: PendingStep | None = None
         self.num_pipelined_steps = 0          # steps launched before the previous one was read
         self.num_sync_resolves = 0            # pending steps read before scheduling (the pipeline broke)
+
+    @property
+    def engine(self) -> "LLMEngine":
+        e = self._engine()
+        if e is None:
+            raise RuntimeError("AsyncDecode: its engine is gone")
+        return e
 
     def live(self) -> list[Sequence]:
         p = self.pending
