@@ -231,4 +231,8 @@ def test_store_rule_and_weight_estimate(path, monkeypatch):
     assert store_reason(cfg, ckpt, cuda, torch.float32) is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (int(need * 0.99), int(need * 0.99)))
     assert "exceed 80%" in store_reason(cfg, ckpt, cuda, torch.float32)
+    # most of the card already taken (another process): a clear error naming it, not a store of 0 slots
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (int(dense * 0.5), int(need * 4)))
+    with pytest.raises(ConfigError, match=r"already in use there.*raise --gpu-memory-utilization"):
+        store_reason(cfg, ckpt, cuda, torch.float32)
 

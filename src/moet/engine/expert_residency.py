@@ -90,6 +90,14 @@ def store_reason(config: EngineConfig, ckpt, device: torch.device, dtype: torch.
     dense, expert = estimated_weight_bytes(ckpt, config.expert_format, dtype)
     free, total = torch.cuda.mem_get_info(device)
     budget = total * config.gpu_memory_utilization - (total - free)
+    if budget < dense:
+        # Nothing can help here but memory: say whose it is (another process, or an engine of this
+        # one not yet freed), rather than the store's later "0 expert slots".
+        raise ConfigError(
+            f"the GPU budget is {budget / 2**30:.1f} GiB ({config.gpu_memory_utilization:.0%} of {device}'s "
+            f"{total / 2**30:.1f} GiB, less {(total - free) / 2**30:.1f} GiB already in use there, by another "
+            f"process or an engine not yet freed), and the dense weights alone need {dense / 2**30:.1f} GiB: "
+            f"free that memory or raise --gpu-memory-utilization")
     if dense + expert <= FIT_FRACTION * budget:
         return None
     return (f"dense {dense / 2**30:.1f} GiB + experts {expert / 2**30:.1f} GiB exceed {FIT_FRACTION:.0%} of the "
