@@ -88,6 +88,11 @@ class EngineConfig:
                "(dropped), which can move other rows' last bits in batch-variant kernels. Sequences with "
                "repetition / frequency / presence penalties, and the expert store, run synchronously (H200, "
                "GLM-4.5-Air W2, 2026-12-01: single stream 146.7 vs 140.8 tok/s, 32 streams 1,577 vs 1,543)")
+    small_kernel_pdl: bool = _knob(
+        False, "on sm_90+, launch the small Triton kernels of a step (norms, q/k rotary, KV store, attention "
+               "decode and split merge, router GEMV and top-k) with programmatic dependent launch: each one's "
+               "launch and ramp-up overlap the kernel before, same results (the grouped MoE kernels take "
+               "theirs from their launch table). Off until measured on the H200; process-wide once set")
     # ---- expert residency (moet/store): pack file on disk -> host arena -> device expert cache
     pack_dir: str | None = _knob(
         None, "where pack files live (routed experts converted to expert_format once, keyed by checkpoint "

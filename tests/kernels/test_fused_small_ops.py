@@ -285,6 +285,8 @@ from moet.kernels import kv_write_triton as kw, norm_rope_triton as nr, swiglu_t
 
 
 def build(fn, types, const, warps, default="i32"):
+    if "PDL" in fn.arg_names:
+        const = {"PDL": False, **const}
     sig = {n: "constexpr" if n in const else types.get(n, default) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),

@@ -162,16 +162,16 @@ cases = [  # (logits, weights, constexprs): Qwen3 (bf16), DeepSeek-V3 (groups), 
 ]
 gemv = rt._router_gemv_kernel        # DeepSeek-V3 (H 7168, E 256) and GLM-4.5 (H 5120, E 160), bf16 x
 for h, e in ((7168, 256), (5120, 160)):
-    const = dict(H=h, E=e, BE=rt._GEMV_BE, BK=rt._GEMV_BK)
+    const = dict(H=h, E=e, BE=rt._GEMV_BE, BK=rt._GEMV_BK, PDL=False)
     types = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", s_x="i32", s_w="i32")
     sig = {n: "constexpr" if n in const else types[n] for n in gemv.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     k = triton.compile(ASTSource(fn=gemv, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=rt._GEMV_WARPS))
     assert "ld.local" not in k.asm["ptx"]          # no local-memory arrays
     print("gemv", h, e, "cubin bytes", len(k.asm["cubin"]))
 for lt, wt, const in cases:
-    const = dict(const, ACCURATE=True)
+    const = dict(const, ACCURATE=True, PDL=False)
     types = dict(logits_ptr=lt, bias_ptr="*fp32", ids_ptr="*i64", w_ptr=wt, s_lt="i32", scale="fp32")
     sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}

@@ -27,13 +27,15 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--small-kernel-pdl", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     name, cfg = eb.MODELS[args.model] if cuda else ("smoke", eb.SMOKE)
     model = eb.random_model(cfg, dev)
     ns = SimpleNamespace(streams=f"1,4,8,{args.batch}", prefill=512, gpu_memory_utilization=0.85, kv_cache_memory_gb=4.0,
-                         enforce_eager=False, async_scheduling=args.async_scheduling)
+                         enforce_eager=False, async_scheduling=args.async_scheduling,
+                         small_kernel_pdl=args.small_kernel_pdl)
     eng = eb.make_engine(model, cfg, dev, ns, 2048)
     sp = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     for i, p in enumerate(eb.prompts(args.batch, 128, cfg["vocab_size"], 2)):

@@ -142,7 +142,8 @@ def make_engine(model, cfg: dict, device, args, max_model_len: int):
                       max_num_batched_tokens=max(args.prefill, 512), gpu_memory_utilization=args.gpu_memory_utilization,
                       kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager,
                       overlap_shared_experts=not getattr(args, "no_overlap_shared_experts", False),
-                      async_scheduling=getattr(args, "async_scheduling", True))
+                      async_scheduling=getattr(args, "async_scheduling", True),
+                      small_kernel_pdl=getattr(args, "small_kernel_pdl", False))
     return LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, device, max_model_len)
 
 
@@ -414,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.async_scheduling (default on: decode steps launched one step ahead of "
                          "the host; --no-async-scheduling for synchronous steps)")
+    ap.add_argument("--small-kernel-pdl", action="store_true",
+                    help="EngineConfig.small_kernel_pdl on (the step's small Triton kernels under programmatic "
+                         "dependent launch)")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args(argv)

@@ -31,6 +31,7 @@ from moet.config import EngineConfig
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.kv_cache import KVFormat
+from moet.kernels.pdl import set_small_kernel_pdl
 from moet.model.attention_batch import AttentionBatch
 
 log = logging.getLogger("moet.engine")
@@ -64,6 +65,7 @@ class ModelRunner:
         self.device = device
         if device.type == "cuda":       # one q/k/v GEMV per layer instead of three (decode is launch-bound)
             model.fuse_projections()
+            set_small_kernel_pdl(config.small_kernel_pdl)
             if config.overlap_shared_experts:
                 model.overlap_shared_experts(device)
         self.max_model_len = max_model_len

@@ -58,6 +58,7 @@ from moet.errors import ConfigError
 from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_shape_key, lookup_gqa_decode
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 from moet.kernels.launch_tables import device_name as _device_name
+from moet.kernels.pdl import pdl_enter, pdl_launch
 
 _SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
 
@@ -209,7 +210,9 @@ def _gqa_decode_split_kernel(
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
-        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr):
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -321,7 +324,8 @@ def _mla_decode_split_kernel(
         H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         MAX_SPLITS: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr):
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     # grid (head blocks, B, splits): the head blocks of one (sequence, split) are adjacent in
     # launch order, so they run together and all but the first read its latent rows from L2
     hb = tl.program_id(0)
@@ -374,7 +378,8 @@ def _mla_decode_split_kernel(
 @triton.jit
 def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, num_splits, pages_min,
                          HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.arange(0, BLOCK_DV)
@@ -470,9 +475,10 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
     _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
-                                  HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
+                                  HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
+                                  **pdl_launch(q))
     return out
 
 
@@ -513,7 +519,8 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N, BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=group, NG=ng, BF16_DOT=_bf16_dots(q_latent),
-        INTERPRET=_INTERPRET, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES)
+        INTERPRET=_INTERPRET, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES, **pdl_launch(q_latent))
     _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
-                                 HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs)
+                                 HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
+                                 **pdl_launch(q_latent))
     return out

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from moet.errors import ConfigError
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV, _groups
+from moet.kernels.pdl import pdl_enter, pdl_launch
 
 _PLAIN, _TENSOR, _BLOCK = 0, 1, 2
 E4M3_MAX = 448.0
@@ -88,7 +89,8 @@ def _store_row(src_ptr, dst_ptr, scale_ptr, slot, t, h, ch, s_src_t, s_src_h, s_
 def _store_rows_kernel(src_ptr, slot_ptr, dst_ptr, scale_ptr,
                        s_src_t, s_src_h, s_dst_slot, s_dst_h, s_sc_slot, s_sc_h,
                        C: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                       OUT: tl.constexpr):
+                       OUT: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     ch = tl.program_id(2)
@@ -103,8 +105,9 @@ def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                      s_k_t, s_k_h, s_v_t, s_v_h, s_kc_slot, s_kc_h, s_vc_slot, s_vc_h,
                      s_ks_slot, s_ks_h, s_vs_slot, s_vs_h,
                      CK: tl.constexpr, CHUNK_K: tl.constexpr, CV: tl.constexpr, CHUNK_V: tl.constexpr,
-                     BLOCK: tl.constexpr, KIND: tl.constexpr, OUT: tl.constexpr):
+                     BLOCK: tl.constexpr, KIND: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
     """GQA's k and v in one launch: grid (T, Hkv, chunks of k + chunks of v)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     ch = tl.program_id(2)
@@ -147,7 +150,7 @@ def _store(src: torch.Tensor, slot_mapping: torch.Tensor, dst: torch.Tensor, sca
     ss = (scale.stride(1), scale.stride(2)) if kind == _BLOCK else (0, 0)
     _store_rows_kernel[(t, h, chunks)](
         src, slot_mapping, dst, sc, src.stride(0), src.stride(1), dst.stride(1), dst.stride(2), *ss,
-        C=c, CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk), KIND=kind, OUT=out)
+        C=c, CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk), KIND=kind, OUT=out, **pdl_launch(src))
 
 
 def _kind(fmt) -> int:
@@ -183,7 +186,7 @@ def write_gqa_kv(cache: GQALayerKV, k: torch.Tensor, v: torch.Tensor, slot_mappi
         k, v, slots, cache.k, cache.v, ks, vs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.k.stride(1), cache.k.stride(2), cache.v.stride(1), cache.v.stride(2), *sks, *svs,
         CK=ck, CHUNK_K=chunk_k, CV=cv, CHUNK_V=chunk_v, BLOCK=triton.next_power_of_2(max(chunk_k, chunk_v)),
-        KIND=kind, OUT=out)
+        KIND=kind, OUT=out, **pdl_launch(k))
 
 
 def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -69,6 +69,7 @@ from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
 from moet.kernels.moe_configs import (FUSED_MAX_PAIRS, SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig,
                                       lookup)
+from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent launch (sm_90+)
 from moet.kernels.pools import FP4Pool, W2Pool
 
 FMT_W2 = 0
@@ -267,16 +268,6 @@ def _pdl_wait(PDL: tl.constexpr):
     kernel may start launching (and take SMs) before it ends (moe_fused_decode)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """Programmatic dependent launch (sm_90+): wait until the kernel before has finished and its
-    writes are visible, then let the next kernel of the layer start launching, so its launch and
-    setup overlap this kernel's work instead of following it."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

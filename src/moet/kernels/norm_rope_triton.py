@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moet.kernels.kv_write_triton import _bf16_rne
+from moet.kernels.pdl import pdl_enter, pdl_launch
 
 _OUT_BF16, _OUT_OTHER = 1, 0
 
@@ -42,7 +43,9 @@ def _round(x, OUT: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, s_x, s_x2, s_res, s_out, s_sum, eps,
-                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, OUT: tl.constexpr):
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, OUT: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -96,7 +99,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rmsnorm_kernel[(xr.shape[0],)](
             xr, d2, r2, weight, o2, s2, n, xr.stride(0), d2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
             eps, BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None, HAS_X2=x2 is not None,
-            OUT=_OUT_BF16 if x.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=4 if n >= 1024 else 1)
+            OUT=_OUT_BF16 if x.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=4 if n >= 1024 else 1,
+            **pdl_launch(x))
     return out, total
 
 
@@ -189,7 +193,8 @@ def _norm_rope_head(src, dst, w_ptr, cos_row, sin_row, N, eps, D: tl.constexpr, 
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ, N, eps,
                          s_qt, s_qh, s_kt, s_kh, s_ct, s_qot, s_qoh, s_kot, s_koh,
                          D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr,
-                         HAS_NORM: tl.constexpr, OUT: tl.constexpr):
+                         HAS_NORM: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cos_row = cos_ptr + t * s_ct
@@ -230,5 +235,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
             q, k, qw, kw, cos, sin, qo, ko, hq, d, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), D=d, RD=rd,
             BLOCK=triton.next_power_of_2(d), INTERLEAVE=interleave, HAS_NORM=has_norm,
-            OUT=_OUT_BF16 if q.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=1)
+            OUT=_OUT_BF16 if q.dtype == torch.bfloat16 else _OUT_OTHER, num_warps=1, **pdl_launch(q))
     return qo, ko

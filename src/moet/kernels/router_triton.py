@@ -46,6 +46,7 @@ from triton.language.extra import libdevice
 from moet.checkpoint.spec import RouterSpec
 from moet.errors import ConfigError
 from moet.kernels.kv_write_triton import _bf16_rne
+from moet.kernels.pdl import pdl_enter, pdl_launch
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
@@ -84,7 +85,8 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
                    E: tl.constexpr, K: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    GP: tl.constexpr, GSP: tl.constexpr, KP: tl.constexpr,
                    SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   OUT_BF16: tl.constexpr, ACCURATE: tl.constexpr):
+                   OUT_BF16: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     GS: tl.constexpr = E // G
     # the row as [groups, experts per group] (one group unless group-limited)
@@ -160,9 +162,10 @@ _GEMV_BE, _GEMV_BK, _GEMV_WARPS = 1, 4096, 8
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, s_x, s_w, H: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
-                        BK: tl.constexpr):
+                        BK: tl.constexpr, PDL: tl.constexpr):
     """out[t, e] = sum_h float(x[t, h]) * w[e, h] in fp32 for BE experts of one token: per lane
     partial sums over the K tiles in order, then one tree sum per expert (fixed order)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     rows = tl.program_id(1) * BE + tl.arange(0, BE)
     rmask = rows < E
@@ -195,7 +198,8 @@ def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor, *, rows_per_progra
         be = rows_per_program or _GEMV_BE
         bk = min(block_k or _GEMV_BK, triton.next_power_of_2(h))
         _router_gemv_kernel[(t, triton.cdiv(e, be))](x, weight, out, x.stride(0), weight.stride(0),
-                                                   H=h, E=e, BE=be, BK=bk, num_warps=num_warps or _GEMV_WARPS)
+                                                   H=h, E=e, BE=be, BK=bk, num_warps=num_warps or _GEMV_WARPS,
+                                                   **pdl_launch(x))
     return out
 
 
@@ -254,5 +258,5 @@ def router_topk(logits: torch.Tensor, spec: RouterSpec,
         E=e, K=k, G=g, TOPK_GROUP=spec.topk_group if g > 1 else 1,
         GP=triton.next_power_of_2(g), GSP=triton.next_power_of_2(e // g), KP=triton.next_power_of_2(k),
         SIGMOID=sigmoid, NORM=bool(spec.norm_topk_prob), HAS_BIAS=has_bias,
-        OUT_BF16=out_dtype == torch.bfloat16, ACCURATE=accurate, num_warps=1)
+        OUT_BF16=out_dtype == torch.bfloat16, ACCURATE=accurate, num_warps=1, **pdl_launch(logits))
     return ids, w

@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the decode step's small Triton kernels.
+
+A decode step at batch 1 is ~900 kernels, most of them a few microseconds long (norms, rotary,
+the KV store, attention decode and its split merge, the router's GEMV and top-k): between two
+dependent kernels the GPU drains the first, then launches and ramps up the second (~0.3-1 us
+each; H200, GLM-4.5-Air: 0.27 ms of idle in a 6.58 ms step). Under PDL a kernel launched with
+`launch_pdl` may start as soon as every program of the kernel before it has called
+`gdc_launch_dependents`; it then blocks in `gdc_wait` until that kernel has finished and its
+writes are visible. `pdl_enter` does both first thing, so a kernel never touches memory before its
+predecessor is complete (and, transitively, everything before that): the same results, the launch
+and ramp-up overlapped. The grouped MoE kernels take their PDL from their launch table
+(MoEConfig.pdl); these small kernels from EngineConfig.small_kernel_pdl, set once per process
+by the model runner (a launch option, like the Triton cache: not per engine).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+_enabled = False
+
+
+def set_small_kernel_pdl(on: bool) -> None:
+    global _enabled
+    _enabled = bool(on)
+
+
+def small_kernel_pdl() -> bool:
+    return _enabled
+
+
+@lru_cache(maxsize=None)
+def _supports_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel with a `PDL: tl.constexpr` parameter that starts with
+    pdl_enter(PDL): PDL on only when enabled, for CUDA tensors on sm_90+ (never under the
+    interpreter, which has no griddepcontrol)."""
+    if _enabled and t.is_cuda and _supports_pdl(t.device.index if t.device.index is not None
+                                                  else torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Wait until the kernel before has finished and its writes are visible, then let the next
+    kernel start launching, so its launch and setup overlap this kernel's work."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,92 @@
+"""Programmatic dependent launch for the step's small kernels (moet.kernels.pdl): off the GPU it
+never changes a launch; compiled for sm_90 every small kernel waits for its predecessor before it
+touches memory; on a GPU the engine's outputs are bit-identical with it on and off."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kernels.triton_support import requires_ptxas, requires_triton
+
+pytestmark = requires_triton
+
+from moet.kernels import pdl  # noqa: E402
+
+
+def test_launch_options_off_the_gpu_and_when_disabled():
+    before = pdl.small_kernel_pdl()
+    try:
+        pdl.set_small_kernel_pdl(True)
+        assert pdl.pdl_launch(torch.zeros(2)) == {"PDL": False}          # CPU / interpreter: never
+        pdl.set_small_kernel_pdl(False)
+        assert pdl.pdl_launch(torch.zeros(2)) == {"PDL": False}
+        if torch.cuda.is_available():
+            on_gpu = torch.zeros(2, device="cuda")
+            assert pdl.pdl_launch(on_gpu) == {"PDL": False}
+            pdl.set_small_kernel_pdl(True)
+            want = torch.cuda.get_device_capability() >= (9, 0)
+            assert pdl.pdl_launch(on_gpu) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
+    finally:
+        pdl.set_small_kernel_pdl(before)
+
+
+def test_off_by_default_until_measured():
+    from moet.config import EngineConfig
+    assert EngineConfig(model="x").small_kernel_pdl is False       # off until measured on the H200
+
+
+@requires_ptxas
+def test_small_kernels_wait_first_under_pdl_for_sm90():
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "src"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "tests.kernels.aot_compile_small"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [line.split() for line in r.stdout.splitlines()]
+    names = {row[0] for row in rows}
+    assert names == {"rmsnorm", "qk_norm_rope", "store_kv", "gqa_decode_split", "merge_splits", "router_gemv",
+                     "router_topk"}, r.stdout
+    for name, mode, wait, launch, order in rows:
+        if mode == "pdl":
+            assert (wait, launch, order) == ("wait", "launch", "wait-first"), (name, r.stdout)
+        else:
+            assert (wait, launch) == ("-", "-"), (name, r.stdout)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_bit_identical_with_small_kernel_pdl_on_cuda():
+    from moet.bench import engine_bench as eb
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    from moet.sampling_params import SamplingParams
+    from tests.model.test_shared_expert_overlap import GLM_TINY
+
+    dev = torch.device("cuda")
+    seed = int(torch.seed() % 2**31)
+    prompts = eb.prompts(3, 40, GLM_TINY["vocab_size"] - 50, seed % 1000)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = {}
+    try:
+        for on in (False, True):
+            for eager in (True, False):
+                model = eb.random_model(GLM_TINY, dev, seed=seed)
+                ec = EngineConfig(model="random:glm4_moe", device="cuda", max_model_len=128, max_num_seqs=4,
+                                  kv_cache_memory_gb=0.05, enforce_eager=eager, small_kernel_pdl=on)
+                eng = LLMEngine(ec, model, None, {GLM_TINY["eos_token_id"]}, dev, 128)
+                assert pdl.small_kernel_pdl() is on
+                for i, p in enumerate(prompts):
+                    eng.add_request(str(i), p, sp)
+                res = {}
+                while eng.has_unfinished_requests():
+                    for o in eng.step():
+                        if o.finished:
+                            c = o.outputs[0]
+                            res[o.request_id] = (list(c.token_ids), [{t: v.logprob for t, v in d.items()} for d in c.logprobs])
+                outs[on, eager] = res
+    finally:
+        pdl.set_small_kernel_pdl(False)
+    assert outs[True, True] == outs[False, True] and outs[True, False] == outs[False, False]

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Device run 18 (prepared 2026-12-01 for the next session), carry [".whl"] (.whl/serve as in run11.sh).
+# Results in one $OUT/<mode>.tgz (the device returns at most 8 files).
+#   bash tools/kernel_lab/run18.sh pdl     (~5 min) issue 6: EngineConfig.small_kernel_pdl (never run on a GPU):
+#       its GPU tests (bit-identical engine outputs on / off, eager and graphs), then engine_bench GLM-4.5-Air
+#       1 / 8 / 32 streams and Qwen3 1 / 32 with and without --small-kernel-pdl in the same call, and the
+#       GLM batch-1 async profile with it on (GPU timeline: the idle between kernels it should shrink).
+#       If faster and bit-identical: make small_kernel_pdl default True (config.py, test_pdl.py).
+#   bash tools/kernel_lab/run18.sh serve   (~4 min) issue 9 follow-up: serve_bench http,python,http_process with
+#       async scheduling on (run 17's engine-process phase failed on the AsyncDecode reference cycle, fixed).
+python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/serve/*.whl 2>&1 | grep -v WARNING | tail -3
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+R=/tmp/r18; mkdir -p $R/engine
+case "${1:-}" in
+pdl)
+    timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/model/test_shared_expert_overlap.py \
+        tests/kernels/test_norm_rope_triton.py tests/kernels/test_router_triton.py tests/kernels/test_kv_write_triton.py \
+        > $R/gpu_tests.txt 2>&1
+    rc=$?; echo "gpu tests rc=$rc"; grep -E "FAILED|passed|failed" $R/gpu_tests.txt | tail -6
+    if [ $rc -ne 0 ]; then tar czf $OUT/pdl.tgz -C $R .; exit 1; fi
+    for spec in "glm45air 1,8,32" "qwen3_30b 1,32"; do
+        m=${spec% *}; st=${spec#* }
+        for flag in "" "--small-kernel-pdl"; do
+            tag=${flag:-plain}; tag=${tag#--}
+            el "engine $m $tag"
+            timeout -k 5 120 python -m moet.bench.engine_bench --models $m --streams $st --prefill 0 $flag \
+                --budget-s 110 --out $R/engine/${m}_$tag > $R/engine/log_${m}_$tag.txt 2>&1
+            echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_${m}_$tag.txt | cut -c1-200
+        done
+    done
+    el "profile glm45air batch 1, async, small-kernel pdl"
+    timeout -k 5 80 python tools/kernel_lab/engine_profile.py --out $R/engine --model glm45air --batch 1 --steps 10 \
+        --small-kernel-pdl > /dev/null 2>&1; head -1 $R/engine/engine_profile_glm45air_b1.txt
+    grep -A2 "GPU timeline" $R/engine/engine_profile_glm45air_b1.txt | cut -c1-200
+    rm -f $R/engine/engine_trace_*.json
+    el "done" ;;
+serve)
+    mkdir -p $R/serve
+    timeout -k 5 300 python -m moet.bench.serve_bench --phases http,python,http_process --requests 64 --concurrency 16 \
+        --max-tokens 64 --budget-s 280 --out $R/serve/serve_bench.json > $R/serve/log.txt 2>&1
+    echo "rc=$?"; grep -E "^\[(python|http|http_process)\] \{|correct|rror" $R/serve/log.txt | cut -c1-300 ;;
+*) echo "usage: run18.sh pdl|serve"; exit 2 ;;
+esac
+tar czf $OUT/${1}.tgz -C $R .
