@@ -88,6 +88,13 @@ class EngineConfig:
                "(dropped), which can move other rows' last bits in batch-variant kernels. Sequences with "
                "repetition / frequency / presence penalties, and the expert store, run synchronously (H200, "
                "GLM-4.5-Air W2, 2026-12-01: single stream 146.7 vs 140.8 tok/s, 32 streams 1,577 vs 1,543)")
+    compile_warmup: bool = _knob(
+        True, "on CUDA, before the first request: one prefill at each token count 1, 2, 3, 4, 5, 8, 9, ... "
+              "2^k, 2^k + 1 up to max_num_batched_tokens, so the kernel variants a step can pick (Triton "
+              "compiles one per new specialization on first use) are compiled at start-up, not while every "
+              "running stream waits; the decode graphs' capture covers decode. Seconds on a first start, "
+              "less with Triton's on-disk cache. Not with the expert store (its hot set would learn the "
+              "warm-up's random prompts)")
     small_kernel_pdl: bool = _knob(
         False, "on sm_90+, launch the small Triton kernels of a step (norms, q/k rotary, KV store, attention "
                "decode and split merge, router GEMV and top-k) with programmatic dependent launch: each one's "

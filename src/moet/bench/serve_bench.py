@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -190,6 +191,9 @@ def python_api_phase(cfg, args, deadline: float) -> tuple[dict, str]:
         res = await _warm_then_time(one, args.requests, args.concurrency, deadline, args.warmup)
         for k in ("client_procs", "client_cpu_per_wall", "client_cpu_us_per_token"):
             res.pop(k)          # the client is the engine's own process here: its CPU is not the client's
+        extra = engine.stats().extra
+        res["jit_while_serving"] = {"count": int(extra.get("jit_compiles_after_ready", 0)),
+                                    "seconds": round(extra.get("jit_compile_s_after_ready", 0.0), 3)}
         await engine.shutdown()
         return res, check
 
@@ -358,6 +362,18 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, deadline: float, log_ta
         time.sleep(poll_s)
 
 
+def jit_while_serving(server_log: str) -> dict:
+    """The Triton compiles the server's requests waited for (kernels/jit_watch.py logs each one,
+    warm-up and timed passes together): count, total seconds, the three slowest lines."""
+    hits = []
+    for line in server_log.splitlines():
+        m = re.search(r"Triton JIT while serving: ([0-9.]+) s for (.*)", line)
+        if m:
+            hits.append((float(m.group(1)), m.group(2)[:200]))
+    hits.sort(reverse=True)
+    return {"count": len(hits), "seconds": round(sum(s for s, _ in hits), 3), "slowest": hits[:3]}
+
+
 def http_phase(cfg, args, deadline: float, engine_process: bool = False) -> tuple[dict, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -374,8 +390,11 @@ def http_phase(cfg, args, deadline: float, engine_process: bool = False) -> tupl
         wait_until_healthy(url, proc, deadline, lambda: (log.seek(0), log.read())[1])
         print(f"[http] server up in {time.perf_counter() - t0:.1f}s", flush=True)
 
-        return http_load_procs(url, args.requests, args.concurrency, args.max_tokens, deadline, args.client_procs,
-                               check_ids=_check_ids(cfg), warmup=args.warmup)
+        res, check = http_load_procs(url, args.requests, args.concurrency, args.max_tokens, deadline,
+                                     args.client_procs, check_ids=_check_ids(cfg), warmup=args.warmup)
+        log.seek(0)
+        res["jit_while_serving"] = jit_while_serving(log.read())
+        return res, check
     finally:
         proc.terminate()
         try:

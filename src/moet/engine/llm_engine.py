@@ -32,6 +32,7 @@ from moet.engine.scheduler import Scheduler, SchedulerOutput
 from moet.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from moet.engine.stats import EngineStats
 from moet.errors import ConfigError, MoetError
+from moet.kernels.jit_watch import install_jit_watch
 from moet.outputs import CompletionOutput, RequestOutput
 from moet.sampling_params import SamplingParams
 
@@ -125,6 +126,40 @@ class LLMEngine:
         self._token_str_cache: dict[int, str] = {}
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
         self._async = AsyncDecode(self) if config.async_scheduling else None
+        # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
+        # up front, and from then on count (and log) every compile a request had to wait for
+        self._jit = install_jit_watch() if device.type == "cuda" else None
+        if self._jit is not None:
+            self._jit.mark_starting()
+        if device.type == "cuda" and config.compile_warmup and residency is None:
+            self.compile_warmup()
+        if self._jit is not None:
+            self._jit.mark_ready()
+
+    def compile_warmup(self) -> int:
+        """One prefill of random tokens at each warm-up size (EngineConfig.compile_warmup), then
+        no trace of them: no request, an empty prefix cache, zeroed token and step counters.
+        -> the number of prefills. Sizes 1 and 2^k, 2^k + 1: a step's integer launch arguments
+        (tokens, pairs = tokens x top_k, lengths) then meet every class Triton specializes on (1,
+        multiples of 16, others) and every power-of-two bucket of the launch tables."""
+        cap = min(self.scheduler.max_num_batched_tokens, self.max_model_len - 1)
+        sizes = sorted({1} | {m for j in range(31) for m in (1 << j, (1 << j) + 1) if m <= cap})
+        vocab = self.model.spec.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, seed=0)
+        t0 = time.perf_counter()
+        for n in sizes:
+            self.add_request(f"__moet_warmup_{n}", torch.randint(0, vocab, (n,), generator=gen).tolist(), sp)
+            while self.has_unfinished_requests():
+                self.step()
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        st = self._stats
+        st.prompt_tokens_total = st.generation_tokens_total = st.num_steps = st.last_step_num_tokens = 0
+        st.last_step_time_s = 0.0
+        log.info("compile warm-up: %d prefills of 1-%d tokens in %.1f s", len(sizes), sizes[-1] if sizes else 0,
+                 time.perf_counter() - t0)
+        return len(sizes)
 
     def _step_limits(self, max_model_len: int) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) the scheduler gets: the config's, lowered when
@@ -396,6 +431,8 @@ class LLMEngine:
         st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
         st.num_preemptions = self.scheduler.num_preemptions
         st.extra["cuda_graphs"] = float(len(self.runner.graphs))
+        if self._jit is not None:
+            st.extra.update(self._jit.snapshot())
         if self._async is not None:
             st.extra["async_pipelined_steps"] = float(self._async.num_pipelined_steps)
             st.extra["async_sync_resolves"] = float(self._async.num_sync_resolves)

@@ -1,0 +1,111 @@
+"""Which Triton kernels compile, when, and for how long: a process-wide watch on Triton's JIT
+hooks (triton.knobs.runtime.jit_cache_hook / jit_post_compile_hook, Triton >= 3.4).
+
+Triton compiles a kernel on its first launch with each new specialization (constexprs, and for
+integer arguments whether they equal 1 or are multiples of 16). A compile mid-serving stops the
+step that needs it, and every running stream with it, for ~0.1-2 s (H200 server runs had
+1.5-2 s p99 stalls that later phases, finding the kernels in Triton's on-disk cache, did not).
+The watch counts every in-process cache miss (a compile or an on-disk cache load) and its time;
+the engine marks when it is ready, so the misses after that are the ones a request paid for, and
+logs each of those with the kernel and its specialization.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("moet.jit")
+
+
+@dataclass
+class JitCounts:
+    compiles: int = 0                    # in-process JIT cache misses (compiled, or loaded from disk)
+    seconds: float = 0.0
+    compiles_after_ready: int = 0        # those after mark_ready(): paid by a running step
+    seconds_after_ready: float = 0.0
+    slowest_after_ready: list[tuple[float, str]] = field(default_factory=list)   # (s, kernel), longest first
+
+
+class JitWatch:
+    """Install once per process (install_jit_watch()); thread-safe (the server steps the engine in
+    a thread). Hooks it replaces are still called, in order."""
+
+    KEEP = 8                              # slowest after-ready compiles remembered
+
+    def __init__(self):
+        self.counts = JitCounts()
+        self._ready = False
+        self._lock = threading.Lock()
+        self._started: dict[tuple, float] = {}
+        self._prev_cache_hook = None
+        self._prev_post_hook = None
+
+    # the two hooks: called by triton with keyword arguments (key, repr, fn, compile, is_manual_warmup, ...)
+    def _on_cache_miss(self, **kw):
+        with self._lock:
+            self._started[self._id(kw)] = time.perf_counter()
+        if self._prev_cache_hook is not None:
+            return self._prev_cache_hook(**kw)
+        return None                      # falsy: let Triton compile (a truthy return would skip it)
+
+    def _on_compiled(self, **kw):
+        now = time.perf_counter()
+        with self._lock:
+            t0 = self._started.pop(self._id(kw), now)
+            self.record(now - t0, str(kw.get("repr", "?")))
+        if self._prev_post_hook is not None:
+            return self._prev_post_hook(**kw)
+        return None
+
+    @staticmethod
+    def _id(kw) -> tuple:
+        fn = kw.get("fn")
+        return (getattr(fn, "name", None), str(kw.get("key")))
+
+    def record(self, seconds: float, what: str) -> None:
+        c = self.counts
+        c.compiles += 1
+        c.seconds += seconds
+        if self._ready:
+            c.compiles_after_ready += 1
+            c.seconds_after_ready += seconds
+            c.slowest_after_ready = sorted(c.slowest_after_ready + [(seconds, what[:300])], reverse=True)[:self.KEEP]
+            log.warning("Triton JIT while serving: %.2f s for %s (a kernel variant the start-up warm-up did not "
+                        "reach; the step waited)", seconds, what[:300])
+
+    def mark_starting(self) -> None:
+        """An engine is starting (its graph capture and warm-up compile): not counted as waited for."""
+        self._ready = False
+
+    def mark_ready(self) -> None:
+        """From now on a compile is one a request waited for."""
+        self._ready = True
+
+    def snapshot(self) -> dict[str, float]:
+        c = self.counts
+        return {"jit_compiles": float(c.compiles), "jit_compile_s": c.seconds,
+                "jit_compiles_after_ready": float(c.compiles_after_ready),
+                "jit_compile_s_after_ready": c.seconds_after_ready}
+
+
+_watch: JitWatch | None = None
+
+
+def install_jit_watch() -> JitWatch | None:
+    """The process's watch (installed on first call); None where Triton lacks the hooks."""
+    global _watch
+    if _watch is not None:
+        return _watch
+    try:
+        from triton import knobs
+        rt = knobs.runtime
+        rt.jit_cache_hook, rt.jit_post_compile_hook          # noqa: B018 (present in Triton >= 3.4)
+    except (ImportError, AttributeError):
+        return None
+    w = JitWatch()
+    w._prev_cache_hook, w._prev_post_hook = rt.jit_cache_hook, rt.jit_post_compile_hook
+    rt.jit_cache_hook, rt.jit_post_compile_hook = w._on_cache_miss, w._on_compiled
+    _watch = w
+    return w
