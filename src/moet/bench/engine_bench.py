@@ -143,7 +143,10 @@ def make_engine(model, cfg: dict, device, args, max_model_len: int):
                       kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager,
                       overlap_shared_experts=not getattr(args, "no_overlap_shared_experts", False),
                       async_scheduling=getattr(args, "async_scheduling", True),
-                      small_kernel_pdl=getattr(args, "small_kernel_pdl", False))
+                      small_kernel_pdl=getattr(args, "small_kernel_pdl", False),
+                      # the bench warms up what it times itself; the start-up ladder would only add
+                      # compiles of variants it never runs to its device budget
+                      compile_warmup=False)
     return LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, device, max_model_len)
 
 
