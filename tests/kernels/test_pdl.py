@@ -59,34 +59,17 @@ def test_small_kernels_wait_first_under_pdl_for_sm90():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_bit_identical_with_small_kernel_pdl_on_cuda():
-    from moet.bench import engine_bench as eb
-    from moet.config import EngineConfig
-    from moet.engine.llm_engine import LLMEngine
-    from moet.sampling_params import SamplingParams
-    from tests.model.test_shared_expert_overlap import GLM_TINY
+    from tests.model.tiny_glm import greedy_outputs
 
     dev = torch.device("cuda")
     seed = int(torch.seed() % 2**31)
-    prompts = eb.prompts(3, 40, GLM_TINY["vocab_size"] - 50, seed % 1000)
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     outs = {}
     try:
         for on in (False, True):
-            for eager in (True, False):
-                model = eb.random_model(GLM_TINY, dev, seed=seed)
-                ec = EngineConfig(model="random:glm4_moe", device="cuda", max_model_len=128, max_num_seqs=4,
-                                  kv_cache_memory_gb=0.05, enforce_eager=eager, small_kernel_pdl=on)
-                eng = LLMEngine(ec, model, None, {GLM_TINY["eos_token_id"]}, dev, 128)
+            def flag(eng, model, on=on):
                 assert pdl.small_kernel_pdl() is on
-                for i, p in enumerate(prompts):
-                    eng.add_request(str(i), p, sp)
-                res = {}
-                while eng.has_unfinished_requests():
-                    for o in eng.step():
-                        if o.finished:
-                            c = o.outputs[0]
-                            res[o.request_id] = (list(c.token_ids), [{t: v.logprob for t, v in d.items()} for d in c.logprobs])
-                outs[on, eager] = res
+            for eager in (True, False):
+                outs[on, eager] = greedy_outputs(dev, seed, flag, enforce_eager=eager, small_kernel_pdl=on)
     finally:
         pdl.set_small_kernel_pdl(False)
     assert outs[True, True] == outs[False, True] and outs[True, False] == outs[False, False]

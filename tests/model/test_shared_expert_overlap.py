@@ -9,10 +9,7 @@ import torch
 from moet.bench import engine_bench as eb
 from moet.config import EngineConfig
 from moet.model.layers.moe import MoE
-
-GLM_TINY = dict(eb.GLM45_AIR, vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-                n_routed_experts=8, num_experts_per_tok=2, eos_token_id=257)
+from tests.model.tiny_glm import GLM_TINY, greedy_outputs
 
 
 def test_overlap_is_a_noop_off_cuda():
@@ -72,25 +69,15 @@ def test_two_stream_branch_orders_and_values(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (streams)")
 def test_overlap_bit_identical_on_cuda():
-    from moet.engine.llm_engine import LLMEngine
-    from moet.sampling_params import SamplingParams
-
     dev = torch.device("cuda")
     seed = int(torch.seed() % 2**31)
-    prompts = eb.prompts(3, 40, GLM_TINY["vocab_size"] - 50, seed % 1000)
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     outs = {}
     for overlap in (False, True):
-        for eager in (True, False):
-            model = eb.random_model(GLM_TINY, dev, seed=seed)
-            ec = EngineConfig(model="random:glm4_moe", device="cuda", max_model_len=128, max_num_seqs=4,
-                              kv_cache_memory_gb=0.05, enforce_eager=eager, overlap_shared_experts=overlap)
-            eng = LLMEngine(ec, model, None, {GLM_TINY["eos_token_id"]}, dev, 128)
+        def streams(eng, model, overlap=overlap):
             n = sum(b.shared_stream is not None for b in model.modules() if isinstance(b, MoE))
             assert n == (2 if overlap else 0)                     # layer 0 is dense in GLM-4.5
-            done = eng.generate_all([(f"r{i}", p, sp) for i, p in enumerate(prompts)])
-            outs[overlap, eager] = [(done[f"r{i}"].outputs[0].token_ids,
-                                     [{t: v.logprob for t, v in d.items()} for d in done[f"r{i}"].outputs[0].logprobs])
-                                    for i in range(len(prompts))]
+        for eager in (True, False):
+            outs[overlap, eager] = greedy_outputs(dev, seed, streams, enforce_eager=eager,
+                                                  overlap_shared_experts=overlap)
     assert outs[True, True] == outs[False, True]
     assert outs[True, False] == outs[False, False]
