@@ -37,7 +37,7 @@ KERNELS = [
      dict(acc_ptr=F32, m_ptr=F32, l_ptr=F32, lens_ptr=I32, out_ptr=BF16),
      dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16)),
     ("router_gemv", rt._router_gemv_kernel, dict(x_ptr=BF16, w_ptr=F32, out_ptr=F32),
-     dict(H=4096, E=128, BE=1, BK=4096)),
+     dict(H=4096, E=128, BE=1, BK=4096, OUT_BF16=False)),
     ("router_topk", rt._router_kernel,
      dict(logits_ptr=F32, bias_ptr=F32, ids_ptr=I64, w_ptr=F32, scale="fp32"),
      dict(E=128, K=8, G=1, TOPK_GROUP=1, GP=1, GSP=128, KP=8, SIGMOID=True, NORM=True, HAS_BIAS=True,

@@ -1,6 +1,8 @@
-"""Device diagnostic: the sigmoid routers' fp32 decode GEMV (router_triton.router_logits_fp32)
+"""Device diagnostic: the routers' decode GEMV (router_triton.router_logits: the sigmoid routers' fp32
+form, the softmax routers' bf16 one)
 in launch variants, against torch's cast + cuBLAS, as the engine runs it: one CUDA graph of
-L layers' GEMVs (distinct weights, L x E x H x 4 bytes > L2, so each read comes from HBM).
+L layers' GEMVs (distinct weights: 45 x 2 MB fp32 exceeds the 50 MB L2, so each read comes from
+HBM; the bf16 softmax shapes fit it, 23 MB, so theirs are upper bounds).
 Checks every variant against a float64 reference first.
 
     PYTHONPATH=src python tools/kernel_lab/router_bench.py [--layers 45] [--tokens 1]
@@ -14,9 +16,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from moet.kernels.router_triton import router_logits_fp32
+from moet.kernels.router_triton import router_logits
 
-SHAPES = {"glm": (128, 4096), "deepseek": (256, 7168), "qwen-h2048": (128, 2048)}
+# (experts, hidden, weight and logit dtype): the sigmoid routers' fp32 form, the softmax routers' bf16 one
+SHAPES = {"glm": (128, 4096, torch.float32), "deepseek": (256, 7168, torch.float32),
+          "qwen-h2048": (128, 2048, torch.float32), "qwen3-softmax": (128, 2048, torch.bfloat16),
+          "mixtral-softmax": (8, 4096, torch.bfloat16)}
 VARIANTS = [(1, 1024, 4), (1, 2048, 4), (1, 4096, 4), (1, 4096, 8), (1, 2048, 8), (2, 1024, 4), (2, 2048, 8),
             (4, 1024, 8), (1, 512, 2), (1, 1024, 2)]
 
@@ -52,25 +57,31 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     rep = {"device": torch.cuda.get_device_name(dev), "results": {}}
-    for name, (e, h) in SHAPES.items():
-        ws = [torch.randn(e, h, device=dev) * 0.02 for _ in range(args.layers)]
+    for name, (e, h, dt) in SHAPES.items():
+        ws = [(torch.randn(e, h, device=dev) * 0.02).to(dt) for _ in range(args.layers)]
+        nbytes = e * h * ws[0].element_size()
         for t in map(int, args.tokens.split(",")):
             x = torch.randn(t, h, device=dev).bfloat16()
             ref = (x.double() @ ws[0].double().t())
-            mb = args.layers * e * h * 4 / 1e6
+            mb = args.layers * nbytes / 1e6
             row = {}
-            us = graph_us(lambda: [F.linear(x.float(), w) for w in ws]) / args.layers
-            row["torch cast + cublas"] = {"us": us, "GBps": e * h * 4 / us / 1e3}
+            if dt == torch.float32:
+                us = graph_us(lambda: [F.linear(x.float(), w) for w in ws]) / args.layers
+                row["torch cast + cublas"] = {"us": us, "GBps": nbytes / us / 1e3}
+            else:
+                us = graph_us(lambda: [F.linear(x, w) for w in ws]) / args.layers
+                row["torch cublas bf16"] = {"us": us, "GBps": nbytes / us / 1e3}
+            tol = 1e-6 if dt == torch.float32 else 2 ** -8
             for be, bk, nw in VARIANTS:
-                out = router_logits_fp32(x, ws[0], rows_per_program=be, block_k=bk, num_warps=nw)
+                out = router_logits(x, ws[0], dt, rows_per_program=be, block_k=bk, num_warps=nw)
                 err = float((out.double() - ref).norm() / ref.norm())
-                again = router_logits_fp32(x, ws[0], rows_per_program=be, block_k=bk, num_warps=nw)
-                if err > 1e-6 or not torch.equal(out, again):
+                again = router_logits(x, ws[0], dt, rows_per_program=be, block_k=bk, num_warps=nw)
+                if err > tol or not torch.equal(out, again):
                     row[f"BE{be} BK{bk} w{nw}"] = {"error": f"relerr {err:.2e}, rerun equal {torch.equal(out, again)}"}
                     continue
-                us = graph_us(lambda: [router_logits_fp32(x, w, rows_per_program=be, block_k=bk, num_warps=nw)
+                us = graph_us(lambda: [router_logits(x, w, dt, rows_per_program=be, block_k=bk, num_warps=nw)
                                        for w in ws]) / args.layers
-                row[f"BE{be} BK{bk} w{nw}"] = {"us": us, "GBps": e * h * 4 / us / 1e3, "relerr": err}
+                row[f"BE{be} BK{bk} w{nw}"] = {"us": us, "GBps": nbytes / us / 1e3, "relerr": err}
             rep["results"][f"{name} E{e} H{h} T{t} ({mb:.0f} MB over {args.layers} layers)"] = row
             print(f"{name} E{e} H{h} T{t}: " + ", ".join(
                 f"{k} {v['us']:.2f} us" if "us" in v else f"{k} {v['error']}" for k, v in row.items()), flush=True)

@@ -6,6 +6,8 @@
 #       1 / 8 / 32 streams and Qwen3 1 / 32 with and without --small-kernel-pdl in the same call, and the
 #       GLM batch-1 async profile with it on (GPU timeline: the idle between kernels it should shrink).
 #       If faster and bit-identical: make small_kernel_pdl default True (config.py, test_pdl.py).
+#       Also new since run 17, measured by the same engine runs: the softmax routers' decode GEMV in Triton
+#       (bf16 out; Qwen3 had cuBLAS's), compile_warmup (off in engine_bench, on in the server).
 #   bash tools/kernel_lab/run18.sh serve   (~4 min) issue 9 follow-up: serve_bench http,python,http_process with
 #       async scheduling on (run 17's engine-process phase failed on the AsyncDecode reference cycle, fixed).
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -20,6 +22,8 @@ pdl)
         > $R/gpu_tests.txt 2>&1
     rc=$?; echo "gpu tests rc=$rc"; grep -E "FAILED|passed|failed" $R/gpu_tests.txt | tail -6
     if [ $rc -ne 0 ]; then tar czf $OUT/pdl.tgz -C $R .; exit 1; fi
+    el "router GEMV: fp32 (sigmoid) and bf16 (softmax, new in the engine for Qwen3 / Mixtral decode)"
+    timeout -k 5 60 python tools/kernel_lab/router_bench.py --out $R 2>&1 | cut -c1-400
     for spec in "glm45air 1,8,32" "qwen3_30b 1,32"; do
         m=${spec% *}; st=${spec#* }
         for flag in "" "--small-kernel-pdl"; do

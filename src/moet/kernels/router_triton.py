@@ -162,9 +162,10 @@ _GEMV_BE, _GEMV_BK, _GEMV_WARPS = 1, 4096, 8
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, s_x, s_w, H: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
-                        BK: tl.constexpr, PDL: tl.constexpr):
+                        BK: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr):
     """out[t, e] = sum_h float(x[t, h]) * w[e, h] in fp32 for BE experts of one token: per lane
-    partial sums over the K tiles in order, then one tree sum per expert (fixed order)."""
+    partial sums over the K tiles in order, then one tree sum per expert (fixed order); stored
+    as fp32, or rounded once to bf16 (RNE) as a bf16 GEMV's output is."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     rows = tl.program_id(1) * BE + tl.arange(0, BE)
@@ -176,16 +177,27 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, s_x, s_w, H: tl.constexpr, E: tl.
         xv = tl.load(x_ptr + t * s_x + ks, mask=kmask, other=0.0).to(tl.float32)
         wv = tl.load(w_ptr + rows[:, None] * s_w + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         acc += wv.to(tl.float32) * xv[None, :]
-    tl.store(out_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
+    if OUT_BF16:
+        tl.store(out_ptr + t * E + rows, _bf16_rne(tl.sum(acc, axis=1)), mask=rmask)
+    else:
+        tl.store(out_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
 
 
-def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor, *, rows_per_program: int | None = None,
-                       block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """The sigmoid routers' F.linear(x.float(), weight.float()) for a decode batch as one launch
-    (torch's is a cast of x plus cuBLAS's two-kernel fp32 GEMV: three launches per MoE layer
-    in a launch-bound decode step). x [T, H] (bf16 / fp16 / fp32), weight [E, H] (fp32 or bf16,
-    read as it is stored) -> fp32 [T, E]. The fp32 sums are in another order than cuBLAS's, so
-    logits may differ in the last bits (as cuBLAS's and the CPU's do); reruns are bit-identical.
+def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor, **launch) -> torch.Tensor:
+    """The sigmoid routers' F.linear(x.float(), weight.float()) (router_logits, fp32 out)."""
+    return router_logits(x, weight, torch.float32, **launch)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32, *,
+                  rows_per_program: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
+    """A router's logits for a decode batch as one launch: out_dtype fp32 is the sigmoid routers'
+    F.linear(x.float(), weight.float()) (torch's is a cast of x plus cuBLAS's two-kernel fp32
+    GEMV: three launches per MoE layer in a launch-bound decode step); bf16 is the softmax
+    routers' bf16 F.linear(x, weight) (fp32 sums rounded once, as cuBLAS's). x [T, H] (bf16 /
+    fp16 / fp32), weight [E, H] (fp32 or bf16, read as it is stored) -> [T, E] in out_dtype.
+    The fp32 sums are in another order than cuBLAS's, so logits may differ in the last bits
+    (as cuBLAS's and the CPU's do); reruns are bit-identical.
     rows_per_program / block_k / num_warps override the launch (tools/kernel_lab/router_bench.py)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ConfigError(f"router gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
@@ -193,12 +205,15 @@ def router_logits_fp32(x: torch.Tensor, weight: torch.Tensor, *, rows_per_progra
     e = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"router gemv: out_dtype {out_dtype} unsupported (float32, bfloat16)")
+    out = torch.empty(t, e, dtype=out_dtype, device=x.device)
     if t:
         be = rows_per_program or _GEMV_BE
         bk = min(block_k or _GEMV_BK, triton.next_power_of_2(h))
         _router_gemv_kernel[(t, triton.cdiv(e, be))](x, weight, out, x.stride(0), weight.stride(0),
-                                                   H=h, E=e, BE=be, BK=bk, num_warps=num_warps or _GEMV_WARPS,
+                                                   H=h, E=e, BE=be, BK=bk, OUT_BF16=out_dtype == torch.bfloat16,
+                                                   num_warps=num_warps or _GEMV_WARPS,
                                                    **pdl_launch(x))
     return out
 

@@ -39,7 +39,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
     """x [T, H], router weight [E, H] -> (topk_ids int64 [T, k], topk_weights [T, k])."""
     if spec.scoring == "softmax":
         # Mixtral / Qwen3-MoE: softmax over all experts (fp32), top-k, optional renormalise
-        logits = F.linear(x, weight)
+        bf16 = x.dtype == weight.dtype == torch.bfloat16
+        if x.is_cuda and _have_triton() and x.shape[0] <= _gemv_max_tokens() and bf16:
+            from moet.kernels.router_triton import router_logits
+            logits = router_logits(x, weight, torch.bfloat16)   # one launch; bf16 out, as F.linear's
+        else:
+            logits = F.linear(x, weight)
         if _fused(logits):
             from moet.kernels.router_triton import router_topk
             return router_topk(logits, spec)
