@@ -80,15 +80,18 @@ def test_tallies_of_several_clients_merge_into_one_wall_time():
     assert _shares(10, 3) == [4, 3, 3] and _shares(16, 4) == [4, 4, 4, 4] and sum(_shares(7, 5)) == 7
 
 
-def test_jit_while_serving_reads_the_watchs_warnings():
-    from moet.bench.serve_bench import jit_while_serving
+def test_stalls_while_serving_reads_the_watches_warnings():
+    from moet.bench.serve_bench import stalls_while_serving
     log = "\n".join([
         "2026-12-01 13:57:15,610 INFO moet.serve: engine up",
         "2026-12-01 13:57:16,000 WARNING moet.jit: Triton JIT while serving: 1.52 s for _moe_gemm_kernel[num_warps=4](P: i32)"
         " (a kernel variant the start-up warm-up did not reach; the step waited)",
         "2026-12-01 13:57:17,000 WARNING moet.jit: Triton JIT while serving: 0.03 s for _rmsnorm_kernel[num_warps=1]()",
+        "2026-12-01 13:57:18,000 WARNING moet.gc[engine]: GC pause while serving: 0.210 s (generation 2, 5 objects collected)",
     ])
-    got = jit_while_serving(log)
-    assert got["count"] == 2 and got["seconds"] == 1.55
-    assert got["slowest"][0][0] == 1.52 and got["slowest"][0][1].startswith("_moe_gemm_kernel")
-    assert jit_while_serving("nothing here") == {"count": 0, "seconds": 0.0, "slowest": []}
+    got = stalls_while_serving(log)
+    assert got["jit"]["count"] == 2 and got["jit"]["seconds"] == 1.55
+    assert got["jit"]["slowest"][0][0] == 1.52 and got["jit"]["slowest"][0][1].startswith("_moe_gemm_kernel")
+    assert got["gc"] == {"count": 1, "seconds": 0.21, "slowest": [(0.21, "(generation 2, 5 objects collected)")]}
+    empty = {"count": 0, "seconds": 0.0, "slowest": []}
+    assert stalls_while_serving("nothing here") == {"jit": empty, "gc": empty}

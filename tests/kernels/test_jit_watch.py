@@ -21,7 +21,7 @@ def test_counts_split_at_ready_and_slowest_kept(caplog):
     assert seen == [("miss", 1), ("done", 1)]
     assert w.counts.compiles == 1 and w.counts.compiles_after_ready == 0
     w.mark_ready()
-    with caplog.at_level(logging.WARNING, logger="moet.jit"):
+    with caplog.at_level(logging.INFO, logger="moet.jit"):
         for i, s in enumerate([0.5, 2.0, 0.1] + [0.01] * 10):
             w.record(s, f"kernel{i}")
     assert w.counts.compiles == 14 and w.counts.compiles_after_ready == 13

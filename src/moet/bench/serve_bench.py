@@ -192,8 +192,12 @@ def python_api_phase(cfg, args, deadline: float) -> tuple[dict, str]:
         for k in ("client_procs", "client_cpu_per_wall", "client_cpu_us_per_token"):
             res.pop(k)          # the client is the engine's own process here: its CPU is not the client's
         extra = engine.stats().extra
-        res["jit_while_serving"] = {"count": int(extra.get("jit_compiles_after_ready", 0)),
-                                    "seconds": round(extra.get("jit_compile_s_after_ready", 0.0), 3)}
+        res["stalls_while_serving"] = {
+            "jit": {"count": int(extra.get("jit_compiles_after_ready", 0)),
+                    "seconds": round(extra.get("jit_compile_s_after_ready", 0.0), 3)},
+            "gc": {"count": int(extra.get("gc_collections_after_ready", 0)),
+                   "seconds": round(extra.get("gc_pause_s_after_ready", 0.0), 3),
+                   "max_s": round(extra.get("gc_pause_max_s_after_ready", 0.0), 4)}}
         await engine.shutdown()
         return res, check
 
@@ -362,16 +366,21 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, deadline: float, log_ta
         time.sleep(poll_s)
 
 
-def jit_while_serving(server_log: str) -> dict:
-    """The Triton compiles the server's requests waited for (kernels/jit_watch.py logs each one,
-    warm-up and timed passes together): count, total seconds, the three slowest lines."""
-    hits = []
-    for line in server_log.splitlines():
-        m = re.search(r"Triton JIT while serving: ([0-9.]+) s for (.*)", line)
-        if m:
-            hits.append((float(m.group(1)), m.group(2)[:200]))
-    hits.sort(reverse=True)
-    return {"count": len(hits), "seconds": round(sum(s for s, _ in hits), 3), "slowest": hits[:3]}
+def stalls_while_serving(server_log: str) -> dict:
+    """What the server's requests waited for, from its log (warm-up and timed passes together):
+    Triton compiles (kernels/jit_watch.py logs each) and GC pauses of >= 50 ms (engine/gc_pauses.py):
+    count, total seconds, the three slowest."""
+    out = {}
+    for kind, pattern in (("jit", r"Triton JIT while serving: ([0-9.]+) s for (.*)"),
+                          ("gc", r"GC pause while serving: ([0-9.]+) s (.*)")):
+        hits = []
+        for line in server_log.splitlines():
+            m = re.search(pattern, line)
+            if m:
+                hits.append((float(m.group(1)), m.group(2)[:200]))
+        hits.sort(reverse=True)
+        out[kind] = {"count": len(hits), "seconds": round(sum(s for s, _ in hits), 3), "slowest": hits[:3]}
+    return out
 
 
 def http_phase(cfg, args, deadline: float, engine_process: bool = False) -> tuple[dict, str]:
@@ -393,7 +402,7 @@ def http_phase(cfg, args, deadline: float, engine_process: bool = False) -> tupl
         res, check = http_load_procs(url, args.requests, args.concurrency, args.max_tokens, deadline,
                                      args.client_procs, check_ids=_check_ids(cfg), warmup=args.warmup)
         log.seek(0)
-        res["jit_while_serving"] = jit_while_serving(log.read())
+        res["stalls_while_serving"] = stalls_while_serving(log.read())
         return res, check
     finally:
         proc.terminate()

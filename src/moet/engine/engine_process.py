@@ -266,6 +266,8 @@ def _child_main(build: Callable[..., Any], build_args: tuple, inbox, outbox) -> 
     except BaseException as exc:
         outbox.send(("failed", _portable(exc), traceback.format_exc()))
         return
+    from moet.engine.gc_pauses import freeze_start_up
+    freeze_start_up()                                # the model's objects out of the GC's walks while serving
     try:
         outbox.send(("ready", {"model_name": served_model_name(engine.config), "max_model_len": engine.max_model_len,
                                "eos_token_ids": set(engine.eos_token_ids), "stats": engine.stats()}))

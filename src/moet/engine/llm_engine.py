@@ -26,6 +26,7 @@ from moet.config import EngineConfig
 from moet.engine.async_decode import AsyncDecode
 from moet.engine.block_manager import BlockManager
 from moet.engine.detokenizer import IncrementalDetokenizer
+from moet.engine.gc_pauses import install_gc_pauses
 from moet.engine.model_runner import ModelRunner
 from moet.engine.sampler import Sampler, new_generator, position_logprobs
 from moet.engine.scheduler import Scheduler, SchedulerOutput
@@ -129,12 +130,15 @@ class LLMEngine:
         # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
         # up front, and from then on count (and log) every compile a request had to wait for
         self._jit = install_jit_watch() if device.type == "cuda" else None
-        if self._jit is not None:
-            self._jit.mark_starting()
+        self._gc = install_gc_pauses()                # and the cyclic GC's pauses (engine/gc_pauses.py)
+        for w in (self._jit, self._gc):
+            if w is not None:
+                w.mark_starting()
         if device.type == "cuda" and config.compile_warmup and residency is None:
             self.compile_warmup()
-        if self._jit is not None:
-            self._jit.mark_ready()
+        for w in (self._jit, self._gc):
+            if w is not None:
+                w.mark_ready()
 
     def compile_warmup(self) -> int:
         """One prefill of random tokens at each warm-up size (EngineConfig.compile_warmup), then
@@ -433,6 +437,7 @@ class LLMEngine:
         st.extra["cuda_graphs"] = float(len(self.runner.graphs))
         if self._jit is not None:
             st.extra.update(self._jit.snapshot())
+        st.extra.update(self._gc.snapshot())
         if self._async is not None:
             st.extra["async_pipelined_steps"] = float(self._async.num_pipelined_steps)
             st.extra["async_sync_resolves"] = float(self._async.num_sync_resolves)

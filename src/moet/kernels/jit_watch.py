@@ -72,7 +72,7 @@ class JitWatch:
             c.compiles_after_ready += 1
             c.seconds_after_ready += seconds
             c.slowest_after_ready = sorted(c.slowest_after_ready + [(seconds, what[:300])], reverse=True)[:self.KEEP]
-            log.warning("Triton JIT while serving: %.2f s for %s (a kernel variant the start-up warm-up did not "
+            log.info("Triton JIT while serving: %.2f s for %s (a kernel variant the start-up warm-up did not "
                         "reach; the step waited)", seconds, what[:300])
 
     def mark_starting(self) -> None:

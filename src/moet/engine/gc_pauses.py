@@ -1,0 +1,89 @@
+"""Python's cyclic garbage collector while serving: every collection timed (gc.callbacks), and
+what start-up built frozen out of later collections.
+
+Why: a generation-2 collection walks every object the collector tracks -- after importing torch
+and transformers and building a model that is several hundred thousand -- holding the GIL, so
+the engine thread's step (and the event loop) wait for it. gc.freeze() after start-up moves those
+objects to a permanent generation no collection walks (vLLM does the same); they are still freed
+by reference counting, only reference cycles among them would never be collected. The servers
+freeze (serve_cli.run, the engine process); the watch counts and logs the pauses a running
+request sat through, next to the JIT watch (kernels/jit_watch.py).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("moet.gc")
+
+SLOW_S = 0.05                              # a pause worth a warning while serving
+
+
+@dataclass
+class GcCounts:
+    collections: int = 0
+    seconds: float = 0.0
+    after_ready: int = 0
+    seconds_after_ready: float = 0.0
+    max_after_ready_s: float = 0.0
+
+
+class GcPauses:
+    def __init__(self):
+        self.counts = GcCounts()
+        self._ready = False
+        self._t0: float | None = None
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.record(time.perf_counter() - self._t0, int(info.get("generation", -1)),
+                        int(info.get("collected", 0)))
+            self._t0 = None
+
+    def record(self, seconds: float, generation: int, collected: int) -> None:
+        c = self.counts
+        c.collections += 1
+        c.seconds += seconds
+        if self._ready:
+            c.after_ready += 1
+            c.seconds_after_ready += seconds
+            c.max_after_ready_s = max(c.max_after_ready_s, seconds)
+            if seconds >= SLOW_S:
+                log.info("GC pause while serving: %.3f s (generation %d, %d objects collected)",
+                            seconds, generation, collected)
+
+    def mark_starting(self) -> None:
+        self._ready = False
+
+    def mark_ready(self) -> None:
+        self._ready = True
+
+    def snapshot(self) -> dict[str, float]:
+        c = self.counts
+        return {"gc_collections_after_ready": float(c.after_ready), "gc_pause_s_after_ready": c.seconds_after_ready,
+                "gc_pause_max_s_after_ready": c.max_after_ready_s}
+
+
+_watch: GcPauses | None = None
+
+
+def install_gc_pauses() -> GcPauses:
+    """The process's watch (installed on first call)."""
+    global _watch
+    if _watch is None:
+        _watch = GcPauses()
+        gc.callbacks.append(_watch.callback)
+    return _watch
+
+
+def freeze_start_up() -> int:
+    """Collect once, then freeze every surviving object out of later collections; -> how many."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    log.info("froze %d start-up objects out of the garbage collector's walks", n)
+    return n
