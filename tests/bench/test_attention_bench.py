@@ -34,7 +34,8 @@ def test_quick_settings():
     labels = [ab.setting_label(s) for s in ab.QUICK_SPLITS["gqa"]]
     assert labels[0] == "256/32"                          # the defaults: the launch table's
     assert {"256/32 w4 s3", "256/32 w4 s5", "256/32 w4 s7"} <= set(labels)
-    # more splits only with the programs co-resident (run 14: deep pipelines made them run in waves)
-    assert {"256/64 w4 s3", "256/64/32 w4 s5", "256/128/32 w4 s3"} <= set(labels)
+    # the fused split merge next to the two-launch decode (run 15 retired the co-resident split counts)
+    assert {"256/32 fused merge", "256/32 w4 s7 fused merge"} <= set(labels)
     assert ab.gqa_kw((256, 32, None, 4, 7)) == dict(split_tokens=256, max_splits=32, tile_tokens=None,
-                                                   num_warps=4, num_stages=7)
+                                                   num_warps=4, num_stages=7, fused_merge=False)
+    assert ab.gqa_kw((256, 32, None, None, None, True))["fused_merge"] is True

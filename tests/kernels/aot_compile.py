@@ -38,6 +38,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: tuple = ()):
     if "PDL" in fn.arg_names:            # programmatic dependent launch off unless asked (test_pdl.py)
         const = {"PDL": False, **const}
+    if "FUSED_MERGE" in fn.arg_names:    # the two-launch decode unless asked (aot_compile_small.py)
+        const = {"FUSED_MERGE": False, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     # pointers 16-byte aligned, as the JIT specialises them at run time; so are the integer
     # arguments named in div16 (the JIT marks every int that is a multiple of 16 at launch)

@@ -30,9 +30,16 @@ KERNELS = [
      dict(CK=128, CHUNK_K=128, CV=128, CHUNK_V=128, BLOCK=128, KIND=0, OUT=1)),
     ("gqa_decode_split", at._gqa_decode_split_kernel,
      dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ks_ptr=F32, vs_ptr=F32, bt_ptr=I32, lens_ptr=I32, acc_ptr=F32,
-          m_ptr=F32, l_ptr=F32, scale="fp32"),
+          m_ptr=F32, l_ptr=F32, out_ptr=BF16, cnt_ptr=I32, scale="fp32"),
      dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=0,
-          SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False)),
+          SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False,
+          FUSED_MERGE=False)),
+    ("gqa_decode_fused_merge", at._gqa_decode_split_kernel,
+     dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ks_ptr=F32, vs_ptr=F32, bt_ptr=I32, lens_ptr=I32, acc_ptr=F32,
+          m_ptr=F32, l_ptr=F32, out_ptr=BF16, cnt_ptr=I32, scale="fp32"),
+     dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=0,
+          SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False,
+          FUSED_MERGE=True)),
     ("merge_splits", at._merge_splits_kernel,
      dict(acc_ptr=F32, m_ptr=F32, l_ptr=F32, lens_ptr=I32, out_ptr=BF16),
      dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16)),
@@ -53,8 +60,12 @@ def main() -> None:
             wait, launch = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
             first_mem = min((i for i in (body.find("ld.global"), body.find("st.global")) if i >= 0), default=-1)
             order_ok = wait >= 0 and launch > wait and (first_mem < 0 or wait < first_mem)
+            # the fused merge's hand-off: an acquire-release atomic, then L1-bypassing loads
+            handoff = ("fence.acq_rel.gpu" in body and "atom.global.gpu.acq_rel.add" in body
+                       and "ld.global.cg" in body)
+            sync = ("acq-rel" if handoff else "-") if "fused_merge" in name else "n/a"
             print(name, "pdl" if pdl else "plain", "wait" if wait >= 0 else "-", "launch" if launch >= 0 else "-",
-                  "wait-first" if order_ok else "-")
+                  "wait-first" if order_ok else "-", sync)
 
 
 if __name__ == "__main__":

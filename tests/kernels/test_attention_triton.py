@@ -244,3 +244,22 @@ def test_max_splits_lengthens_splits_of_long_sequences():
     got = _tri().paged_decode_mla(ql, qr, mla, table, seq_lens, 0.2, split_tokens=BS, max_splits=2)
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(mla), table.cpu(), seq_lens.cpu(), 0.2)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt,lens,hq,hkv,d,window,split", CASES)
+def test_fused_merge_gives_the_merge_kernels_result(fmt, lens, hq, hkv, d, window, split):
+    """fused_merge (no merge launch: the last program of each (sequence, kv head) merges) is the
+    two-launch result: bit for bit under the interpreter, within fp32 rounding compiled; reruns
+    bit-identical; the counters zero again after every launch."""
+    at = _tri()
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
+    two = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split)
+    one = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split, fused_merge=True)
+    if DEVICE == "cpu":
+        assert torch.equal(one, two)
+    else:
+        torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
+    assert int(at._merge_counters(q.device, 1).abs().sum()) == 0
+    assert torch.equal(one, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split,
+                                                fused_merge=True))

@@ -48,9 +48,10 @@ def test_small_kernels_wait_first_under_pdl_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [line.split() for line in r.stdout.splitlines()]
     names = {row[0] for row in rows}
-    assert names == {"rmsnorm", "qk_norm_rope", "store_kv", "gqa_decode_split", "merge_splits", "router_gemv",
-                     "router_topk"}, r.stdout
-    for name, mode, wait, launch, order in rows:
+    assert names == {"rmsnorm", "qk_norm_rope", "store_kv", "gqa_decode_split", "gqa_decode_fused_merge",
+                     "merge_splits", "router_gemv", "router_topk"}, r.stdout
+    for name, mode, wait, launch, order, sync in rows:
+        assert sync == ("acq-rel" if name == "gqa_decode_fused_merge" else "n/a"), (name, r.stdout)
         if mode == "pdl":
             assert (wait, launch, order) == ("wait", "launch", "wait-first"), (name, r.stdout)
         else:

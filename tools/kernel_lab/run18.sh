@@ -8,6 +8,10 @@
 #       If faster and bit-identical: make small_kernel_pdl default True (config.py, test_pdl.py).
 #       Also new since run 17, measured by the same engine runs: the softmax routers' decode GEMV in Triton
 #       (bf16 out; Qwen3 had cuBLAS's), compile_warmup (off in engine_bench, on in the server).
+#   bash tools/kernel_lab/run18.sh attn    (~3 min) issue 5: attention_bench --quick with the fused split merge
+#       (paged_decode_gqa(fused_merge=True): no merge launch; never run on a GPU): its speed, and whether its
+#       bits equal the two-launch decode's (the record's same_output_as_first_of_partition; if they do not,
+#       the engine may only use it fixed per model, like the split count)
 #   bash tools/kernel_lab/run18.sh serve   (~4 min) issue 9 follow-up: serve_bench http,python,http_process with
 #       async scheduling on (run 17's engine-process phase failed on the AsyncDecode reference cycle, fixed).
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -40,11 +44,18 @@ pdl)
     grep -A2 "GPU timeline" $R/engine/engine_profile_glm45air_b1.txt | cut -c1-200
     rm -f $R/engine/engine_trace_*.json
     el "done" ;;
+attn)
+    mkdir -p $R/attn
+    timeout -k 5 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_triton.py -k fused_merge \
+        > $R/attn/gpu_tests.txt 2>&1; echo "fused-merge gpu tests rc=$?"; tail -1 $R/attn/gpu_tests.txt
+    timeout -k 5 170 python -m moet.bench.attention_bench --quick --out $R/attn --budget-s 150 \
+        > $R/attn/log.txt 2>&1; echo "rc=$?"; grep -A12 "GQA decode GB/s per setting" $R/attn/log.txt | cut -c1-200
+    grep -E "differs" $R/attn/log.txt | head -5 ;;
 serve)
     mkdir -p $R/serve
     timeout -k 5 300 python -m moet.bench.serve_bench --phases http,python,http_process --requests 64 --concurrency 16 \
         --max-tokens 64 --budget-s 280 --out $R/serve/serve_bench.json > $R/serve/log.txt 2>&1
     echo "rc=$?"; grep -E "^\[(python|http|http_process)\] \{|correct|rror" $R/serve/log.txt | cut -c1-300 ;;
-*) echo "usage: run18.sh pdl|serve"; exit 2 ;;
+*) echo "usage: run18.sh pdl|attn|serve"; exit 2 ;;
 esac
 tar czf $OUT/${1}.tgz -C $R .

@@ -56,6 +56,7 @@ import triton.language as tl
 
 from moet.errors import ConfigError
 from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_shape_key, lookup_gqa_decode
+from moet.kernels.grid_sync import acquired, signal
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.pdl import pdl_enter, pdl_launch
@@ -204,14 +205,14 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
 
 @triton.jit
 def _gqa_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-        ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale, pages_min,
+        ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale, pages_min, s_ob, s_oh,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
-        PDL: tl.constexpr):
+        FUSED_MERGE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -263,6 +264,45 @@ def _gqa_decode_split_kernel(
         tl.store(m_ptr + row, m_i, mask=gmask)
         tl.store(l_ptr + row, l_i, mask=gmask)
         tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=gmask[:, None] & (dv[None, :] < DV))
+    if FUSED_MERGE:
+        # No merge launch: every program of (sequence, kv head) counts itself once its partials
+        # are stored (release), and the last to arrive (acquire) merges the group's heads in the
+        # merge kernel's fixed order -- whichever program that is -- then re-zeroes the counter
+        c = cnt_ptr + b * tl.num_programs(1) + h
+        if signal(c, not INTERPRET) == tl.num_programs(2) - 1:
+            tl.atomic_xchg(c, 0, sem="relaxed")
+            acquired(not INTERPRET)
+            _merge_group(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h * G + tl.arange(0, BLOCK_G),
+                         tl.arange(0, BLOCK_G) < G, tl.num_programs(1) * G, tl.num_programs(2), used,
+                         DV, BLOCK_G, BLOCK_DV, MAX_SPLITS)
+
+
+@triton.jit
+def _merge_group(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, qh, gmask, hq, num_splits, used,
+                 DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """_merge_splits_kernel's arithmetic, element for element in its order, for the BLOCK_G query
+    heads qh of sequence b at once; reads the partials past L1 (.cg: other SMs wrote them)."""
+    dv = tl.arange(0, BLOCK_DV)
+    base = (b * hq + qh) * num_splits
+    m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(MAX_SPLITS):                   # pass 1: global max, fixed order
+        if s < used:
+            m_max = tl.maximum(m_max, tl.load(m_ptr + base + s, mask=gmask, other=float("-inf"),
+                                              cache_modifier=".cg"))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    for s in range(MAX_SPLITS):                   # pass 2: rescale and add, fixed order
+        if s < used:
+            w = tl.exp(tl.load(m_ptr + base + s, mask=gmask, other=0.0, cache_modifier=".cg") - m_safe)
+            l_sum += w * tl.load(l_ptr + base + s, mask=gmask, other=0.0, cache_modifier=".cg")
+            total += w[:, None] * tl.load(acc_ptr + (base + s)[:, None] * DV + dv[None, :],
+                                          mask=gmask[:, None] & (dv[None, :] < DV), other=0.0,
+                                          cache_modifier=".cg")
+    pos = l_sum > 0
+    out = tl.where(pos[:, None], total / tl.where(pos, l_sum, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b * s_ob + qh[:, None] * s_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -433,7 +473,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     fused_merge: bool = False) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -442,7 +483,11 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     num_warps / num_stages: the launch, default gqa_decode_launch (the device table). num_stages
     is Triton's cp.async pipeline depth of the page loop only (same math, same order: the same
     bits); num_warps sets the dots' and reductions' layouts, so like the splits it may change the
-    last bits and must be fixed per model (the table never varies it by batch size)."""
+    last bits and must be fixed per model (the table never varies it by batch size).
+    fused_merge: no merge launch; the last program of each (sequence, kv head) merges its heads'
+    splits in the merge kernel's order (the same bits under the interpreter; compiled, another
+    kernel's arithmetic may contract differently). Not used by the engine yet (attention_bench
+    measures it)."""
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -467,19 +512,37 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     vs = cache.v_scale if cache.v_scale is not None else m
     sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
     sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
+    cnt = _merge_counters(q.device, b * hkv) if fused_merge else m    # any pointer when not fused
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
-        q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_,
+        q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt,
         q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
-        *sk[:3], *sv[:3], block_tables.stride(0), float(scale), pages_min,
+        *sk[:3], *sv[:3], block_tables.stride(0), float(scale), pages_min, out.stride(0), out.stride(1),
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
-    _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
-                                  HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
-                                  **pdl_launch(q))
+        FUSED_MERGE=fused_merge, num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
+    if not fused_merge:
+        _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
+                                      HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
+                                      **pdl_launch(q))
     return out
+
+
+MERGE_COUNTERS = 1 << 16                  # (sequence, kv head) pairs one fused-merge launch may have
+_merge_counter_bufs: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The device's fused-merge counters: zero between launches (each launch's last programs
+    re-zero theirs). Made on the first call, which CUDA-graph warm-up runs before capture."""
+    if n > MERGE_COUNTERS:
+        raise ConfigError(f"paged decode (triton): a fused merge of {n} (sequence, kv head) pairs exceeds "
+                          f"{MERGE_COUNTERS}; use fused_merge=False")
+    buf = _merge_counter_bufs.get(device)
+    if buf is None:
+        buf = _merge_counter_bufs[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,

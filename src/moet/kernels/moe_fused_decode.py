@@ -38,9 +38,9 @@ resident writes nothing, is counted once into the miss counter and adds zero; it
 signal and wait like any other, so liveness never depends on two items reading the slot table
 alike.
 
-Memory ordering: a producer's stores, then fence.acq_rel.gpu in every thread, a CTA barrier and
-the atomic; a consumer's acquire atomic, the fence and a barrier, then loads that bypass L1
-(.cg: act and y were written by other SMs during this launch).
+Memory ordering (kernels/grid_sync.py): a producer's stores, then fence.acq_rel.gpu in every
+thread, a CTA barrier and the atomic; a consumer's acquire atomic, the fence and a barrier, then
+loads that bypass L1 (.cg: act and y were written by other SMs during this launch).
 """
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moet.kernels.grid_sync import gpu_fence as _gpu_fence
+from moet.kernels.grid_sync import signal as _signal
+from moet.kernels.grid_sync import wait_at_least as _wait_at_least
 from moet.kernels.moe_configs import FUSED_MAX_PAIRS
 from moet.kernels.moe_triton import _down_rows, _pdl_wait, _tm_gate_up_item
 
@@ -65,32 +68,6 @@ def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     if buf is None:
         buf = _counters[device] = torch.zeros(_COUNTER_INTS, dtype=torch.int32, device=device)
     return buf
-
-
-@triton.jit
-def _gpu_fence(USE_ASM: tl.constexpr):
-    """fence.acq_rel.gpu in every thread (the interpreter runs one program at a time: nothing to order)."""
-    if USE_ASM:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
-def _signal(ptr, USE_ASM: tl.constexpr):
-    """This program's stores before it, visible GPU-wide, then ptr += 1; returns the old value."""
-    _gpu_fence(USE_ASM)
-    tl.debug_barrier()
-    return tl.atomic_add(ptr, 1, sem="acq_rel")
-
-
-@triton.jit
-def _wait_at_least(ptr, target, USE_ASM: tl.constexpr):
-    """Spin until *ptr >= target; what its producers stored before signalling is then visible."""
-    c = tl.atomic_add(ptr, 0, sem="acquire")
-    while c < target:
-        c = tl.atomic_add(ptr, 0, sem="acquire")
-    _gpu_fence(USE_ASM)
-    tl.debug_barrier()
 
 
 @triton.jit

@@ -1,0 +1,45 @@
+"""Hand-offs between the programs of one launch (GPU-wide counters), shared by the kernels whose
+programs pass work to each other: the one-launch MoE decode (moe_fused_decode) and the fused
+split merge of the paged decode (attention_triton, fused_merge).
+
+Memory ordering: a producer's stores, then fence.acq_rel.gpu in every thread, a CTA barrier and
+the atomic (signal); a consumer's acquire atomic (or the producer-side atomic's result), the fence
+and a barrier (acquired), then loads that bypass L1 (.cg: other SMs wrote the data during this
+launch). Under the interpreter programs run one after another: the fences compile to nothing.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gpu_fence(USE_ASM: tl.constexpr):
+    """fence.acq_rel.gpu in every thread (the interpreter runs one program at a time: nothing to order)."""
+    if USE_ASM:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def signal(ptr, USE_ASM: tl.constexpr):
+    """This program's stores before it, visible GPU-wide, then ptr += 1; returns the old value."""
+    gpu_fence(USE_ASM)
+    tl.debug_barrier()
+    return tl.atomic_add(ptr, 1, sem="acq_rel")
+
+
+@triton.jit
+def acquired(USE_ASM: tl.constexpr):
+    """After an atomic that observed the producers' signals: their stores visible to every thread."""
+    gpu_fence(USE_ASM)
+    tl.debug_barrier()
+
+
+@triton.jit
+def wait_at_least(ptr, target, USE_ASM: tl.constexpr):
+    """Spin until *ptr >= target; what its producers stored before signalling is then visible."""
+    c = tl.atomic_add(ptr, 0, sem="acquire")
+    while c < target:
+        c = tl.atomic_add(ptr, 0, sem="acquire")
+    acquired(USE_ASM)
