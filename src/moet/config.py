@@ -95,6 +95,10 @@ class EngineConfig:
               "running stream waits; the decode graphs' capture covers decode. Seconds on a first start, "
               "less with Triton's on-disk cache. Not with the expert store (its hot set would learn the "
               "warm-up's random prompts)")
+    attention_fused_merge: bool = _knob(
+        False, "GQA paged decode on CUDA: each sequence's split partials merged by the split kernel's last "
+               "program instead of a second launch (one launch a layer fewer). Off until measured on the H200; "
+               "process-wide once set, fixed for the model (it may move the last bits, like the split count)")
     small_kernel_pdl: bool = _knob(
         False, "on sm_90+, launch the small Triton kernels of a step (norms, q/k rotary, KV store, attention "
                "decode and split merge, router GEMV and top-k) with programmatic dependent launch: each one's "

@@ -118,7 +118,7 @@ def test_every_engine_config_field_is_an_llm_keyword(path, tmp_path):
                   block_size=8, kv_cache_dtype="bf16", gpu_memory_utilization=0.5, kv_cache_memory_gb=0.01,
                   num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False,
                   enable_chunked_prefill=False, enforce_eager=True, overlap_shared_experts=True, async_scheduling=True,
-                  small_kernel_pdl=True, compile_warmup=True,
+                  small_kernel_pdl=True, compile_warmup=True, attention_fused_merge=True,
                   # expert store: pack_dir set turns it on; 1 GiB holds every expert of the tiny model
                   pack_dir=str(tmp_path), expert_cache_slots=None, expert_cache_gb=1.0, expert_cache_policy="lru",
                   host_arena_gb=0.01, miss_tolerance=2, pack_verify="full", rebuild_pack=True, o_direct=False,

@@ -6,7 +6,8 @@
 #       1 / 8 / 32 streams and Qwen3 1 / 32 with and without --small-kernel-pdl in the same call, and the
 #       GLM batch-1 async profile with it on (GPU timeline: the idle between kernels it should shrink).
 #       If faster and bit-identical: make small_kernel_pdl default True (config.py, test_pdl.py).
-#       Also new since run 17, measured by the same engine runs: the softmax routers' decode GEMV in Triton
+#       Then GLM single stream with --small-kernel-pdl --attention-fused-merge (GPU tests:
+#       tests/engine/test_attention_fused_merge_cuda.py). Also new since run 17, measured by the same engine runs: the softmax routers' decode GEMV in Triton
 #       (bf16 out; Qwen3 had cuBLAS's), compile_warmup (off in engine_bench, on in the server).
 #   bash tools/kernel_lab/run18.sh attn    (~3 min) issue 5: attention_bench --quick with the fused split merge
 #       (paged_decode_gqa(fused_merge=True): no merge launch; never run on a GPU): its speed, and whether its
@@ -26,6 +27,9 @@ pdl)
         > $R/gpu_tests.txt 2>&1
     rc=$?; echo "gpu tests rc=$rc"; grep -E "FAILED|passed|failed" $R/gpu_tests.txt | tail -6
     if [ $rc -ne 0 ]; then tar czf $OUT/pdl.tgz -C $R .; exit 1; fi
+    timeout -k 5 100 python -m pytest -q -p no:cacheprovider tests/engine/test_attention_fused_merge_cuda.py \
+        tests/kernels/test_attention_triton.py > $R/gpu_tests_fm.txt 2>&1
+    fm_rc=$?; echo "fused-merge gpu tests rc=$fm_rc"; grep -E "FAILED|passed|failed" $R/gpu_tests_fm.txt | tail -4
     el "router GEMV: fp32 (sigmoid) and bf16 (softmax, new in the engine for Qwen3 / Mixtral decode)"
     timeout -k 5 60 python tools/kernel_lab/router_bench.py --out $R 2>&1 | cut -c1-400
     for spec in "glm45air 1,8,32" "qwen3_30b 1,32"; do
@@ -38,6 +42,10 @@ pdl)
             echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_${m}_$tag.txt | cut -c1-200
         done
     done
+    el "engine glm45air 1 stream, pdl + attention fused merge"
+    [ $fm_rc -eq 0 ] && timeout -k 5 100 python -m moet.bench.engine_bench --models glm45air --streams 1 --prefill 0 --small-kernel-pdl \
+        --attention-fused-merge --budget-s 90 --out $R/engine/glm45air_pdl_fm > $R/engine/log_glm45air_pdl_fm.txt 2>&1
+    echo "rc=$?"; grep -E "single stream|FAIL|rror" $R/engine/log_glm45air_pdl_fm.txt | cut -c1-200
     el "profile glm45air batch 1, async, small-kernel pdl"
     timeout -k 5 80 python tools/kernel_lab/engine_profile.py --out $R/engine --model glm45air --batch 1 --steps 10 \
         --small-kernel-pdl > /dev/null 2>&1; head -1 $R/engine/engine_profile_glm45air_b1.txt

@@ -144,6 +144,7 @@ def make_engine(model, cfg: dict, device, args, max_model_len: int):
                       overlap_shared_experts=not getattr(args, "no_overlap_shared_experts", False),
                       async_scheduling=getattr(args, "async_scheduling", True),
                       small_kernel_pdl=getattr(args, "small_kernel_pdl", False),
+                      attention_fused_merge=getattr(args, "attention_fused_merge", False),
                       # the bench warms up what it times itself; the start-up ladder would only add
                       # compiles of variants it never runs to its device budget
                       compile_warmup=False)
@@ -421,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-kernel-pdl", action="store_true",
                     help="EngineConfig.small_kernel_pdl on (the step's small Triton kernels under programmatic "
                          "dependent launch)")
+    ap.add_argument("--attention-fused-merge", action="store_true",
+                    help="EngineConfig.attention_fused_merge on (GQA decode without the merge launch)")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args(argv)

@@ -30,6 +30,7 @@ import torch
 from moet.config import EngineConfig
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
+from moet.kernels.attention_ops import set_gqa_fused_merge
 from moet.kernels.kv_cache import KVFormat
 from moet.kernels.pdl import set_small_kernel_pdl
 from moet.model.attention_batch import AttentionBatch
@@ -66,6 +67,7 @@ class ModelRunner:
         if device.type == "cuda":       # one q/k/v GEMV per layer instead of three (decode is launch-bound)
             model.fuse_projections()
             set_small_kernel_pdl(config.small_kernel_pdl)
+            set_gqa_fused_merge(config.attention_fused_merge)
             if config.overlap_shared_experts:
                 model.overlap_shared_experts(device)
         self.max_model_len = max_model_len

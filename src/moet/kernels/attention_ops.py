@@ -29,6 +29,16 @@ from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 # 150-token context, one program walking four dependent load -> dot -> softmax steps.
 DEFAULT_SPLIT_TOKENS = 64
 
+# GQA decode with the split merge in the split kernel (attention_triton fused_merge): set once per
+# process by the CUDA model runner from EngineConfig.attention_fused_merge, so fixed for a model
+# like the split partition (it may move the last bits)
+_gqa_fused_merge = False
+
+
+def set_gqa_fused_merge(on: bool) -> None:
+    global _gqa_fused_merge
+    _gqa_fused_merge = bool(on)
+
 
 def _on_gpu(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
@@ -58,7 +68,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     if _on_gpu(cache.k):
         from moet.kernels import attention_triton
         return attention_triton.paged_decode_gqa(q, cache, block_tables, seq_lens, scale, sliding_window,
-                                                 split_tokens=split_tokens)
+                                                 split_tokens=split_tokens, fused_merge=_gqa_fused_merge)
     return ref.paged_decode_gqa(q, cache, block_tables, seq_lens, scale, sliding_window)
 
 
