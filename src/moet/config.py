@@ -87,7 +87,8 @@ class EngineConfig:
                "steps, except that a sequence stopping on a stop token or string is computed once more "
                "(dropped), which can move other rows' last bits in batch-variant kernels. Sequences with "
                "repetition / frequency / presence penalties, and the expert store, run synchronously (H200, "
-               "GLM-4.5-Air W2, 2026-12-01: single stream 146.7 vs 140.8 tok/s, 32 streams 1,577 vs 1,543)")
+               "GLM-4.5-Air W2, 2026-12-01, same run: single stream 152.6 vs 145.6 tok/s, 32 streams 1,605 vs "
+               "1,532)")
     compile_warmup: bool = _knob(
         True, "on CUDA, before the first request: one prefill at each token count 1, 2, 3, 4, 5, 8, 9, ... "
               "2^k, 2^k + 1 up to max_num_batched_tokens, so the kernel variants a step can pick (Triton "
