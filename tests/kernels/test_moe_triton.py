@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -462,6 +463,9 @@ def test_kernels_compile_for_sm90():
     # the few-token paths, GPU-only code (the interpreter never compiles): run 13 found token-major
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
+    # the split gate/up with its SwiGLU finish in its last programs: the hand-off compiled in
+    ff = [line for line in r.stdout.splitlines() if line.startswith("gemm-fused-finish")]
+    assert len(ff) == 2 and all(line.endswith("handoff") for line in ff), r.stdout
 
 
 def test_reference_w2_decode_is_the_formats_dequantize_in_both_layouts():
@@ -491,3 +495,34 @@ def test_table_tile_grows_with_pairs_per_expert():
     assert mt.fit_token_tile(one, 128, 16).BM == 8                     # moet-tiny at batch 32
     assert mt.fit_token_tile(MoEConfig(8, GemmConfig(), GemmConfig()), 64, 64).BM == 8
     assert mt.fit_token_tile(one, 4096, 128) is one                    # prefill regime: its own table
+
+
+@pytest.mark.parametrize("fmt,cfg", [("w2", MoEConfig(16, GemmConfig(32, 16, 2, 4, 2), GemmConfig(16, 16, 1, 4, 2))),
+                                     ("fp4", MoEConfig(1, GemmConfig(16, 16, 3, 2, 2), GemmConfig(32, 16, 1, 2, 2)))])
+def test_fused_finish_is_the_finish_kernels_result(poisoned, fmt, cfg):
+    """MoEConfig.fused_finish (the split gate/up's last program per tile and row block does the
+    SwiGLU finish, no finish launch): the two-launch result bit for bit under the interpreter
+    (within fp32 rounding compiled), misses counted alike, the counters zero after the launch,
+    the SwiGLU clamp on; and the JSON round trip."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(31 if fmt == "w2" else 32)
+    pool = _w2_pool(6, 64, 32, g) if fmt == "w2" else _fp4_pool(6, 64, 32, g)
+    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    tab = _table([3, -1, 0, 5, -1, 1])
+    x, ids, w = _inputs(5, 4, 64, 6, g)
+    m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    m2 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    two = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+    ff = replace(cfg, fused_finish=True)
+    one = run(x, ids, w, tab, pool, m2, swiglu_limit=1.5, config=ff)
+    if DEVICE == "cpu":
+        assert torch.equal(one, two)
+    else:
+        assert _relerr(one, two) <= 1e-6
+    assert int(m1.item()) == int(m2.item()) > 0
+    assert int(mt._finish_counters(one.device).abs().sum()) == 0
+    assert torch.equal(one, run(x, ids, w, tab, pool, m2, swiglu_limit=1.5, config=ff))
+    ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                swiglu_limit=1.5)
+    assert _relerr(one, ref) <= BOUND
+    assert MoEConfig.from_json(ff.to_json()) == ff and "fused_finish" not in cfg.to_json()

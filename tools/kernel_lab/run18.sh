@@ -13,6 +13,11 @@
 #       (paged_decode_gqa(fused_merge=True): no merge launch; never run on a GPU): its speed, and whether its
 #       bits equal the two-launch decode's (the record's same_output_as_first_of_partition; if they do not,
 #       the engine may only use it fixed per model, like the split count)
+#   bash tools/kernel_lab/run18.sh tune    (~6 min) issue 4: MoEConfig.fused_finish (the split gate/up's SwiGLU finish
+#       in its last programs: one launch fewer a layer; never run on a GPU): its GPU tests, then moe_kernel_tune at
+#       T = 1 / 2 (the tuner tries it on the best split config, keeps it when >= 2% faster and correct, writes the
+#       table: merge the returned tune/moe_configs.json locally with moe_kernel_tune.merge_table), then
+#       engine_bench GLM-4.5-Air and Qwen3 single stream / 32 streams with the new table
 #   bash tools/kernel_lab/run18.sh serve   (~4 min) issue 9 follow-up: serve_bench http,python,http_process with
 #       async scheduling on (run 17's engine-process phase failed on the AsyncDecode reference cycle, fixed).
 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -52,6 +57,21 @@ pdl)
     grep -A2 "GPU timeline" $R/engine/engine_profile_glm45air_b1.txt | cut -c1-200
     rm -f $R/engine/engine_trace_*.json
     el "done" ;;
+tune)
+    mkdir -p $R/tune
+    timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py > $R/tune/gpu_tests.txt 2>&1
+    rc=$?; echo "moe gpu tests rc=$rc"; grep -E "FAILED|passed|failed" $R/tune/gpu_tests.txt | tail -4
+    if [ $rc -ne 0 ]; then tar czf $OUT/tune.tgz -C $R .; exit 1; fi
+    timeout -k 5 --signal=INT 230 python -m moet.bench.moe_kernel_tune --out $R/tune --budget-s 210 \
+        --shapes glm,qwen,deepseek --formats w2 --tokens 1,2 --tune glm:1,qwen:1,deepseek:1,glm:2 \
+        --write-table > $R/tune/log.txt 2>&1; echo "rc=$?"
+    grep -E "^\[|fused finish|merged" $R/tune/log.txt | cut -c1-220 | tail -20
+    for m in glm45air qwen3_30b; do
+        el "engine $m"
+        timeout -k 5 100 python -m moet.bench.engine_bench --models $m --streams 1,32 --prefill 0 --budget-s 90 \
+            --out $R/tune/engine_$m > $R/tune/log_engine_$m.txt 2>&1
+        echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror" $R/tune/log_engine_$m.txt | cut -c1-200
+    done ;;
 attn)
     mkdir -p $R/attn
     timeout -k 5 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_triton.py -k fused_merge \
@@ -64,6 +84,6 @@ serve)
     timeout -k 5 300 python -m moet.bench.serve_bench --phases http,python,http_process --requests 64 --concurrency 16 \
         --max-tokens 64 --budget-s 280 --out $R/serve/serve_bench.json > $R/serve/log.txt 2>&1
     echo "rc=$?"; grep -E "^\[(python|http|http_process)\] \{|correct|rror" $R/serve/log.txt | cut -c1-300 ;;
-*) echo "usage: run18.sh pdl|attn|serve"; exit 2 ;;
+*) echo "usage: run18.sh pdl|tune|attn|serve"; exit 2 ;;
 esac
 tar czf $OUT/${1}.tgz -C $R .

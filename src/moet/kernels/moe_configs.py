@@ -55,6 +55,9 @@ class MoEConfig:
     # gate/up items, down BN / BKH for the down items, gate_up's num_warps / num_stages for the
     # launch; BM and SPLIT_K are unused
     fused: bool = False
+    # the tiled path with a split gate/up (gate_up.SPLIT_K > 1): its last program per (tile, row
+    # block) does the SwiGLU finish, so the layer has one launch fewer (moe_triton FUSED_FINISH)
+    fused_finish: bool = False
 
     def to_json(self) -> dict:
         d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
@@ -64,12 +67,15 @@ class MoEConfig:
             d["token_major"] = True
         if self.fused:
             d["fused"] = True
+        if self.fused_finish:
+            d["fused_finish"] = True
         return d
 
     @staticmethod
     def from_json(d: dict) -> "MoEConfig":
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
-                         bool(d.get("token_major", False)), bool(d.get("fused", False)))
+                         bool(d.get("token_major", False)), bool(d.get("fused", False)),
+                         bool(d.get("fused_finish", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

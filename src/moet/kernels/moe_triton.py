@@ -69,6 +69,7 @@ from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
 from moet.kernels.moe_configs import (FUSED_MAX_PAIRS, SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig,
                                       lookup)
+from moet.kernels.grid_sync import acquired, signal
 from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent launch (sm_90+)
 from moet.kernels.pools import FP4Pool, W2Pool
 
@@ -281,14 +282,18 @@ def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
 # ===================================================================================== kernels
 
 @triton.jit
-def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_ptr,
+def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_ptr, act_ptr, cnt_ptr,
                      s_x, s_wq_slot, s_sc_slot, limit, P,
                      N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, PDL: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
+                     PDL: tl.constexpr):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
-    [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N]."""
+    [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
+    FUSED_FINISH (GATE_UP, SPLIT_K > 1): the last of a (tile, row block)'s SPLIT_K programs also
+    does _swiglu_finish_kernel's work for it -- the same sums in the same order -- into act_ptr,
+    counting arrivals in cnt_ptr (zero again when it is done), so no finish launch follows."""
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -348,6 +353,21 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                 base = out_ptr + (ks.to(tl.int64) * P + p64[None, :]) * (2 * N) + n[:, None]
                 tl.store(base, acc, mask=omask)
                 tl.store(base + N, acc2, mask=omask)
+                if FUSED_FINISH:
+                    c = cnt_ptr + b * tl.num_programs(0) + pid_n
+                    if signal(c, USE_ASM) == SPLIT_K - 1:        # the tile's last split for these rows
+                        tl.atomic_xchg(c, 0, sem="relaxed")
+                        acquired(USE_ASM)
+                        g_sum = tl.zeros([BN, BM], dtype=tl.float32)
+                        u_sum = tl.zeros([BN, BM], dtype=tl.float32)
+                        for s in tl.static_range(SPLIT_K):
+                            row = out_ptr + (s * P + p64[None, :]) * (2 * N) + n[:, None]
+                            g_sum += tl.load(row, mask=omask, other=0.0, cache_modifier=".cg")
+                            u_sum += tl.load(row + N, mask=omask, other=0.0, cache_modifier=".cg")
+                        a = _swiglu(g_sum, u_sum, limit, HAS_LIMIT)
+                        nperm = (n % UPW) * (N // UPW) + n // UPW
+                        tl.store(act_ptr + p64[None, :] * N + nperm[:, None], a.to(act_ptr.dtype.element_ty),
+                                 mask=omask)
         else:
             tl.store(out_ptr + (ks.to(tl.int64) * P + p64[None, :]) * N + n[:, None], acc, mask=omask)
 
@@ -636,6 +656,19 @@ def _check_shapes(hidden: torch.Tensor, fmt: int, ops) -> tuple[int, int]:
     return h, i
 
 
+FINISH_COUNTERS = 1 << 16                  # (tile, row block) pairs of one fused-finish gate/up launch
+_finish_counter_bufs: dict[torch.device, torch.Tensor] = {}
+
+
+def _finish_counters(device: torch.device) -> torch.Tensor:
+    """The device's fused-finish counters: zero between launches (each launch's last programs
+    re-zero theirs). Made on the first call, which CUDA-graph warm-up runs before capture."""
+    buf = _finish_counter_bufs.get(device)
+    if buf is None:
+        buf = _finish_counter_bufs[device] = torch.zeros(FINISH_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
 def fit_token_tile(config: MoEConfig, pairs: int, num_slots: int) -> MoEConfig:
     """A table config tuned at fewer pairs than this call (the nearest bucket is smaller) can carry
     a token tile far below the pairs each expert now gets: BM 1 at 4 pairs per expert reads every
@@ -726,19 +759,22 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         gu_out = act
     else:
         gu_out = _workspace((cg.SPLIT_K, p, 2 * i), torch.float32, dev)
+    # the SwiGLU finish of a split gate/up in its last programs (MoEConfig.fused_finish): one launch less
+    fuse_finish = config.fused_finish and cg.SPLIT_K > 1 and nb * triton.cdiv(i, cg.BN) <= FINISH_COUNTERS
+    cnt = _finish_counters(dev) if fuse_finish else gu_out          # any pointer when not fused
     _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
-        x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, h, gu_q.stride(0), gu_s.stride(0),
-        limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
+        x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, h, gu_q.stride(0), gu_s.stride(0),
+        limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH, FUSED_FINISH=fuse_finish,
         num_warps=cg.num_warps, num_stages=cg.num_stages, **common, **pdl)
-    if cg.SPLIT_K > 1:
+    if cg.SPLIT_K > 1 and not fuse_finish:
         bi = min(1024, triton.next_power_of_2(i))
         _swiglu_finish_kernel[(p, triton.cdiv(i, bi))](gu_out, act, ids, table, limit, p, I=i, UPW=upw,
                                                          SPLIT_K=cg.SPLIT_K,
                                                          HAS_LIMIT=has_limit, BI=bi, num_warps=4, **pdl)
     y = _workspace((cd.SPLIT_K, p, h), torch.float32, dev)
     _moe_gemm_kernel[(triton.cdiv(h, cd.BN), nb, cd.SPLIT_K)](
-        act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, act.stride(0), dn_q.stride(0), dn_s.stride(0),
-        limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
+        act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, y, y, act.stride(0), dn_q.stride(0), dn_s.stride(0),
+        limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH, FUSED_FINISH=False,
         num_warps=cd.num_warps, num_stages=cd.num_stages, **common, **pdl)
     bh = min(1024, triton.next_power_of_2(h))
     _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K, BH=bh,
