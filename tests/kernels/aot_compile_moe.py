@@ -17,8 +17,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int = 3):
-    if "FUSED_FINISH" in fn.arg_names:       # the separate finish launch unless asked
-        const = {"FUSED_FINISH": False, **const}
+    for flag in ("FUSED_FINISH", "FUSED_COMBINE", "ZERO_OUT"):   # the separate launches unless asked
+        if flag in fn.arg_names:
+            const = {flag: False, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     opts = {"num_warps": num_warps, "num_stages": num_stages}
@@ -52,6 +53,16 @@ def main(quick: bool = False) -> None:
         ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
         ok = "fence.acq_rel.gpu" in ptx and "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
         print("gemm-fused-finish", name, "handoff" if ok else "no-handoff")
+        # the down GEMM with the top-k combine in its last program per (token, row block)
+        types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",
+                     bslot_ptr="*i32", out_ptr="*fp32", act_ptr="*bf16", cnt_ptr="*i32", ids_ptr="*i64",
+                     table_ptr="*i32", tw_ptr="*fp32", s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32",
+                     P="i32")
+        const = dict(N=7168, K=2048, TOPK=8, GATE_UP=False, FMT=fmt, SPLIT_K=1, HAS_LIMIT=False, USE_ASM=True,
+                     BM=2, BN=32, BKH=32, PDL=True, FUSED_COMBINE=True)
+        ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
+        ok = "fence.acq_rel.gpu" in ptx and "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+        print("gemm-fused-combine", name, "handoff" if ok else "no-handoff")
     c = _compile(m._prep_small_kernel, dict(ids_ptr="*i64", table_ptr="*i32", sorted_ptr="*i32", bslot_ptr="*i32",
                                             nblk_ptr="*i32", miss_ptr="*i64", P="i32", NB="i32", x_ptr="*bf16",
                                             xp_ptr="*bf16", s_x="i32"),

@@ -185,8 +185,9 @@ def test_small_align_kernel(t, k, num_experts, bm, seed):
     x = torch.randn(t, h, generator=g).to(DEVICE)
     xp = torch.full((t, upw, h // upw), float("nan"), device=DEVICE)
     mt._prep_small_kernel[(1 + t,)](ids.reshape(-1), table, sorted_ids, bslot, torch.empty(pp, dtype=torch.int32,
-                                    device=DEVICE), miss, p, nb, x, xp, x.stride(0),
-                                    H=h, UPW=upw, BH=64, BM=bm, PP=pp, QB=min(pp, 32), FILL=64, PDL=False)
+                                    device=DEVICE), miss, p, nb, x, xp, x.stride(0), x,
+                                    H=h, UPW=upw, BH=64, BM=bm, PP=pp, QB=min(pp, 32), FILL=64, ZERO_OUT=False,
+                                    PDL=False)
     _, _, misses, per = _align_brute(ids.cpu(), table.cpu(), slots, bm)
     assert int(miss.item()) == 5 + misses
     assert torch.equal(xp, x.reshape(t, h // upw, upw).transpose(1, 2))
@@ -464,8 +465,9 @@ def test_kernels_compile_for_sm90():
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
     # the split gate/up with its SwiGLU finish in its last programs: the hand-off compiled in
-    ff = [line for line in r.stdout.splitlines() if line.startswith("gemm-fused-finish")]
-    assert len(ff) == 2 and all(line.endswith("handoff") for line in ff), r.stdout
+    for kind in ("gemm-fused-finish", "gemm-fused-combine"):
+        ff = [line for line in r.stdout.splitlines() if line.startswith(kind)]
+        assert len(ff) == 2 and all(line.endswith(" handoff") for line in ff), r.stdout
 
 
 def test_reference_w2_decode_is_the_formats_dequantize_in_both_layouts():
@@ -526,3 +528,36 @@ def test_fused_finish_is_the_finish_kernels_result(poisoned, fmt, cfg):
                                 swiglu_limit=1.5)
     assert _relerr(one, ref) <= BOUND
     assert MoEConfig.from_json(ff.to_json()) == ff and "fused_finish" not in cfg.to_json()
+
+
+@pytest.mark.parametrize("fmt,cfg", [
+    ("w2", MoEConfig(16, GemmConfig(32, 16, 2, 4, 2), GemmConfig(16, 16, 2, 4, 2), fused_finish=True)),
+    ("w2", MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2))),
+    ("fp4", MoEConfig(2, GemmConfig(16, 16, 3, 2, 2), GemmConfig(16, 16, 1, 2, 2), fused_finish=True))])
+def test_fused_combine_is_the_combine_kernels_result(poisoned, fmt, cfg):
+    """MoEConfig.fused_combine (the down GEMM's last program per (token, row block) sums the
+    token's pairs, no combine launch): the two-launch result bit for bit under the interpreter,
+    tiles of one and of several pairs, split and unsplit down, a token whose experts are all
+    absent (its row zero: the prep kernel wrote it), counters zero after, the JSON round trip."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(41 if fmt == "w2" else 42)
+    pool = _w2_pool(6, 64, 32, g) if fmt == "w2" else _fp4_pool(6, 64, 32, g)
+    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    tab = _table([3, -1, 0, 5, -1, 1])
+    x, ids, w = _inputs(5, 2, 64, 6, g)
+    ids[2] = torch.tensor([1, 4])                            # token 2: both experts absent
+    m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    m2 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    two = run(x, ids, w, tab, pool, m1, config=cfg)
+    fc = replace(cfg, fused_combine=True)
+    one = run(x, ids, w, tab, pool, m2, config=fc)
+    if DEVICE == "cpu":
+        assert torch.equal(one, two)
+    else:
+        assert _relerr(one, two) <= 1e-6
+    assert bool((one[2] == 0).all()) and int(m1.item()) == int(m2.item()) >= 2
+    assert int(mt._finish_counters(one.device).abs().sum()) == 0
+    assert torch.equal(one, run(x, ids, w, tab, pool, m2, config=fc))
+    ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    assert _relerr(one, ref) <= BOUND
+    assert MoEConfig.from_json(fc.to_json()) == fc and "fused_combine" not in cfg.to_json()

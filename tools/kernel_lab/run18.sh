@@ -14,7 +14,8 @@
 #       bits equal the two-launch decode's (the record's same_output_as_first_of_partition; if they do not,
 #       the engine may only use it fixed per model, like the split count)
 #   bash tools/kernel_lab/run18.sh tune    (~6 min) issue 4: MoEConfig.fused_finish (the split gate/up's SwiGLU finish
-#       in its last programs: one launch fewer a layer; never run on a GPU): its GPU tests, then moe_kernel_tune at
+#       in its last programs) and .fused_combine (the top-k combine in the down GEMM's last programs): one launch
+#       fewer a layer each; never run on a GPU): their GPU tests, then moe_kernel_tune at
 #       T = 1 / 2 (the tuner tries it on the best split config, keeps it when >= 2% faster and correct, writes the
 #       table: merge the returned tune/moe_configs.json locally with moe_kernel_tune.merge_table), then
 #       engine_bench GLM-4.5-Air and Qwen3 single stream / 32 streams with the new table
@@ -65,7 +66,7 @@ tune)
     timeout -k 5 --signal=INT 230 python -m moet.bench.moe_kernel_tune --out $R/tune --budget-s 210 \
         --shapes glm,qwen,deepseek --formats w2 --tokens 1,2 --tune glm:1,qwen:1,deepseek:1,glm:2 \
         --write-table > $R/tune/log.txt 2>&1; echo "rc=$?"
-    grep -E "^\[|fused finish|merged" $R/tune/log.txt | cut -c1-220 | tail -20
+    grep -E "^\[|fused finish|fused combine|merged" $R/tune/log.txt | cut -c1-220 | tail -20
     for m in glm45air qwen3_30b; do
         el "engine $m"
         timeout -k 5 100 python -m moet.bench.engine_bench --models $m --streams 1,32 --prefill 0 --budget-s 90 \

@@ -421,6 +421,20 @@ def main():
                             print(f"    {key} T{t} fused finish: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                             if chk.get("ok") and on["us"] < 0.98 * best_us:
                                 best, best_us = c, on["us"]
+                        if regime == "decode" and not best.fused and not best.token_major and left() > 0:
+                            # the top-k combine in the down GEMM's last programs: one launch fewer
+                            c = replace(best, fused_combine=True)
+                            try:
+                                on = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
+                                chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
+                            except Exception as exc:
+                                traceback.print_exc()
+                                on, chk = {"us": float("inf"), "error": repr(exc)[:1000]}, {}
+                            rep.setdefault("fused_combine", {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on,
+                                                                                   "check": chk}
+                            print(f"    {key} T{t} fused combine: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
+                            if chk.get("ok") and on["us"] < 0.98 * best_us:
+                                best, best_us = c, on["us"]
                         for alt, max_pairs, alt_candidates, flag in _alternatives():
                             # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
                             # each kept if clearly faster than the tiled best and correct
@@ -430,7 +444,8 @@ def main():
                             for gu, dn in alt_candidates():
                                 # one few-token path at a time (a fused best must not ride along)
                                 c = replace(best, gate_up=gu, down=dn,
-                                            **{"fused": False, "token_major": False, "fused_finish": False, flag: True})
+                                            **{"fused": False, "token_major": False, "fused_finish": False,
+                                               "fused_combine": False, flag: True})
                                 try:
                                     r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 except Exception as exc:

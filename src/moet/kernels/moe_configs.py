@@ -58,6 +58,9 @@ class MoEConfig:
     # the tiled path with a split gate/up (gate_up.SPLIT_K > 1): its last program per (tile, row
     # block) does the SwiGLU finish, so the layer has one launch fewer (moe_triton FUSED_FINISH)
     fused_finish: bool = False
+    # decode regime: the top-k combine in the down GEMM's last program per (token, row block), so
+    # the layer has one launch fewer (moe_triton FUSED_COMBINE)
+    fused_combine: bool = False
 
     def to_json(self) -> dict:
         d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
@@ -69,13 +72,15 @@ class MoEConfig:
             d["fused"] = True
         if self.fused_finish:
             d["fused_finish"] = True
+        if self.fused_combine:
+            d["fused_combine"] = True
         return d
 
     @staticmethod
     def from_json(d: dict) -> "MoEConfig":
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
                          bool(d.get("token_major", False)), bool(d.get("fused", False)),
-                         bool(d.get("fused_finish", False)))
+                         bool(d.get("fused_finish", False)), bool(d.get("fused_combine", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

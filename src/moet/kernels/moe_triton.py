@@ -69,7 +69,7 @@ from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
 from moet.kernels.moe_configs import (FUSED_MAX_PAIRS, SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig,
                                       lookup)
-from moet.kernels.grid_sync import acquired, signal
+from moet.kernels.grid_sync import acquired, gpu_fence, signal
 from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent launch (sm_90+)
 from moet.kernels.pools import FP4Pool, W2Pool
 
@@ -283,17 +283,22 @@ def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_ptr, act_ptr, cnt_ptr,
-                     s_x, s_wq_slot, s_sc_slot, limit, P,
+                     ids_ptr, table_ptr, tw_ptr, s_x, s_wq_slot, s_sc_slot, limit, P,
                      N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
-                     PDL: tl.constexpr):
+                     FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
     FUSED_FINISH (GATE_UP, SPLIT_K > 1): the last of a (tile, row block)'s SPLIT_K programs also
     does _swiglu_finish_kernel's work for it -- the same sums in the same order -- into act_ptr,
-    counting arrivals in cnt_ptr (zero again when it is done), so no finish launch follows."""
+    counting arrivals in cnt_ptr (zero again when it is done), so no finish launch follows.
+    FUSED_COMBINE (down): each pair's program counts itself for its (token, row block) in cnt_ptr;
+    the program that brings it to (resident pairs of the token) x SPLIT_K does _combine_kernel's
+    sum for that token's rows into act_ptr (the layer output [T, N]) -- the same order, j then s --
+    and re-zeroes the counter. Tokens with no resident pair get no arrival: the prep kernel zeroed
+    their rows."""
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -370,6 +375,41 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                                  mask=omask)
         else:
             tl.store(out_ptr + (ks.to(tl.int64) * P + p64[None, :]) * N + n[:, None], acc, mask=omask)
+            if FUSED_COMBINE:
+                _combine_tail(out_ptr, act_ptr, cnt_ptr, ids_ptr, table_ptr, tw_ptr, pair, pmask, n, nmask, pid_n,
+                              P, N, TOPK, SPLIT_K, BM, BN, USE_ASM)
+
+
+@triton.jit
+def _combine_tail(y_ptr, out_ptr, cnt_ptr, ids_ptr, table_ptr, tw_ptr, pair, pmask, n, nmask, pid_n, P,
+                  N: tl.constexpr, TOPK: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  USE_ASM: tl.constexpr):
+    """FUSED_COMBINE's hand-off and sum for the BM pairs of one down program (see _moe_gemm_kernel)."""
+    tok = (pair // TOPK).to(tl.int64)                     # [BM]; padding rows (pair == P) are masked
+    resident = tl.zeros([BM], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        sj = tl.load(table_ptr + tl.load(ids_ptr + tok * TOPK + j, mask=pmask, other=0), mask=pmask, other=-1)
+        resident += (sj >= 0).to(tl.int32)
+    gpu_fence(USE_ASM)                                     # this program's y rows, GPU-wide
+    tl.debug_barrier()
+    c = cnt_ptr + tok * tl.num_programs(0) + pid_n
+    prev = tl.atomic_add(c, tl.full([BM], 1, tl.int32), mask=pmask, sem="acq_rel")
+    last = pmask & (prev == resident * SPLIT_K - 1)
+    if tl.max(last.to(tl.int32), 0) > 0:                   # the last arrival of some token here
+        tl.atomic_xchg(c, tl.zeros([BM], dtype=tl.int32), mask=last, sem="relaxed")
+        acquired(USE_ASM)
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        m2 = nmask[:, None] & last[None, :]
+        for j in tl.static_range(TOPK):
+            pr = tok * TOPK + j
+            sj = tl.load(table_ptr + tl.load(ids_ptr + pr, mask=last, other=0), mask=last, other=-1)
+            w = tl.load(tw_ptr + pr, mask=last, other=0.0).to(tl.float32)
+            v = tl.zeros([BN, BM], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                v += tl.load(y_ptr + (s * P + pr[None, :]) * N + n[:, None], mask=m2 & (sj >= 0)[None, :],
+                             other=0.0, cache_modifier=".cg")
+            acc += tl.where((sj >= 0)[None, :], v * w[None, :], 0.0)
+        tl.store(out_ptr + tok[None, :] * N + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -417,14 +457,16 @@ def _combine_kernel(ws_ptr, ids_ptr, table_ptr, tw_ptr, out_ptr, P, H: tl.conste
 
 @triton.jit
 def _prep_small_kernel(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, P, NB,
-                       x_ptr, xp_ptr, s_x, H: tl.constexpr, UPW: tl.constexpr, BH: tl.constexpr,
+                       x_ptr, xp_ptr, s_x, out_ptr, H: tl.constexpr, UPW: tl.constexpr, BH: tl.constexpr,
                        BM: tl.constexpr, PP: tl.constexpr, QB: tl.constexpr, FILL: tl.constexpr,
-                       PDL: tl.constexpr):
+                       ZERO_OUT: tl.constexpr, PDL: tl.constexpr):
     """Decode-regime preparation in one launch. Program 0 aligns the pairs: pair p (flattened
     [T, k]) of slot s goes to tile bstart(s) + rank // BM, row rank % BM, rank = #earlier
     pairs of s; slots in order of first appearance; padding rows hold P, unused tiles slot -1;
     misses (slot < 0) are added to miss_ptr[0]. Programs 1 + t * cdiv(H, BH) + c copy chunk c
-    of hidden row t into the slot-major order the GEMM reads (xp[t, q, u] = x[t, UPW u + q])."""
+    of hidden row t into the slot-major order the GEMM reads (xp[t, q, u] = x[t, UPW u + q]),
+    and with ZERO_OUT zero that chunk of the layer output (the fused combine writes only tokens
+    with a resident pair)."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid > 0:
@@ -434,6 +476,8 @@ def _prep_small_kernel(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss
         v = tl.load(x_ptr + t.to(tl.int64) * s_x + k, mask=km)
         tl.store(xp_ptr + t.to(tl.int64) * H + (k % UPW) * (H // UPW) + k // UPW,
                  v.to(xp_ptr.dtype.element_ty), mask=km)
+        if ZERO_OUT:
+            tl.store(out_ptr + t.to(tl.int64) * H + k, tl.zeros([BH], dtype=out_ptr.dtype.element_ty), mask=km)
     else:
         _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, P, NB, BM, PP, QB, FILL)
 
@@ -656,13 +700,14 @@ def _check_shapes(hidden: torch.Tensor, fmt: int, ops) -> tuple[int, int]:
     return h, i
 
 
-FINISH_COUNTERS = 1 << 16                  # (tile, row block) pairs of one fused-finish gate/up launch
+FINISH_COUNTERS = 1 << 16                  # (tile | token, row block) pairs of one fused-finish / -combine launch
 _finish_counter_bufs: dict[torch.device, torch.Tensor] = {}
 
 
 def _finish_counters(device: torch.device) -> torch.Tensor:
-    """The device's fused-finish counters: zero between launches (each launch's last programs
-    re-zero theirs). Made on the first call, which CUDA-graph warm-up runs before capture."""
+    """The device's fused-finish / fused-combine counters: zero between launches (each launch's
+    last programs re-zero theirs). Made on the first call, which CUDA-graph warm-up runs before
+    capture."""
     buf = _finish_counter_bufs.get(device)
     if buf is None:
         buf = _finish_counter_bufs[device] = torch.zeros(FINISH_COUNTERS, dtype=torch.int32, device=device)
@@ -738,6 +783,10 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
             num_warps=cd.num_warps, num_stages=cd.num_stages, **pdl)
         return
     x_perm = _workspace((t, upw, h // upw), op_dtype, dev)
+    # the top-k combine in the down GEMM's last programs (MoEConfig.fused_combine): one launch fewer;
+    # decode regime only (the prep kernel zeroes the rows of tokens no pair writes)
+    fuse_combine = (config.fused_combine and p <= SMALL_ALIGN_MAX_PAIRS
+                    and t * triton.cdiv(h, cd.BN) <= FINISH_COUNTERS)
     if p <= SMALL_ALIGN_MAX_PAIRS:
         nb = min(p, p // bm + min(p, num_slots))
         pp = triton.next_power_of_2(p)
@@ -746,8 +795,8 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         nblk = _workspace((pp,), torch.int32, dev)
         bh = min(2048, triton.next_power_of_2(h))
         _prep_small_kernel[(1 + t * triton.cdiv(h, bh),)](
-            ids, table, sorted_ids, bslot, nblk, miss_counter, p, nb, hidden, x_perm, hidden.stride(0),
-            H=h, UPW=upw, BH=bh, BM=bm, PP=pp, FILL=1024, **_align_launch(pp), **pdl)
+            ids, table, sorted_ids, bslot, nblk, miss_counter, p, nb, hidden, x_perm, hidden.stride(0), out,
+            H=h, UPW=upw, BH=bh, BM=bm, PP=pp, FILL=1024, ZERO_OUT=fuse_combine, **_align_launch(pp), **pdl)
     else:
         aligned = moe_align_block_size(topk_ids, slot_table, num_slots, bm)
         sorted_ids, bslot, nb = aligned.sorted_ids, aligned.block_slot, aligned.num_blocks
@@ -763,22 +812,28 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     fuse_finish = config.fused_finish and cg.SPLIT_K > 1 and nb * triton.cdiv(i, cg.BN) <= FINISH_COUNTERS
     cnt = _finish_counters(dev) if fuse_finish else gu_out          # any pointer when not fused
     _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
-        x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, h, gu_q.stride(0), gu_s.stride(0),
-        limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH, FUSED_FINISH=fuse_finish,
-        num_warps=cg.num_warps, num_stages=cg.num_stages, **common, **pdl)
+        x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
+        gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
+        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, num_warps=cg.num_warps, num_stages=cg.num_stages,
+        **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
         bi = min(1024, triton.next_power_of_2(i))
         _swiglu_finish_kernel[(p, triton.cdiv(i, bi))](gu_out, act, ids, table, limit, p, I=i, UPW=upw,
                                                          SPLIT_K=cg.SPLIT_K,
                                                          HAS_LIMIT=has_limit, BI=bi, num_warps=4, **pdl)
     y = _workspace((cd.SPLIT_K, p, h), torch.float32, dev)
+    # the counters are shared with the fused finish: each launch leaves them zero, and the down
+    # launch starts after the gate/up one has finished (stream order; under PDL its griddepcontrol.wait)
+    cnt = _finish_counters(dev) if fuse_combine else y
     _moe_gemm_kernel[(triton.cdiv(h, cd.BN), nb, cd.SPLIT_K)](
-        act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, y, y, act.stride(0), dn_q.stride(0), dn_s.stride(0),
-        limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH, FUSED_FINISH=False,
-        num_warps=cd.num_warps, num_stages=cd.num_stages, **common, **pdl)
-    bh = min(1024, triton.next_power_of_2(h))
-    _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K, BH=bh,
-                                             num_warps=4, **pdl)
+        act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
+        dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
+        FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, num_warps=cd.num_warps, num_stages=cd.num_stages,
+        **common, **pdl)
+    if not fuse_combine:
+        bh = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K,
+                                                 BH=bh, num_warps=4, **pdl)
 
 
 def moe_experts_triton(
