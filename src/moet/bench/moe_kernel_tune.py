@@ -395,46 +395,28 @@ def main():
                         if regime == "prefill":          # larger token tiles
                             sweep(lambda b, bm: replace(b, BM=bm), (16, 32, 128))
                         rep["tuning"][f"{key}/T{t}"] = tried
-                        if regime == "decode" and left() > 0:   # the best config with PDL launches
-                            c = replace(best, pdl=True)
+                        def try_flag(flag: str, label: str):
+                            """The best config with one launch option on; kept when correct and >= 2% faster."""
+                            nonlocal best, best_us
+                            c = replace(best, **{flag: True})
                             try:
                                 on = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
                             except Exception as exc:
                                 traceback.print_exc()
                                 on, chk = {"us": float("inf"), "error": repr(exc)[:1000]}, {}
-                            rep.setdefault("pdl", {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on, "check": chk}
-                            print(f"    {key} T{t} PDL: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
+                            rep.setdefault(flag, {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on, "check": chk}
+                            print(f"    {key} T{t} {label}: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                             if chk.get("ok") and on["us"] < 0.98 * best_us:      # clearly faster: keep it
                                 best, best_us = c, on["us"]
-                        if best.gate_up.SPLIT_K > 1 and not best.fused and not best.token_major and left() > 0:
-                            # the split gate/up's SwiGLU finish in its last programs: one launch fewer
-                            c = replace(best, fused_finish=True)
-                            try:
-                                on = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
-                                chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
-                            except Exception as exc:
-                                traceback.print_exc()
-                                on, chk = {"us": float("inf"), "error": repr(exc)[:1000]}, {}
-                            rep.setdefault("fused_finish", {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on,
-                                                                                  "check": chk}
-                            print(f"    {key} T{t} fused finish: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
-                            if chk.get("ok") and on["us"] < 0.98 * best_us:
-                                best, best_us = c, on["us"]
-                        if regime == "decode" and not best.fused and not best.token_major and left() > 0:
-                            # the top-k combine in the down GEMM's last programs: one launch fewer
-                            c = replace(best, fused_combine=True)
-                            try:
-                                on = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
-                                chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
-                            except Exception as exc:
-                                traceback.print_exc()
-                                on, chk = {"us": float("inf"), "error": repr(exc)[:1000]}, {}
-                            rep.setdefault("fused_combine", {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on,
-                                                                                   "check": chk}
-                            print(f"    {key} T{t} fused combine: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
-                            if chk.get("ok") and on["us"] < 0.98 * best_us:
-                                best, best_us = c, on["us"]
+
+                        tiled = not best.fused and not best.token_major
+                        if regime == "decode" and left() > 0:
+                            try_flag("pdl", "PDL")                     # launches overlapping the kernel before
+                        if tiled and best.gate_up.SPLIT_K > 1 and left() > 0:
+                            try_flag("fused_finish", "fused finish")   # the split gate/up's SwiGLU finish fused
+                        if tiled and regime == "decode" and left() > 0:
+                            try_flag("fused_combine", "fused combine")  # the top-k combine in the down GEMM
                         for alt, max_pairs, alt_candidates, flag in _alternatives():
                             # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
                             # each kept if clearly faster than the tiled best and correct
