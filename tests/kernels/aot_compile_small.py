@@ -16,6 +16,11 @@ from tests.kernels.aot_compile_moe import _compile
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 
+GQA_TYPES = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ks_ptr=F32, vs_ptr=F32, bt_ptr=I32, lens_ptr=I32, acc_ptr=F32,
+                 m_ptr=F32, l_ptr=F32, out_ptr=BF16, cnt_ptr=I32, scale="fp32")
+GQA_CONST = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=0,
+                 SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False)
+
 # (name, kernel, pointer / float types (others i32), constexprs) at GLM-4.5-Air's shapes
 KERNELS = [
     ("rmsnorm", nr._rmsnorm_kernel,
@@ -28,18 +33,8 @@ KERNELS = [
     ("store_kv", kv._store_kv_kernel,
      dict(k_ptr=BF16, v_ptr=BF16, slot_ptr=I64, kc_ptr=BF16, vc_ptr=BF16, ks_ptr=F32, vs_ptr=F32),
      dict(CK=128, CHUNK_K=128, CV=128, CHUNK_V=128, BLOCK=128, KIND=0, OUT=1)),
-    ("gqa_decode_split", at._gqa_decode_split_kernel,
-     dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ks_ptr=F32, vs_ptr=F32, bt_ptr=I32, lens_ptr=I32, acc_ptr=F32,
-          m_ptr=F32, l_ptr=F32, out_ptr=BF16, cnt_ptr=I32, scale="fp32"),
-     dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=0,
-          SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False,
-          FUSED_MERGE=False)),
-    ("gqa_decode_fused_merge", at._gqa_decode_split_kernel,
-     dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ks_ptr=F32, vs_ptr=F32, bt_ptr=I32, lens_ptr=I32, acc_ptr=F32,
-          m_ptr=F32, l_ptr=F32, out_ptr=BF16, cnt_ptr=I32, scale="fp32"),
-     dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=0,
-          SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False,
-          FUSED_MERGE=True)),
+    ("gqa_decode_split", at._gqa_decode_split_kernel, GQA_TYPES, dict(GQA_CONST, FUSED_MERGE=False)),
+    ("gqa_decode_fused_merge", at._gqa_decode_split_kernel, GQA_TYPES, dict(GQA_CONST, FUSED_MERGE=True)),
     ("merge_splits", at._merge_splits_kernel,
      dict(acc_ptr=F32, m_ptr=F32, l_ptr=F32, lens_ptr=I32, out_ptr=BF16),
      dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16)),

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from moet.errors import ConfigError
 from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_shape_key, lookup_gqa_decode
-from moet.kernels.grid_sync import acquired, signal
+from moet.kernels.grid_sync import COUNTERS, acquired, device_counters, signal
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.pdl import pdl_enter, pdl_launch
@@ -529,20 +529,15 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     return out
 
 
-MERGE_COUNTERS = 1 << 16                  # (sequence, kv head) pairs one fused-merge launch may have
-_merge_counter_bufs: dict[torch.device, torch.Tensor] = {}
+MERGE_COUNTERS = COUNTERS                 # (sequence, kv head) pairs one fused-merge launch may have
 
 
 def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The device's fused-merge counters: zero between launches (each launch's last programs
-    re-zero theirs). Made on the first call, which CUDA-graph warm-up runs before capture."""
+    """The fused merge's counters (grid_sync.device_counters)."""
     if n > MERGE_COUNTERS:
         raise ConfigError(f"paged decode (triton): a fused merge of {n} (sequence, kv head) pairs exceeds "
                           f"{MERGE_COUNTERS}; use fused_merge=False")
-    buf = _merge_counter_bufs.get(device)
-    if buf is None:
-        buf = _merge_counter_bufs[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return buf
+    return device_counters("attention_triton", device)
 
 
 def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,

@@ -9,8 +9,22 @@ launch). Under the interpreter programs run one after another: the fences compil
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+COUNTERS = 1 << 16                   # ints in each counter buffer
+_buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def device_counters(user: str, device: torch.device) -> torch.Tensor:
+    """int32 [COUNTERS], one buffer per (kernel family, device), zero between launches: each
+    launch's last programs re-zero the counters they used, so consecutive layers and CUDA-graph
+    replays need no memset. Made on the first call, which CUDA-graph warm-up runs before capture."""
+    buf = _buffers.get((user, device))
+    if buf is None:
+        buf = _buffers[(user, device)] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 @triton.jit

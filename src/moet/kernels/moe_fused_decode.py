@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moet.kernels.grid_sync import COUNTERS, device_counters
 from moet.kernels.grid_sync import gpu_fence as _gpu_fence
 from moet.kernels.grid_sync import signal as _signal
 from moet.kernels.grid_sync import wait_at_least as _wait_at_least
@@ -55,8 +56,7 @@ from moet.kernels.moe_configs import FUSED_MAX_PAIRS
 from moet.kernels.moe_triton import _down_rows, _pdl_wait, _tm_gate_up_item
 
 # ready[P] then tile[T, ND]: at most FUSED_MAX_PAIRS + FUSED_MAX_PAIRS * cdiv(H, BN) ints
-_COUNTER_INTS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
+_COUNTER_INTS = COUNTERS
 
 
 def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -64,10 +64,7 @@ def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     call, which CUDA-graph warm-up runs before capture."""
     if n > _COUNTER_INTS:
         raise ValueError(f"the fused MoE decode needs {n} counters, more than {_COUNTER_INTS}: use a larger down BN")
-    buf = _counters.get(device)
-    if buf is None:
-        buf = _counters[device] = torch.zeros(_COUNTER_INTS, dtype=torch.int32, device=device)
-    return buf
+    return device_counters("moe_fused_decode", device)
 
 
 @triton.jit

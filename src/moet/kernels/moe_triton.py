@@ -69,7 +69,7 @@ from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
 from moet.kernels.moe_configs import (FUSED_MAX_PAIRS, SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig,
                                       lookup)
-from moet.kernels.grid_sync import acquired, gpu_fence, signal
+from moet.kernels.grid_sync import COUNTERS, acquired, device_counters, gpu_fence, signal
 from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent launch (sm_90+)
 from moet.kernels.pools import FP4Pool, W2Pool
 
@@ -700,18 +700,12 @@ def _check_shapes(hidden: torch.Tensor, fmt: int, ops) -> tuple[int, int]:
     return h, i
 
 
-FINISH_COUNTERS = 1 << 16                  # (tile | token, row block) pairs of one fused-finish / -combine launch
-_finish_counter_bufs: dict[torch.device, torch.Tensor] = {}
+FINISH_COUNTERS = COUNTERS                 # (tile | token, row block) pairs of one fused-finish / -combine launch
 
 
 def _finish_counters(device: torch.device) -> torch.Tensor:
-    """The device's fused-finish / fused-combine counters: zero between launches (each launch's
-    last programs re-zero theirs). Made on the first call, which CUDA-graph warm-up runs before
-    capture."""
-    buf = _finish_counter_bufs.get(device)
-    if buf is None:
-        buf = _finish_counter_bufs[device] = torch.zeros(FINISH_COUNTERS, dtype=torch.int32, device=device)
-    return buf
+    """The fused finish's and fused combine's counters (grid_sync.device_counters)."""
+    return device_counters("moe_triton", device)
 
 
 def fit_token_tile(config: MoEConfig, pairs: int, num_slots: int) -> MoEConfig:
