@@ -26,6 +26,9 @@ python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgr
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 R=/tmp/r18; mkdir -p $R/engine
+# tar after every step: a call killed at its time limit still returns what it measured
+save() { tar czf $OUT/${MODE}.tgz -C $R . 2>/dev/null; }
+MODE=${1:-}
 case "${1:-}" in
 pdl)
     timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_pdl.py tests/model/test_shared_expert_overlap.py \
@@ -38,7 +41,8 @@ pdl)
     fm_rc=$?; echo "fused-merge gpu tests rc=$fm_rc"; grep -E "FAILED|passed|failed" $R/gpu_tests_fm.txt | tail -4
     el "router GEMV: fp32 (sigmoid) and bf16 (softmax, new in the engine for Qwen3 / Mixtral decode)"
     timeout -k 5 60 python tools/kernel_lab/router_bench.py --out $R 2>&1 | cut -c1-400
-    for spec in "glm45air 1,8,32" "qwen3_30b 1,32"; do
+    save
+    for spec in "glm45air 1,8,32"; do
         m=${spec% *}; st=${spec#* }
         for flag in "" "--small-kernel-pdl"; do
             tag=${flag:-plain}; tag=${tag#--}
@@ -46,6 +50,22 @@ pdl)
             timeout -k 5 120 python -m moet.bench.engine_bench --models $m --streams $st --prefill 0 $flag \
                 --budget-s 110 --out $R/engine/${m}_$tag > $R/engine/log_${m}_$tag.txt 2>&1
             echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_${m}_$tag.txt | cut -c1-200
+            save
+        done
+    done
+    el "done" ;;
+pdl2)
+    # the second half of the pdl measurements (one call cannot hold both within 600 s)
+    fm_rc=0
+    for spec in "qwen3_30b 1,32"; do
+        m=${spec% *}; st=${spec#* }
+        for flag in "" "--small-kernel-pdl"; do
+            tag=${flag:-plain}; tag=${tag#--}
+            el "engine $m $tag"
+            timeout -k 5 120 python -m moet.bench.engine_bench --models $m --streams $st --prefill 0 $flag \
+                --budget-s 110 --out $R/engine/${m}_$tag > $R/engine/log_${m}_$tag.txt 2>&1
+            echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_${m}_$tag.txt | cut -c1-200
+            save
         done
     done
     el "engine glm45air 1 stream, pdl + attention fused merge"
@@ -66,6 +86,7 @@ tune)
     timeout -k 5 --signal=INT 230 python -m moet.bench.moe_kernel_tune --out $R/tune --budget-s 210 \
         --shapes glm,qwen,deepseek --formats w2 --tokens 1,2 --tune glm:1,qwen:1,deepseek:1,glm:2 \
         --write-table > $R/tune/log.txt 2>&1; echo "rc=$?"
+    save
     grep -E "^\[|fused finish|fused combine|merged" $R/tune/log.txt | cut -c1-220 | tail -20
     for m in glm45air qwen3_30b; do
         el "engine $m"
@@ -85,6 +106,6 @@ serve)
     timeout -k 5 300 python -m moet.bench.serve_bench --phases http,python,http_process --requests 64 --concurrency 16 \
         --max-tokens 64 --budget-s 280 --out $R/serve/serve_bench.json > $R/serve/log.txt 2>&1
     echo "rc=$?"; grep -E "^\[(python|http|http_process)\] \{|correct|rror" $R/serve/log.txt | cut -c1-300 ;;
-*) echo "usage: run18.sh pdl|tune|attn|serve"; exit 2 ;;
+*) echo "usage: run18.sh pdl|pdl2|tune|attn|serve"; exit 2 ;;
 esac
 tar czf $OUT/${1}.tgz -C $R .
