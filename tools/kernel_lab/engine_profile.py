@@ -27,7 +27,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--small-kernel-pdl", action="store_true")
+    ap.add_argument("--small-kernel-pdl", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")

@@ -143,7 +143,7 @@ def make_engine(model, cfg: dict, device, args, max_model_len: int):
                       kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager,
                       overlap_shared_experts=not getattr(args, "no_overlap_shared_experts", False),
                       async_scheduling=getattr(args, "async_scheduling", True),
-                      small_kernel_pdl=getattr(args, "small_kernel_pdl", False),
+                      small_kernel_pdl=getattr(args, "small_kernel_pdl", True),
                       attention_fused_merge=getattr(args, "attention_fused_merge", False),
                       # the bench warms up what it times itself; the start-up ladder would only add
                       # compiles of variants it never runs to its device budget
@@ -419,9 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.async_scheduling (default on: decode steps launched one step ahead of "
                          "the host; --no-async-scheduling for synchronous steps)")
-    ap.add_argument("--small-kernel-pdl", action="store_true",
-                    help="EngineConfig.small_kernel_pdl on (the step's small Triton kernels under programmatic "
-                         "dependent launch)")
+    ap.add_argument("--small-kernel-pdl", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineConfig.small_kernel_pdl (default on: the step's small Triton kernels under "
+                         "programmatic dependent launch; --no-small-kernel-pdl for the A/B)")
     ap.add_argument("--attention-fused-merge", action="store_true",
                     help="EngineConfig.attention_fused_merge on (GQA decode without the merge launch)")
     ap.add_argument("--hf-baseline", action="store_true")
