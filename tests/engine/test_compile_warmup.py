@@ -1,5 +1,6 @@
 """LLMEngine.compile_warmup (EngineConfig.compile_warmup; runs by itself on CUDA only): one
-prefill per warm-up size, then no trace -- no request, no cached prefix, zeroed counters -- and
+prefill per warm-up size and serving-shaped groups of concurrent requests (a shared prefix, so
+later groups hit the prefix cache, then decode steps), then no trace -- no request, no cached prefix, zeroed counters -- and
 what the engine generates afterwards is bit-identical to a fresh engine's, greedy and seeded."""
 from moet.config import EngineConfig
 from moet.engine.llm_engine import LLMEngine
@@ -34,8 +35,15 @@ def test_warmup_sizes_leave_no_trace_and_change_no_output():
     assert fresh.config.compile_warmup and fresh.stats().num_steps == 0     # CPU: never on its own
     want = run(fresh)
     eng = make()
+    steps = []
+    real_step = eng.step
+    eng.step = lambda: steps.append((len(eng.scheduler.running), eng.block_manager.prefix_hits)) or real_step()
     n = eng.compile_warmup()
-    assert n == len([1, 2, 3, 4, 5, 8, 9, 16, 17, 32])                      # up to max_num_batched_tokens
+    del eng.step
+    # prefills up to max_num_batched_tokens, then groups of 2, 3 and 4 requests (max_num_seqs 4)
+    assert n == len([1, 2, 3, 4, 5, 8, 9, 16, 17, 32]) + 2 + 3 + 4
+    assert max(r for r, _ in steps) == 4                                     # 4 sequences in one step
+    assert steps[-1][1] > 0                                                  # the later groups hit the prefix
     st = eng.stats()
     assert not eng.requests and not eng.has_unfinished_requests()
     assert st.num_steps == 0 and st.prompt_tokens_total == 0 and st.generation_tokens_total == 0
@@ -43,4 +51,5 @@ def test_warmup_sizes_leave_no_trace_and_change_no_output():
     assert not eng.block_manager.hash_to_block
     assert run(eng) == want
     small = make(max_model_len=10)
-    assert small.compile_warmup() == len([1, 2, 3, 4, 5, 8, 9])             # capped by max_model_len - 1
+    assert small.compile_warmup() == len([1, 2, 3, 4, 5, 8, 9]) + 2 + 3 + 4  # capped by max_model_len - 1
+    assert not small.requests and small.stats().num_free_kv_blocks == small.stats().num_kv_blocks

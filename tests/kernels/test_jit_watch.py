@@ -44,3 +44,27 @@ def test_installed_once_on_tritons_hooks():
         pytest.skip("this Triton has no JIT hooks")
     assert install_jit_watch() is w
     assert knobs.runtime.jit_cache_hook == w._on_cache_miss and knobs.runtime.jit_post_compile_hook == w._on_compiled
+
+
+def test_a_new_variant_is_named_by_what_differs_from_the_nearest_earlier_one(caplog):
+    from types import SimpleNamespace
+    # what Triton 3.6 passes as fn: JitFunctionInfo(module, name, jit_function); the tests run
+    # under the interpreter, whose kernels have no .params, so a stand-in JITFunction
+    kern = SimpleNamespace(params=[SimpleNamespace(name=n) for n in ("x_ptr", "n", "PP")])
+    info = SimpleNamespace(module=__name__, name="kern", jit_function=kern)
+
+    def hook_args(n_spec, pp, warps):       # the shape of Triton 3.6's hook call: key = (specialization, options)
+        return dict(key=((("*i32", "D"), n_spec, ("constexpr", pp)), "CUDAOptions(...)"), repr="kern[...]",
+                    fn=info, compile={"num_warps": warps, "num_stages": 3})
+
+    w = JitWatch()
+    w._on_compiled(**hook_args(("i32", "D"), 64, 4))          # the warm-up's variants
+    w._on_compiled(**hook_args(("i32", ""), 64, 4))
+    w.mark_ready()
+    with caplog.at_level(logging.INFO, logger="moet.jit"):
+        w._on_compiled(**hook_args(("i32", ""), 128, 8))
+    (_, what), = w.counts.slowest_after_ready
+    assert what == "kern: PP 64 -> 128, num_warps 4 -> 8"    # nearest earlier: the second variant
+    assert "PP 64 -> 128" in caplog.records[-1].message
+    w._on_compiled(key="odd", repr="kern[odd]", fn=object())    # another hook shape: Triton's repr
+    assert "kern[odd]" in [what for _, what in w.counts.slowest_after_ready]

@@ -141,29 +141,58 @@ class LLMEngine:
                 w.mark_ready()
 
     def compile_warmup(self) -> int:
-        """One prefill of random tokens at each warm-up size (EngineConfig.compile_warmup), then
-        no trace of them: no request, an empty prefix cache, zeroed token and step counters.
-        -> the number of prefills. Sizes 1 and 2^k, 2^k + 1: a step's integer launch arguments
-        (tokens, pairs = tokens x top_k, lengths) then meet every class Triton specializes on (1,
-        multiples of 16, others) and every power-of-two bucket of the launch tables."""
+        """Warm-up requests of random tokens (EngineConfig.compile_warmup), then no trace of them:
+        no request, an empty prefix cache, zeroed token and step counters. -> the number of
+        warm-up requests. Two parts, each aimed at what Triton specializes on (constexpr tile
+        sizes and launch widths chosen from a step's sizes; integer arguments equal to 1, multiples
+        of 16, others):
+        - one prefill per size 1, 2^k, 2^k + 1 tokens: every power-of-two bucket of the launch
+          tables (tokens, pairs = tokens x top_k) and every integer class;
+        - serving-shaped steps at 2^j and 2^j + 1 concurrent requests (up to max_num_seqs): ragged
+          prompts prefilled together, all but the first group reading a cached prefix (prefill
+          with earlier context from paged blocks), then two decode steps. A server run on the H200
+          (run 18) still compiled alignment and MLA-prefill variants on its first requests with
+          the first part alone."""
         cap = min(self.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         sizes = sorted({1} | {m for j in range(31) for m in (1 << j, (1 << j) + 1) if m <= cap})
         vocab = self.model.spec.vocab_size
         gen = torch.Generator().manual_seed(0)
-        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, seed=0)
         t0 = time.perf_counter()
+        prefill_only = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, seed=0)
         for n in sizes:
-            self.add_request(f"__moet_warmup_{n}", torch.randint(0, vocab, (n,), generator=gen).tolist(), sp)
-            while self.has_unfinished_requests():
-                self.step()
+            self.add_request(f"__moet_warmup_{n}", torch.randint(0, vocab, (n,), generator=gen).tolist(), prefill_only)
+            self._drain()
+        n_req = len(sizes)
+        # the serving-shaped part: prompts of a shared prefix (two blocks where they fit) plus a
+        # ragged tail, sized so a group fits one step's token budget and two new tokens fit the
+        # model length
+        longest = min(self.max_model_len - 3, 2 * self.block_manager.block_size + 8)
+        seqs = sorted({m for j in range(1, 31) for m in (1 << j, (1 << j) + 1)
+                       if m <= min(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)})
+        if longest >= 2 and seqs:
+            prefix = torch.randint(0, vocab, (longest,), generator=gen).tolist()
+            plen = min(2 * self.block_manager.block_size, longest - 1)
+            decode = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, seed=0)
+            for c in seqs:
+                tail_max = max(1, min(longest - plen, self.scheduler.max_num_batched_tokens // c - plen))
+                for r in range(c):
+                    tail = torch.randint(0, vocab, (1 + (r * 5) % tail_max,), generator=gen).tolist()
+                    self.add_request(f"__moet_warmup_c{c}_{r}", prefix[:plen] + tail, decode)
+                self._drain()
+                n_req += c
         self.block_manager.reset_prefix_cache()
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
         st = self._stats
         st.prompt_tokens_total = st.generation_tokens_total = st.num_steps = st.last_step_num_tokens = 0
+        self.scheduler.num_preemptions = 0
         st.last_step_time_s = 0.0
-        log.info("compile warm-up: %d prefills of 1-%d tokens in %.1f s", len(sizes), sizes[-1] if sizes else 0,
-                 time.perf_counter() - t0)
-        return len(sizes)
+        log.info("compile warm-up: %d requests (prefills of 1-%d tokens, 2-%d concurrent) in %.1f s", n_req,
+                 sizes[-1] if sizes else 0, seqs[-1] if seqs else 1, time.perf_counter() - t0)
+        return n_req
+
+    def _drain(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
 
     def _step_limits(self, max_model_len: int) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) the scheduler gets: the config's, lowered when

@@ -41,6 +41,7 @@ class JitWatch:
         self._started: dict[tuple, float] = {}
         self._prev_cache_hook = None
         self._prev_post_hook = None
+        self._variants: dict[str, list[dict[str, str]]] = {}    # kernel -> the specializations compiled
 
     # the two hooks: called by triton with keyword arguments (key, repr, fn, compile, is_manual_warmup, ...)
     def _on_cache_miss(self, **kw):
@@ -54,10 +55,48 @@ class JitWatch:
         now = time.perf_counter()
         with self._lock:
             t0 = self._started.pop(self._id(kw), now)
-            self.record(now - t0, str(kw.get("repr", "?")))
+            self.record(now - t0, self._describe(kw))
         if self._prev_post_hook is not None:
             return self._prev_post_hook(**kw)
         return None
+
+    def _describe(self, kw) -> str:
+        """The kernel and what makes this variant new: the parameters (and launch options) whose
+        specialization differs from the nearest variant compiled before, e.g. `_prep_small_kernel:
+        PP 64 -> 128, num_warps 4 -> 8`, which names the warm-up size that was missing. (Triton's
+        own `repr` lists the specialization wrongly in 3.6: it zips the parameters with the
+        options string.) Falls back to Triton's repr where the hook's arguments differ."""
+        try:
+            fn = kw["fn"]
+            name = str(getattr(fn, "name", "?")).rsplit(".", 1)[-1]
+            params = [p.name for p in fn.jit_function.params]
+            spec = kw["key"][0]
+            c = kw.get("compile") or {}
+            var = {n: self._spec_str(sp) for n, sp in zip(params, spec)}
+            var.update(num_warps=str(c.get("num_warps")), num_stages=str(c.get("num_stages")))
+        except Exception:                                  # another Triton's hook shape
+            return str(kw.get("repr", "?"))
+        seen = self._variants.setdefault(name, [])
+        diff = None
+        for old in seen:
+            d = [f"{k} {old.get(k)} -> {v}" for k, v in var.items() if old.get(k) != v]
+            if diff is None or len(d) < len(diff):
+                diff = d
+        seen.append(var)
+        if diff is None:
+            return f"{name} (first variant)"
+        return f"{name}: " + (", ".join(diff) if diff else "same specialization (a new process or cache key)")
+
+    @staticmethod
+    def _spec_str(sp) -> str:
+        """One parameter's specialization: a constexpr's value, an integer's or pointer's type and
+        Triton's attribute ('D': divisible by 16, '' none)."""
+        if isinstance(sp, tuple) and len(sp) == 2:
+            ty, val = sp
+            if ty == "constexpr":
+                return repr(val)
+            return f"{ty}:{val}" if val else str(ty)
+        return str(sp)
 
     @staticmethod
     def _id(kw) -> tuple:
@@ -71,9 +110,9 @@ class JitWatch:
         if self._ready:
             c.compiles_after_ready += 1
             c.seconds_after_ready += seconds
-            c.slowest_after_ready = sorted(c.slowest_after_ready + [(seconds, what[:300])], reverse=True)[:self.KEEP]
+            c.slowest_after_ready = sorted(c.slowest_after_ready + [(seconds, what[:500])], reverse=True)[:self.KEEP]
             log.info("Triton JIT while serving: %.2f s for %s (a kernel variant the start-up warm-up did not "
-                        "reach; the step waited)", seconds, what[:300])
+                        "reach; the step waited)", seconds, what[:500])
 
     def mark_starting(self) -> None:
         """An engine is starting (its graph capture and warm-up compile): not counted as waited for."""
