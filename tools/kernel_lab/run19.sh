@@ -16,5 +16,23 @@ final)
         echo "rc=$?"; grep -E "single stream|streams:|prefill|transformers|generate|FAIL|rror|budget|GEMV" $R/log_$m.txt | cut -c1-220
         save final
     done ;;
-*) echo "usage: run19.sh final"; exit 2 ;;
+serve)
+    # the server's first requests after the serving-shaped warm-up (compile_warmup's second part) and
+    # the JIT watch that names what makes a late variant new; as run18.sh serve otherwise
+    python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/serve/*.whl 2>&1 | grep -v WARNING | tail -3
+    export PYTHONPATH=$PWD/src:/tmp/site
+    timeout -k 5 300 python -m moet.bench.serve_bench --phases http,python,http_process --requests 64 --concurrency 16 \
+        --max-tokens 64 --budget-s 280 --out $R/serve_bench.json > $R/log_serve.txt 2>&1
+    echo "rc=$?"; grep -E "^\[(python|http|http_process)\] \{|correct|rror" $R/log_serve.txt | cut -c1-300
+    grep -E "compile warm-up|JIT while serving|GC pause" $R/log_serve.txt | cut -c1-300 | head -20
+    python - <<'PY'
+import json
+d = json.load(open("/tmp/r19/serve_bench.json"))
+for ph in d.get("order", []):
+    r = d[ph]
+    print(ph, "p50", r.get("latency_p50_s"), "p99", r.get("latency_p99_s"), json.dumps(r.get("stalls_while_serving"))[:900])
+PY
+    save serve ;;
+*) echo "usage: run19.sh final|serve"; exit 2 ;;
 esac
