@@ -22,6 +22,10 @@ def test_pauses_counted_and_split_at_ready(caplog):
     snap = w.snapshot()
     assert snap["gc_collections_after_ready"] == 2.0
     assert abs(snap["gc_pause_s_after_ready"] - SLOW_S * 4.1) < 1e-12
+    with caplog.at_level(logging.INFO, logger="moet.gc"):
+        w.record(SLOW_S * 4, 0, 5, cpu_s=SLOW_S / 100)            # blocked, not walking
+        w.record(SLOW_S * 4, 2, 5, cpu_s=SLOW_S * 3.9)
+    assert "waited in a finalizer" in caplog.records[-2].message and "the walk" in caplog.records[-1].message
 
 
 def test_installed_once_and_sees_real_collections():

@@ -54,8 +54,9 @@ def test_a_new_variant_is_named_by_what_differs_from_the_nearest_earlier_one(cap
     info = SimpleNamespace(module=__name__, name="kern", jit_function=kern)
 
     def hook_args(n_spec, pp, warps):       # the shape of Triton 3.6's hook call: key = (specialization, options)
-        return dict(key=((("*i32", "D"), n_spec, ("constexpr", pp)), "CUDAOptions(...)"), repr="kern[...]",
-                    fn=info, compile={"num_warps": warps, "num_stages": 3})
+        opts = f"CUDAOptions(num_warps={warps}, num_ctas=1, num_stages=3, launch_pdl={warps == 8}, extern_libs=(('a', 'b'),))"
+        return dict(key=((("*i32", "D"), n_spec, ("constexpr", pp)), opts), repr="kern[...]", fn=info,
+                    compile={"num_warps": warps, "num_stages": 3})
 
     w = JitWatch()
     w._on_compiled(**hook_args(("i32", "D"), 64, 4))          # the warm-up's variants
@@ -64,7 +65,7 @@ def test_a_new_variant_is_named_by_what_differs_from_the_nearest_earlier_one(cap
     with caplog.at_level(logging.INFO, logger="moet.jit"):
         w._on_compiled(**hook_args(("i32", ""), 128, 8))
     (_, what), = w.counts.slowest_after_ready
-    assert what == "kern: PP 64 -> 128, num_warps 4 -> 8"    # nearest earlier: the second variant
+    assert what == "kern: PP 64 -> 128, num_warps 4 -> 8, launch_pdl False -> True"   # nearest: the second
     assert "PP 64 -> 128" in caplog.records[-1].message
     w._on_compiled(key="odd", repr="kern[odd]", fn=object())    # another hook shape: Triton's repr
     assert "kern[odd]" in [what for _, what in w.counts.slowest_after_ready]

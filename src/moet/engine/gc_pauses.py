@@ -35,16 +35,20 @@ class GcPauses:
         self.counts = GcCounts()
         self._ready = False
         self._t0: float | None = None
+        self._cpu0 = 0.0
 
     def callback(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._t0 = time.perf_counter()
+            self._t0, self._cpu0 = time.perf_counter(), time.thread_time()
         elif self._t0 is not None:
             self.record(time.perf_counter() - self._t0, int(info.get("generation", -1)),
-                        int(info.get("collected", 0)))
+                        int(info.get("collected", 0)), time.thread_time() - self._cpu0)
             self._t0 = None
 
-    def record(self, seconds: float, generation: int, collected: int) -> None:
+    def record(self, seconds: float, generation: int, collected: int, cpu_s: float | None = None) -> None:
+        """cpu_s: the collecting thread's CPU time in the pause. Near `seconds`: the walk itself
+        (objects start-up did not freeze); far below: the thread waited inside the collection,
+        i.e. a collected object's finalizer blocked (a device sync, a lock) or gave up the GIL."""
         c = self.counts
         c.collections += 1
         c.seconds += seconds
@@ -53,8 +57,10 @@ class GcPauses:
             c.seconds_after_ready += seconds
             c.max_after_ready_s = max(c.max_after_ready_s, seconds)
             if seconds >= SLOW_S:
-                log.info("GC pause while serving: %.3f s (generation %d, %d objects collected)",
-                            seconds, generation, collected)
+                cpu = "" if cpu_s is None else (f", {cpu_s:.3f} s on CPU" + (
+                    ": waited in a finalizer" if cpu_s < 0.5 * seconds else ": the walk"))
+                log.info("GC pause while serving: %.3f s (generation %d, %d objects collected%s)",
+                         seconds, generation, collected, cpu)
 
     def mark_starting(self) -> None:
         self._ready = False

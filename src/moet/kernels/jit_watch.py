@@ -12,6 +12,7 @@ logs each of those with the kernel and its specialization.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,9 +72,9 @@ class JitWatch:
             name = str(getattr(fn, "name", "?")).rsplit(".", 1)[-1]
             params = [p.name for p in fn.jit_function.params]
             spec = kw["key"][0]
-            c = kw.get("compile") or {}
             var = {n: self._spec_str(sp) for n, sp in zip(params, spec)}
-            var.update(num_warps=str(c.get("num_warps")), num_stages=str(c.get("num_stages")))
+            # the launch options (num_warps, num_stages, launch_pdl, ...): key[1] is str(options)
+            var.update(re.findall(r"(\w+)=([^,()]+)", str(kw["key"][1])))
         except Exception:                                  # another Triton's hook shape
             return str(kw.get("repr", "?"))
         seen = self._variants.setdefault(name, [])
@@ -85,7 +86,7 @@ class JitWatch:
         seen.append(var)
         if diff is None:
             return f"{name} (first variant)"
-        return f"{name}: " + (", ".join(diff) if diff else "same specialization (a new process or cache key)")
+        return f"{name}: " + (", ".join(diff) if diff else "same specialization and options (a new cache key)")
 
     @staticmethod
     def _spec_str(sp) -> str:
