@@ -37,8 +37,15 @@ def test_installed_once_and_sees_real_collections():
 
 
 def test_freeze_start_up_then_unfreeze():
+    w = install_gc_pauses()
+    w.mark_ready()
+    w.record(SLOW_S * 2, 2, 1)                  # between the engine's ready mark and the server's start
     try:
         assert freeze_start_up() == gc.get_freeze_count() > 0
+        # its own full collection and the pause before it are not waits of a request
+        assert w.counts.after_ready == 0 and w.counts.seconds_after_ready == 0.0 and w._ready
+        gc.collect()                             # one while serving: counted
+        assert w.counts.after_ready == 1
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
