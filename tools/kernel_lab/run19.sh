@@ -34,5 +34,11 @@ for ph in d.get("order", []):
     print(ph, "p50", r.get("latency_p50_s"), "p99", r.get("latency_p99_s"), json.dumps(r.get("stalls_while_serving"))[:900])
 PY
     save serve ;;
-*) echo "usage: run19.sh final|serve"; exit 2 ;;
+probe)
+    # issue 5: what holds the batch-1 GQA decode (tools/kernel_lab/gqa_decode_probe.py: the production
+    # kernel on caches that differ only in layout, table order and page size)
+    timeout -k 5 300 python tools/kernel_lab/gqa_decode_probe.py --out $R/probe > $R/log_probe.txt 2>&1
+    echo "rc=$?"; tail -12 $R/log_probe.txt; grep -E "rror|Traceback" $R/log_probe.txt | head -5
+    save probe ;;
+*) echo "usage: run19.sh final|serve|probe"; exit 2 ;;
 esac

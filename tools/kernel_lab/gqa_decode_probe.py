@@ -1,0 +1,144 @@
+"""What holds the paged GQA decode at batch 1 (32K context) to ~45% of the copy bandwidth:
+the production kernel (attention_triton.paged_decode_gqa, its launch table) on caches that differ
+only in where the bytes are, so no kernel change is needed to tell the suspects apart:
+
+  base       [NB, 16, Hkv, D] pages (a head's 16 rows of 256 B at 1 KB strides), random block table
+  ident      the same pages in table order (block i of a sequence = physical block i): DRAM locality
+  hnd        [NB, Hkv, 16, D] storage seen through a permuted view (a head's page one 4 KB run)
+  hnd_ident  both
+  bs64       pages of 64 tokens (one block-table entry per 64-token tile instead of four)
+  bs64_hnd   both
+  base_pdl   base with the small kernels under PDL (the engine's default since run 18)
+
+Qwen3-30B-A3B heads (32 q / 4 kv, d 128), bf16 queries, bf16 and fp8 (per-tensor) caches, batch
+1 / 8 / 32. Every variant's output is checked against base (same math: bit-identical expected
+except bs64, whose split partition differs: relative error reported). Timing as attention_bench
+(CUDA graph, do_bench with L2 flushed, median); GB/s = KV bytes read / time. Writes
+$OUT-style JSON + a markdown table to --out.
+
+    python tools/kernel_lab/gqa_decode_probe.py --out DIR [--ctx 32768] [--batches 1,8,32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def time_ms(fn) -> float:
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return float(triton.testing.do_bench(g.replay, warmup=10, rep=40, return_mode="median"))
+
+
+def make_cache(fmt, nb: int, bs: int, hkv: int, d: int, hnd: bool, gen_seed: int):
+    from moet.kernels.kv_cache import GQALayerKV, new_gqa_layer
+    ref = new_gqa_layer(1, bs, hkv, d, d, fmt, device="cuda")          # for the dtype and scales
+    dt = ref.k.dtype
+    g = torch.Generator(device="cuda").manual_seed(gen_seed)
+
+    def one():
+        shape = (nb, hkv, bs, d) if hnd else (nb, bs, hkv, d)
+        t = torch.empty(shape, dtype=dt, device="cuda")
+        step = max(1, (1 << 26) // t[0].numel())
+        for i in range(0, nb, step):
+            t[i:i + step] = torch.randn(t[i:i + step].shape, device="cuda", generator=g).to(dt)
+        return t.permute(0, 2, 1, 3) if hnd else t          # always seen as [NB, BS, Hkv, D]
+
+    ks = vs = None
+    if ref.k_scale is not None:
+        ks = torch.full_like(ref.k_scale, 0.05)
+        vs = torch.full_like(ref.v_scale, 0.05)
+    return GQALayerKV(fmt, one(), one(), ks, vs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--batches", default="1,8,32")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from moet.kernels import attention_triton, pdl
+    from moet.kernels.kv_cache import KVFormat, gqa_bytes_per_token
+    hq, hkv, d = 32, 4, 128
+    scale = d ** -0.5
+    fmts = [("bf16", KVFormat("auto", dtype=torch.bfloat16)), ("fp8", KVFormat("fp8_e4m3", "tensor"))]
+    variants = [("base", 16, False, False, False), ("ident", 16, False, True, False), ("hnd", 16, True, False, False),
+                ("hnd_ident", 16, True, True, False), ("bs64", 64, False, False, False),
+                ("bs64_hnd", 64, True, False, False), ("base_pdl", 16, False, False, True)]
+    recs, t0 = [], time.time()
+    for batch in [int(x) for x in args.batches.split(",")]:
+        for fname, fmt in fmts:
+            q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+            lens = torch.full((batch,), args.ctx, dtype=torch.int32, device="cuda")
+            base_out = None
+            for name, bs, hnd, ident, use_pdl in variants:
+                pages = args.ctx // bs
+                nb = batch * pages + 1
+                cache = make_cache(fmt, nb, bs, hkv, d, hnd, gen_seed=1234)
+                if ident:
+                    table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+                else:
+                    g = torch.Generator(device="cuda").manual_seed(99)
+                    table = torch.randperm(nb - 1, device="cuda", generator=g)[:batch * pages].view(
+                        batch, pages).to(torch.int32)
+                out = torch.empty(batch, hq, d, device="cuda", dtype=q.dtype)
+                pdl.set_small_kernel_pdl(use_pdl)
+                try:
+                    run = lambda: attention_triton.paged_decode_gqa(q, cache, table, lens, scale, out=out)
+                    run()
+                    torch.cuda.synchronize()
+                    got = out.clone()
+                    ms = time_ms(run)
+                finally:
+                    pdl.set_small_kernel_pdl(False)
+                # each variant's random bytes sit elsewhere, so outputs differ between variants:
+                # each is checked against the torch reference (batch 1: the float32 reference of a
+                # 32K context is cheap there)
+                from moet.kernels.attention_reference import paged_decode_gqa as ref_decode
+                if batch == 1:
+                    want = ref_decode(q.float(), cache, table, lens, scale).float()
+                    err = float((got.float() - want).norm() / want.norm())
+                else:
+                    err = None
+                rerun = run().clone()
+                same = bool(torch.equal(rerun, got))
+                byt = gqa_bytes_per_token(hkv, d, d, fmt) * args.ctx * batch
+                r = dict(batch=batch, kv=fname, variant=name, block_size=bs, hnd=hnd, identity_table=ident,
+                         pdl=use_pdl, ms=ms, gbps=byt / ms / 1e6, rel_err_vs_reference=err, rerun_identical=same)
+                recs.append(r)
+                print(f"[{time.time() - t0:5.0f}s] b{batch} {fname} {name}: {ms * 1e3:.1f} us, {r['gbps']:.0f} GB/s"
+                      + (f", relerr {err:.1e}" if err is not None else "") + f", rerun identical {same}", flush=True)
+                del cache, table
+                torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "gqa_decode_probe.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, ctx=args.ctx, records=recs), f,
+                  indent=1)
+    keys = sorted({(r["batch"], r["kv"]) for r in recs})
+    lines = ["| variant | " + " | ".join(f"b{b} {k}" for b, k in keys) + " |",
+             "|---|" + "---|" * len(keys)]
+    for name, *_ in variants:
+        row = {(r["batch"], r["kv"]): r["gbps"] for r in recs if r["variant"] == name}
+        lines.append(f"| {name} | " + " | ".join(f"{row.get(k, 0):.0f}" for k in keys) + " |")
+    md = "\n".join(lines)
+    print(md)
+    with open(os.path.join(args.out, "gqa_decode_probe.md"), "w") as f:
+        f.write(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
