@@ -19,8 +19,7 @@ BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 GQA_TYPES = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ks_ptr=F32, vs_ptr=F32, bt_ptr=I32, lens_ptr=I32, acc_ptr=F32,
                  m_ptr=F32, l_ptr=F32, out_ptr=BF16, cnt_ptr=I32, scale="fp32")
 GQA_CONST = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=0,
-                 SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False,
-                 SUBTILES=False)
+                 SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False)
 
 # (name, kernel, pointer / float types (others i32), constexprs) at GLM-4.5-Air's shapes
 KERNELS = [

@@ -204,41 +204,6 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
 
 
 @triton.jit
-def _gqa_decode_subtiles(q3, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_ptr, bt_ptr, d, dv,
-                         s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, qk_scale,
-                         D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
-                         BF16_DOT: tl.constexpr, OP_F16: tl.constexpr):
-    """_gqa_decode_tile with the tile's PAGES pages kept apart: scores, running max / sum and the
-    accumulator are [PAGES, BLOCK_G, ...], one online softmax per page, batched dots (Triton puts
-    the batch dimension across warps), so no reduction in the loop crosses a warp: the flat tile's
-    row max and sum over 64 keys go through shared memory and a barrier every step, which with one
-    program per SM (batch 1) is latency no other program hides. The PAGES states are merged once,
-    after the loop (the caller). Per-tensor fp8 scales only (folded in as there)."""
-    pg = page0 + tl.arange(0, PAGES)[:, None]                      # [PAGES, 1]
-    tok = tl.arange(0, BLOCK_SIZE)[None, :]                        # [1, BLOCK_SIZE]
-    inside = pg < last
-    blk = tl.load(bt_ptr + b * s_btb + pg, mask=inside, other=0).to(tl.int64)
-    pos = pg * BLOCK_SIZE + tok
-    tmask = inside & (pos < n) & (pos >= lo_tok)                   # [PAGES, BLOCK_SIZE]
-    kmask = tmask[:, :, None] & (d[None, None, :] < D)
-    k = tl.load(k_ptr + blk[:, :, None] * s_kb + tok[:, :, None] * s_kt + h * s_kh + d[None, None, :],
-                mask=kmask, other=0.0)
-    od = tl.float16 if OP_F16 else tl.bfloat16 if BF16_DOT else tl.float32
-    s = _mma(q3, tl.permute(k.to(od), (0, 2, 1)), BF16_DOT) * qk_scale     # [PAGES, BLOCK_G, BLOCK_SIZE]
-    s = tl.where(tmask[:, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=2))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)            # a page with no key yet: p = 0, alpha = 1
-    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_use))
-    p = tl.exp(s - m_use[:, :, None])
-    vmask = tmask[:, :, None] & (dv[None, None, :] < DV)
-    v = tl.load(v_ptr + blk[:, :, None] * s_vb + tok[:, :, None] * s_vt + h * s_vh + dv[None, None, :],
-                mask=vmask, other=0.0).to(od)
-    l_i = l_i * alpha + tl.sum(p, axis=2)
-    acc = acc * alpha[:, :, None] + _mma(p.to(od), v, BF16_DOT)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
@@ -247,7 +212,7 @@ def _gqa_decode_split_kernel(
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, PDL: tl.constexpr, SUBTILES: tl.constexpr):
+        FUSED_MERGE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -277,29 +242,7 @@ def _gqa_decode_split_kernel(
         # pages of this split, those wholly before the window left out
         first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
         last = tl.minimum(sp * pps + pps, n_pages)
-        if SUBTILES:                              # per-page states, merged after the loop
-            q3 = tl.broadcast_to(q[None, :, :], (PAGES, BLOCK_G, BLOCK_D))
-            m3 = tl.full([PAGES, BLOCK_G], float("-inf"), tl.float32)
-            l3 = tl.zeros([PAGES, BLOCK_G], tl.float32)
-            a3 = tl.zeros([PAGES, BLOCK_G, BLOCK_DV], tl.float32)
-            if INTERPRET:
-                page = first
-                while page < last:
-                    m3, l3, a3 = _gqa_decode_subtiles(
-                        q3, m3, l3, a3, page, last, n, lo_tok, b, h, k_ptr, v_ptr, bt_ptr, d, dv,
-                        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, qk_scale, D, DV, BLOCK_SIZE, PAGES, BF16_DOT, OP_F16)
-                    page += PAGES
-            else:
-                for page in range(first, last, PAGES):
-                    m3, l3, a3 = _gqa_decode_subtiles(
-                        q3, m3, l3, a3, page, last, n, lo_tok, b, h, k_ptr, v_ptr, bt_ptr, d, dv,
-                        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, qk_scale, D, DV, BLOCK_SIZE, PAGES, BF16_DOT, OP_F16)
-            m_i = tl.max(m3, axis=0)
-            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-            w = tl.where(m3 == float("-inf"), 0.0, tl.exp(m3 - m_use[None, :]))
-            l_i = tl.sum(l3 * w, axis=0)
-            acc = tl.sum(a3 * w[:, :, None], axis=0)
-        elif INTERPRET:                           # loaded-scalar loop bounds: see prefill_triton.py
+        if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
             page = first
             while page < last:
                 m_i, l_i, acc = _gqa_decode_tile(
@@ -531,7 +474,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     fused_merge: bool = False, subtiles: bool = False) -> torch.Tensor:
+                     fused_merge: bool = False) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -544,10 +487,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     fused_merge: no merge launch; the last program of each (sequence, kv head) merges its heads'
     splits in the merge kernel's order (the same bits under the interpreter; compiled, another
     kernel's arithmetic may contract differently). Not used by the engine yet (attention_bench
-    measures it).
-    subtiles: one online softmax per page of a tile, merged after the loop (_gqa_decode_subtiles:
-    no cross-warp reduction in the loop); other sums, so other last bits: fixed per model like the
-    split count. bf16 and per-tensor fp8 caches (block scales take the flat tile)."""
+    measures it)."""
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -573,8 +513,6 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
     sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
     cnt = _merge_counters(q.device, b * hkv) if fused_merge else m    # any pointer when not fused
-    pages = max(1, (tile_tokens or GQA_TILE_TOKENS) // bs)
-    subtiles = subtiles and kind != _SCALE_BLOCK and pages > 1
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
         q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt,
         q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
@@ -582,8 +520,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
-        PAGES=pages, OP_F16=fmt.is_fp8 and _bf16_dots(q), FUSED_MERGE=fused_merge, SUBTILES=subtiles,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
+        PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
+        FUSED_MERGE=fused_merge, num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
