@@ -10,6 +10,9 @@ only in where the bytes are, so no kernel change is needed to tell the suspects 
   bs64_hnd   both
   base_pdl   base with the small kernels under PDL (the engine's default since run 18)
 
+(Run 19's second call also timed a per-page online-softmax variant of the kernel, since removed:
+docs/perf.md, attention "Run 19".)
+
 Qwen3-30B-A3B heads (32 q / 4 kv, d 128), bf16 queries, bf16 and fp8 (per-tensor) caches, batch
 1 / 8 / 32. Every variant's output is checked against base (same math: bit-identical expected
 except bs64, whose split partition differs: relative error reported). Timing as attention_bench
