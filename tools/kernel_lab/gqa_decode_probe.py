@@ -5,10 +5,9 @@ only in where the bytes are, so no kernel change is needed to tell the suspects 
   base       [NB, 16, Hkv, D] pages (a head's 16 rows of 256 B at 1 KB strides), random block table
   ident      the same pages in table order (block i of a sequence = physical block i): DRAM locality
   hnd        [NB, Hkv, 16, D] storage seen through a permuted view (a head's page one 4 KB run)
-  hnd_ident  both
   bs64       pages of 64 tokens (one block-table entry per 64-token tile instead of four)
-  bs64_hnd   both
   base_pdl   base with the small kernels under PDL (the engine's default since run 18)
+  t128 ...   128-token loop steps, and 8 warps (launch keywords of paged_decode_gqa)
 
 (Run 19's second call also timed a per-page online-softmax variant of the kernel, since removed:
 docs/perf.md, attention "Run 19".)
@@ -79,16 +78,22 @@ def main() -> int:
     hq, hkv, d = 32, 4, 128
     scale = d ** -0.5
     fmts = [("bf16", KVFormat("auto", dtype=torch.bfloat16)), ("fp8", KVFormat("fp8_e4m3", "tensor"))]
-    variants = [("base", 16, False, False, False), ("ident", 16, False, True, False), ("hnd", 16, True, False, False),
-                ("hnd_ident", 16, True, True, False), ("bs64", 64, False, False, False),
-                ("bs64_hnd", 64, True, False, False), ("base_pdl", 16, False, False, True)]
+    # (name, block size, HND storage, identity table, PDL, paged_decode_gqa keywords)
+    variants = [("base", 16, False, False, False, {}), ("ident", 16, False, True, False, {}),
+                ("hnd", 16, True, False, False, {}), ("bs64", 64, False, False, False, {}),
+                ("base_pdl", 16, False, False, True, {}),
+                # longer loop steps (more bytes and independent dots per step) and 8 warps
+                ("t128 w4 s3", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=3)),
+                ("t128 w4 s5", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=5)),
+                ("t128 w8 s5", 16, False, False, False, dict(tile_tokens=128, num_warps=8, num_stages=5)),
+                ("t64 w8 s7", 16, False, False, False, dict(num_warps=8, num_stages=7))]
     recs, t0 = [], time.time()
     for batch in [int(x) for x in args.batches.split(",")]:
         for fname, fmt in fmts:
             q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
             lens = torch.full((batch,), args.ctx, dtype=torch.int32, device="cuda")
             base_out = None
-            for name, bs, hnd, ident, use_pdl in variants:
+            for name, bs, hnd, ident, use_pdl, kw in variants:
                 pages = args.ctx // bs
                 nb = batch * pages + 1
                 cache = make_cache(fmt, nb, bs, hkv, d, hnd, gen_seed=1234)
@@ -101,7 +106,7 @@ def main() -> int:
                 out = torch.empty(batch, hq, d, device="cuda", dtype=q.dtype)
                 pdl.set_small_kernel_pdl(use_pdl)
                 try:
-                    run = lambda: attention_triton.paged_decode_gqa(q, cache, table, lens, scale, out=out)
+                    run = lambda: attention_triton.paged_decode_gqa(q, cache, table, lens, scale, out=out, **kw)
                     run()
                     torch.cuda.synchronize()
                     got = out.clone()
@@ -121,7 +126,7 @@ def main() -> int:
                 same = bool(torch.equal(rerun, got))
                 byt = gqa_bytes_per_token(hkv, d, d, fmt) * args.ctx * batch
                 r = dict(batch=batch, kv=fname, variant=name, block_size=bs, hnd=hnd, identity_table=ident,
-                         pdl=use_pdl, ms=ms, gbps=byt / ms / 1e6, rel_err_vs_reference=err, rerun_identical=same)
+                         pdl=use_pdl, kwargs=kw, ms=ms, gbps=byt / ms / 1e6, rel_err_vs_reference=err, rerun_identical=same)
                 recs.append(r)
                 print(f"[{time.time() - t0:5.0f}s] b{batch} {fname} {name}: {ms * 1e3:.1f} us, {r['gbps']:.0f} GB/s"
                       + (f", relerr {err:.1e}" if err is not None else "") + f", rerun identical {same}", flush=True)
