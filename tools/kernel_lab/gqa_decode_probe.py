@@ -7,7 +7,8 @@ only in where the bytes are, so no kernel change is needed to tell the suspects 
   hnd        [NB, Hkv, 16, D] storage seen through a permuted view (a head's page one 4 KB run)
   bs64       pages of 64 tokens (one block-table entry per 64-token tile instead of four)
   base_pdl   base with the small kernels under PDL (the engine's default since run 18)
-  t128 ...   128-token loop steps, and 8 warps (launch keywords of paged_decode_gqa)
+  s9 .. s21  deeper cp.async pipelines (launch keywords of paged_decode_gqa; same bits as base)
+  t128, w8   128-token loop steps, 8 warps
 
 (Run 19's second call also timed a per-page online-softmax variant of the kernel, since removed:
 docs/perf.md, attention "Run 19".)
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--layouts", action="store_true", help="also the layout / table-order / page-size variants")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from moet.kernels import attention_triton, pdl
@@ -79,14 +81,23 @@ def main() -> int:
     scale = d ** -0.5
     fmts = [("bf16", KVFormat("auto", dtype=torch.bfloat16)), ("fp8", KVFormat("fp8_e4m3", "tensor"))]
     # (name, block size, HND storage, identity table, PDL, paged_decode_gqa keywords)
-    variants = [("base", 16, False, False, False, {}), ("ident", 16, False, True, False, {}),
-                ("hnd", 16, True, False, False, {}), ("bs64", 64, False, False, False, {}),
-                ("base_pdl", 16, False, False, True, {}),
+    variants = [("base", 16, False, False, False, {})]
+    if args.layouts:                    # run 19's first call (layout, table order, page size, PDL)
+        variants += [("ident", 16, False, True, False, {}), ("hnd", 16, True, False, False, {}),
+                     ("bs64", 64, False, False, False, {}), ("base_pdl", 16, False, False, True, {})]
+    variants += [
+                # deeper K/V pipelines: Triton 3.6 gives the K and V loads of this loop only
+                # ceil(num_stages / 2) buffers (the block-table load in front of them takes the other
+                # stages; sm_90 TTGIR: 7 stages -> 3 K/V buffers), so the table's 7 stages keep only
+                # two steps in flight. Same math, same bits expected (checked against base)
+                ("s9", 16, False, False, False, dict(num_warps=4, num_stages=9)),
+                ("s11", 16, False, False, False, dict(num_warps=4, num_stages=11)),
+                ("s13", 16, False, False, False, dict(num_warps=4, num_stages=13)),
+                ("s17", 16, False, False, False, dict(num_warps=4, num_stages=17)),
+                ("s21", 16, False, False, False, dict(num_warps=4, num_stages=21)),
                 # longer loop steps (more bytes and independent dots per step) and 8 warps
-                ("t128 w4 s3", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=3)),
-                ("t128 w4 s5", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=5)),
-                ("t128 w8 s5", 16, False, False, False, dict(tile_tokens=128, num_warps=8, num_stages=5)),
-                ("t64 w8 s7", 16, False, False, False, dict(num_warps=8, num_stages=7))]
+                ("t128 w4 s7", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=7)),
+                ("t64 w8 s11", 16, False, False, False, dict(num_warps=8, num_stages=11))]
     recs, t0 = [], time.time()
     for batch in [int(x) for x in args.batches.split(",")]:
         for fname, fmt in fmts:
@@ -111,6 +122,12 @@ def main() -> int:
                     torch.cuda.synchronize()
                     got = out.clone()
                     ms = time_ms(run)
+                except Exception as exc:       # e.g. out of shared memory for this many stages
+                    print(f"b{batch} {fname} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    recs.append(dict(batch=batch, kv=fname, variant=name, kwargs=kw, error=str(exc)[:500]))
+                    del cache, table
+                    torch.cuda.empty_cache()
+                    continue
                 finally:
                     pdl.set_small_kernel_pdl(False)
                 # each variant's random bytes sit elsewhere, so outputs differ between variants:
@@ -124,12 +141,16 @@ def main() -> int:
                     err = None
                 rerun = run().clone()
                 same = bool(torch.equal(rerun, got))
+                if name == "base":
+                    base_out = got
+                bits_as_base = bool(torch.equal(got, base_out)) if (kw and base_out is not None) else None
                 byt = gqa_bytes_per_token(hkv, d, d, fmt) * args.ctx * batch
                 r = dict(batch=batch, kv=fname, variant=name, block_size=bs, hnd=hnd, identity_table=ident,
-                         pdl=use_pdl, kwargs=kw, ms=ms, gbps=byt / ms / 1e6, rel_err_vs_reference=err, rerun_identical=same)
+                         pdl=use_pdl, kwargs=kw, ms=ms, gbps=byt / ms / 1e6, rel_err_vs_reference=err, rerun_identical=same,
+                         bits_as_base=bits_as_base)
                 recs.append(r)
                 print(f"[{time.time() - t0:5.0f}s] b{batch} {fname} {name}: {ms * 1e3:.1f} us, {r['gbps']:.0f} GB/s"
-                      + (f", relerr {err:.1e}" if err is not None else "") + f", rerun identical {same}", flush=True)
+                      + (f", relerr {err:.1e}" if err is not None else "") + f", rerun identical {same}" + ("" if bits_as_base is None else f", bits as base {bits_as_base}"), flush=True)
                 del cache, table
                 torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gqa_decode_probe.json"), "w") as f:
@@ -139,7 +160,7 @@ def main() -> int:
     lines = ["| variant | " + " | ".join(f"b{b} {k}" for b, k in keys) + " |",
              "|---|" + "---|" * len(keys)]
     for name, *_ in variants:
-        row = {(r["batch"], r["kv"]): r["gbps"] for r in recs if r["variant"] == name}
+        row = {(r["batch"], r["kv"]): r.get("gbps", 0) for r in recs if r["variant"] == name}
         lines.append(f"| {name} | " + " | ".join(f"{row.get(k, 0):.0f}" for k in keys) + " |")
     md = "\n".join(lines)
     print(md)
