@@ -3,7 +3,7 @@ ones logged; freeze_start_up moves the survivors out of later walks (undone here
 import gc
 import logging
 
-from moet.engine.gc_pauses import SLOW_S, GcPauses, freeze_start_up, install_gc_pauses
+from moet.engine.gc_pauses import SLOW_S, GcPauses, freeze_start_up, install_gc_pauses, server_start_up
 
 
 def test_pauses_counted_and_split_at_ready(caplog):
@@ -38,6 +38,10 @@ def test_installed_once_and_sees_real_collections():
 
 def test_freeze_start_up_then_unfreeze():
     w = install_gc_pauses()
+    w.mark_starting()
+    with server_start_up():
+        w.mark_ready()                          # the engine's ready mark inside a server start-up: held
+        assert not w._ready
     w.mark_ready()
     w.record(SLOW_S * 2, 2, 1)                  # between the engine's ready mark and the server's start
     try:

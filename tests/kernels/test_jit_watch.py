@@ -67,5 +67,14 @@ def test_a_new_variant_is_named_by_what_differs_from_the_nearest_earlier_one(cap
     (_, what), = w.counts.slowest_after_ready
     assert what == "kern: PP 64 -> 128, num_warps 4 -> 8, launch_pdl False -> True"   # nearest: the second
     assert "PP 64 -> 128" in caplog.records[-1].message
+    # equal in every parsed field but not in the raw key (an option value with parentheses): the
+    # place where the keys part is shown
+    a, b = hook_args(("i32", ""), 128, 8), hook_args(("i32", ""), 128, 8)
+    b["key"] = (b["key"][0], b["key"][1].replace("(('a', 'b'),)", "(('a', 'c'),)"))
+    w._on_compiled(**b)
+    what = [x for _, x in w.counts.slowest_after_ready if "cache keys differ" in x]
+    assert len(what) == 1 and "extern_libs" in what[0], w.counts.slowest_after_ready
+    before, after = what[0].split(" -> ")
+    assert "c" in after.split("extern_libs")[-1] and "c" not in before.split("extern_libs")[-1]
     w._on_compiled(key="odd", repr="kern[odd]", fn=object())    # another hook shape: Triton's repr
     assert "kern[odd]" in [what for _, what in w.counts.slowest_after_ready]

@@ -261,12 +261,13 @@ def _child_main(build: Callable[..., Any], build_args: tuple, inbox, outbox) -> 
     # Ctrl-C reaches the whole process group; the parent's shutdown stops this process cleanly
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    from moet.engine.gc_pauses import freeze_start_up, server_start_up
     try:
-        engine = build(*build_args)
+        with server_start_up():                      # its collections are not pauses while serving
+            engine = build(*build_args)
     except BaseException as exc:
         outbox.send(("failed", _portable(exc), traceback.format_exc()))
         return
-    from moet.engine.gc_pauses import freeze_start_up
     freeze_start_up()                                # the model's objects out of the GC's walks while serving
     try:
         outbox.send(("ready", {"model_name": served_model_name(engine.config), "max_model_len": engine.max_model_len,

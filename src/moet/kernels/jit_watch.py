@@ -42,7 +42,8 @@ class JitWatch:
         self._started: dict[tuple, float] = {}
         self._prev_cache_hook = None
         self._prev_post_hook = None
-        self._variants: dict[str, list[dict[str, str]]] = {}    # kernel -> the specializations compiled
+        # kernel -> the specializations compiled (parsed, and the raw cache key)
+        self._variants: dict[str, list[tuple[dict[str, str], str]]] = {}
 
     # the two hooks: called by triton with keyword arguments (key, repr, fn, compile, is_manual_warmup, ...)
     def _on_cache_miss(self, **kw):
@@ -77,16 +78,21 @@ class JitWatch:
             var.update(re.findall(r"(\w+)=([^,()]+)", str(kw["key"][1])))
         except Exception:                                  # another Triton's hook shape
             return str(kw.get("repr", "?"))
+        raw = str(kw["key"])
         seen = self._variants.setdefault(name, [])
-        diff = None
-        for old in seen:
+        diff, nearest = None, None
+        for old, old_raw in seen:
             d = [f"{k} {old.get(k)} -> {v}" for k, v in var.items() if old.get(k) != v]
             if diff is None or len(d) < len(diff):
-                diff = d
-        seen.append(var)
+                diff, nearest = d, old_raw
+        seen.append((var, raw))
         if diff is None:
             return f"{name} (first variant)"
-        return f"{name}: " + (", ".join(diff) if diff else "same specialization and options (a new cache key)")
+        if not diff:                    # the parsed fields agree: show where the raw keys part
+            i = next((j for j, (a, b) in enumerate(zip(nearest, raw)) if a != b), min(len(nearest), len(raw)))
+            return (f"{name}: same specialization and parsed options; the cache keys differ at "
+                    f"...{nearest[max(0, i - 40):i + 40]!r} -> ...{raw[max(0, i - 40):i + 40]!r}")
+        return f"{name}: " + ", ".join(diff)
 
     @staticmethod
     def _spec_str(sp) -> str:

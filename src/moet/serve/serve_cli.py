@@ -72,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve_config = serve_config_from_args(args)
     engine_config = from_cli_args(args)
-    app = build_server_app(engine_config, serve_config)
-    from moet.engine.gc_pauses import freeze_start_up
+    from moet.engine.gc_pauses import freeze_start_up, server_start_up
+    with server_start_up():                         # its collections are not pauses while serving
+        app = build_server_app(engine_config, serve_config)
     freeze_start_up()                               # start-up's objects out of the GC's walks while serving
     print(f"moet: serving {app.state.moet.model_name} at http://{serve_config.host}:{serve_config.port}/v1", flush=True)
     uvicorn.run(app, host=serve_config.host, port=serve_config.port, log_level="warning", access_log=False,
