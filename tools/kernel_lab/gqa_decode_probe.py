@@ -33,17 +33,12 @@ import torch
 
 def time_ms(fn) -> float:
     import triton
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return float(triton.testing.do_bench(g.replay, warmup=10, rep=40, return_mode="median"))
+
+    from moet.bench.timing import graphed
+    run, err = graphed(fn)
+    if err is not None:
+        raise err
+    return float(triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median"))
 
 
 def make_cache(fmt, nb: int, bs: int, hkv: int, d: int, hnd: bool, gen_seed: int):

@@ -29,6 +29,19 @@ R=/tmp/r18; mkdir -p $R/engine
 # tar after every step: a call killed at its time limit still returns what it measured
 save() { tar czf $OUT/${MODE}.tgz -C $R . 2>/dev/null; }
 MODE=${1:-}
+# engine_bench MODEL STREAMS with the step's small kernels under PDL off, then on (tags plain /
+# small-kernel-pdl; run 18 ran it when off was engine_bench's default, the flags now say it)
+engine_ab() {
+    local m=$1 st=$2 flag tag
+    for flag in "--no-small-kernel-pdl" "--small-kernel-pdl"; do
+        tag=small-kernel-pdl; [ $flag = --no-small-kernel-pdl ] && tag=plain
+        el "engine $m $tag"
+        timeout -k 5 150 python -m moet.bench.engine_bench --models $m --streams $st --prefill 0 $flag \
+            --budget-s 140 --out $R/engine/${m}_$tag > $R/engine/log_${m}_$tag.txt 2>&1
+        echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_${m}_$tag.txt | cut -c1-200
+        save
+    done
+}
 case "${1:-}" in
 pdl)
     # engine_bench needs >= 120 s of --budget-s left to start a model (its budget guard)
@@ -45,32 +58,12 @@ pdl)
     timeout -k 5 60 python tools/kernel_lab/router_bench.py --out $R 2>&1 | cut -c1-400
     fi
     save
-    for spec in "glm45air 1,8,32"; do
-        m=${spec% *}; st=${spec#* }
-        for flag in "" "--small-kernel-pdl"; do
-            tag=${flag:-plain}; tag=${tag#--}
-            el "engine $m $tag"
-            timeout -k 5 150 python -m moet.bench.engine_bench --models $m --streams $st --prefill 0 $flag \
-                --budget-s 140 --out $R/engine/${m}_$tag > $R/engine/log_${m}_$tag.txt 2>&1
-            echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_${m}_$tag.txt | cut -c1-200
-            save
-        done
-    done
+    engine_ab glm45air 1,8,32
     el "done" ;;
 pdl2)
     # the second half of the pdl measurements (one call cannot hold both within 600 s)
     fm_rc=0
-    for spec in "qwen3_30b 1,32"; do
-        m=${spec% *}; st=${spec#* }
-        for flag in "" "--small-kernel-pdl"; do
-            tag=${flag:-plain}; tag=${tag#--}
-            el "engine $m $tag"
-            timeout -k 5 150 python -m moet.bench.engine_bench --models $m --streams $st --prefill 0 $flag \
-                --budget-s 140 --out $R/engine/${m}_$tag > $R/engine/log_${m}_$tag.txt 2>&1
-            echo "rc=$?"; grep -E "single stream|streams:|FAIL|rror|budget" $R/engine/log_${m}_$tag.txt | cut -c1-200
-            save
-        done
-    done
+    engine_ab qwen3_30b 1,32
     el "engine glm45air 1 stream, pdl + attention fused merge"
     [ $fm_rc -eq 0 ] && timeout -k 5 140 python -m moet.bench.engine_bench --models glm45air --streams 1 --prefill 0 --small-kernel-pdl \
         --attention-fused-merge --budget-s 130 --out $R/engine/glm45air_pdl_fm > $R/engine/log_glm45air_pdl_fm.txt 2>&1

@@ -136,20 +136,12 @@ class Bench:
             fn()
             return (time.perf_counter() - t) * 1e3, False
         import triton
-        torch.cuda.synchronize()
-        run, graphed = fn, False
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run, graphed = graph.replay, True
-        except Exception as e:             # noqa: BLE001 -- time it without a graph, say so
-            self.log(f"  (no CUDA graph: {type(e).__name__}: {e})")
+
+        from moet.bench.timing import graphed as capture
+        run, err = capture(fn)
+        graphed = err is None
+        if err is not None:
+            self.log(f"  (no CUDA graph: {type(err).__name__}: {err})")
         ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
         return float(ms), graphed
 

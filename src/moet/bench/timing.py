@@ -49,6 +49,26 @@ def time_ms(fn, device: torch.device, *, warmup_ms: int = 20, rep_ms: int = 80) 
     return statistics.median(times)
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (warmed once on a side stream first, as capture requires) ->
+    (graph.replay, None); where capture fails, (fn, the exception): time it eagerly and say so.
+    Timing the replay leaves out Python's launch overhead, which a served step does not pay."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay, None
+    except Exception as exc:               # noqa: BLE001 -- the caller reports it
+        return fn, exc
+
+
 def bf16_gemv_bandwidth(device: torch.device, n: int = 32768, k: int = 7168) -> dict:
     """A bf16 GEMV (one token, W [n, k]) as the memory reference: GB/s counted on W's bytes."""
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
