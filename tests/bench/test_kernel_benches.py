@@ -68,3 +68,16 @@ def test_moe_bench_pools_fit_the_triton_kernels():
     for label, (fn, fmt, _) in triton_paths.items():
         rec = moe_bench.check(label, fn, pools[fmt], 64, 8, 2, 3, device, g)
         assert rec["ok"] and rec["rel_err"] < 2e-2, rec
+
+
+def test_graphed_falls_back_to_the_eager_call_where_capture_fails():
+    """timing.graphed: without CUDA (this machine) the capture fails; the caller gets fn itself back,
+    already called once, and the reason, so it can time eagerly and say so."""
+    from moet.bench.timing import graphed
+    calls = []
+    fn = lambda: calls.append(1)                      # noqa: E731
+    run, err = graphed(fn)
+    if torch.cuda.is_available():
+        assert err is None and run is not fn
+    else:
+        assert run is fn and err is not None and len(calls) == 1

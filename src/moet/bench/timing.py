@@ -54,8 +54,8 @@ def graphed(fn):
     (graph.replay, None); where capture fails, (fn, the exception): time it eagerly and say so.
     Timing the replay leaves out Python's launch overhead, which a served step does not pay."""
     fn()
-    torch.cuda.synchronize()
     try:
+        torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -486,8 +486,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     last bits and must be fixed per model (the table never varies it by batch size).
     fused_merge: no merge launch; the last program of each (sequence, kv head) merges its heads'
     splits in the merge kernel's order (the same bits under the interpreter; compiled, another
-    kernel's arithmetic may contract differently). Not used by the engine yet (attention_bench
-    measures it)."""
+    kernel's arithmetic may contract differently). Off in the engine (EngineConfig.attention_fused_merge):
+    slower on the H200 at every batch (run 18: 0.69x at batch 1, 32K)."""
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
