@@ -68,6 +68,9 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layouts", action="store_true", help="also the layout / table-order / page-size variants")
+    ap.add_argument("--only", default="", help="comma-separated variant names to run (e.g. base,splits64: "
+                                               "one kernel per variant under a profiler)")
+    ap.add_argument("--kv", default="bf16,fp8", help="KV formats: bf16, fp8")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from moet.kernels import attention_triton, pdl
@@ -92,7 +95,13 @@ def main() -> int:
                 ("s21", 16, False, False, False, dict(num_warps=4, num_stages=21)),
                 # longer loop steps (more bytes and independent dots per step) and 8 warps
                 ("t128 w4 s7", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=7)),
-                ("t64 w8 s11", 16, False, False, False, dict(num_warps=8, num_stages=11))]
+                ("t64 w8 s11", 16, False, False, False, dict(num_warps=8, num_stages=11)),
+                # more programs per sequence: 64 splits of 512 tokens (2 programs per SM at batch 1)
+                ("splits64", 16, False, False, False, dict(split_tokens=256, max_splits=64))]
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = [v for v in variants if v[0] in keep]
+    fmts = [f for f in fmts if f[0] in args.kv.split(",")]
     recs, t0 = [], time.time()
     for batch in [int(x) for x in args.batches.split(",")]:
         for fname, fmt in fmts:
