@@ -38,10 +38,6 @@ def test_installed_once_and_sees_real_collections():
 
 def test_freeze_start_up_then_unfreeze():
     w = install_gc_pauses()
-    w.mark_starting()
-    with server_start_up():
-        w.mark_ready()                          # the engine's ready mark inside a server start-up: held
-        assert not w._ready
     w.mark_ready()
     w.record(SLOW_S * 2, 2, 1)                  # between the engine's ready mark and the server's start
     try:
@@ -53,6 +49,27 @@ def test_freeze_start_up_then_unfreeze():
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def test_an_engine_built_in_a_server_start_up_waits_for_the_freeze_to_be_ready():
+    """Inside server_start_up() the engine leaves its watches unmarked (what the app build does
+    meanwhile is no request's wait); freeze_start_up marks them ready."""
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    from moet.testing.tiny_checkpoint import cached_checkpoint
+
+    cfg = EngineConfig(model=cached_checkpoint("qwen3_moe"), expert_format="bf16", dtype="float32", device="cpu")
+    w = install_gc_pauses()
+    with server_start_up():
+        LLMEngine.from_config(cfg)
+        assert not w._ready
+    try:
+        freeze_start_up()
+        assert w._ready
+    finally:
+        gc.unfreeze()
+    LLMEngine.from_config(cfg)                   # outside a server start-up: ready at the end of init
+    assert w._ready
 
 
 def test_engine_stats_carry_the_gc_counters():

@@ -87,6 +87,13 @@ def _fp4_pool(slots, h, i, g) -> FP4Pool:
     return FP4Pool(t[0], t[1], t[2].float(), t[3], t[4], t[5].float())
 
 
+def _pool_and_run(mt, fmt: str, g):
+    """A 6-slot pool (H 64, I 32) of `fmt` and the kernel entry point that reads it."""
+    if fmt == "w2":
+        return _w2_pool(6, 64, 32, g), mt.moe_experts_w2_triton
+    return _fp4_pool(6, 64, 32, g), mt.moe_experts_fp4_triton
+
+
 def _inputs(t, k, h, num_experts, g, dtype=torch.float32):
     x = torch.randn(t, h, generator=g).to(dtype).to(DEVICE)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(t)]) if t else \
@@ -319,8 +326,7 @@ def test_fused_decode_misses_slot_invariant_bit_identical_and_counters_left_zero
     mt = _mt()
     from moet.kernels import moe_fused_decode as fd
     g = torch.Generator().manual_seed(23 if fmt == "w2" else 24)
-    pool = _w2_pool(6, 64, 32, g) if fmt == "w2" else _fp4_pool(6, 64, 32, g)
-    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    pool, run = _pool_and_run(mt, fmt, g)
     tab = _table([3, -1, 0, 5, -1, 1])
     x, ids, w = _inputs(2, 4, 64, 6, g)
     ids[0] = torch.tensor([1, 4, 0, 2])
@@ -508,8 +514,7 @@ def test_fused_finish_is_the_finish_kernels_result(poisoned, fmt, cfg):
     the SwiGLU clamp on; and the JSON round trip."""
     mt = _mt()
     g = torch.Generator().manual_seed(31 if fmt == "w2" else 32)
-    pool = _w2_pool(6, 64, 32, g) if fmt == "w2" else _fp4_pool(6, 64, 32, g)
-    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    pool, run = _pool_and_run(mt, fmt, g)
     tab = _table([3, -1, 0, 5, -1, 1])
     x, ids, w = _inputs(5, 4, 64, 6, g)
     m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
@@ -541,8 +546,7 @@ def test_fused_combine_is_the_combine_kernels_result(poisoned, fmt, cfg):
     absent (its row zero: the prep kernel wrote it), counters zero after, the JSON round trip."""
     mt = _mt()
     g = torch.Generator().manual_seed(41 if fmt == "w2" else 42)
-    pool = _w2_pool(6, 64, 32, g) if fmt == "w2" else _fp4_pool(6, 64, 32, g)
-    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    pool, run = _pool_and_run(mt, fmt, g)
     tab = _table([3, -1, 0, 5, -1, 1])
     x, ids, w = _inputs(5, 2, 64, 6, g)
     ids[2] = torch.tensor([1, 4])                            # token 2: both experts absent

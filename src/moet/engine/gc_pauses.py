@@ -67,8 +67,7 @@ class GcPauses:
         self._ready = False
 
     def mark_ready(self) -> None:
-        if not _server_starting:          # a server's start-up is not over at the engine's end
-            self._ready = True
+        self._ready = True
 
     def snapshot(self) -> dict[str, float]:
         c = self.counts
@@ -82,15 +81,26 @@ _server_starting = False
 
 @contextmanager
 def server_start_up():
-    """Around a server's start-up (engine, app, imports): the engine's ready mark is held until
-    freeze_start_up, so the collections of that time -- of a large, not yet frozen heap (0.2 s
-    each on the H200 machine, run 19) -- are not logged as pauses while serving."""
+    """Around a server's start-up (engine, app, imports): an engine built inside leaves its
+    watches (JIT compiles, GC pauses) unmarked until freeze_start_up, so what happens meanwhile --
+    collections of a large, not yet frozen heap (0.2 s each on the H200 machine, run 19) -- is not
+    logged as a wait of a request."""
     global _server_starting
     _server_starting = True
     try:
         yield
     finally:
         _server_starting = False
+
+
+def server_starting() -> bool:
+    """Inside server_start_up(): the engine must not mark itself ready (LLMEngine.__init__)."""
+    return _server_starting
+
+
+def _watches() -> list:
+    from moet.kernels.jit_watch import installed_jit_watch
+    return [w for w in (installed_jit_watch(), _watch) if w is not None]
 
 
 def install_gc_pauses() -> GcPauses:
@@ -104,8 +114,8 @@ def install_gc_pauses() -> GcPauses:
 
 def freeze_start_up() -> int:
     """Collect once, then freeze every surviving object out of later collections; -> how many.
-    The servers call it right before they accept requests, so it also starts the watch's
-    "while serving" count afresh: that collection (a full walk of the start-up heap, ~0.5 s on
+    The servers call it right before they accept requests, so it also marks the process's watches
+    (JIT, GC) ready and starts the GC watch's "while serving" count afresh: that collection (a full walk of the start-up heap, ~0.5 s on
     the H200 machine, measured in run 19 as a "pause while serving") and any collection between
     the engine's ready mark and here (building the app) had no request waiting on them."""
     w = _watch
@@ -116,7 +126,8 @@ def freeze_start_up() -> int:
     if w is not None:
         w.counts.after_ready = 0
         w.counts.seconds_after_ready = w.counts.max_after_ready_s = 0.0
-        w.mark_ready()
+    for watch in _watches():                    # from here on a compile or a pause is a request's wait
+        watch.mark_ready()
     n = gc.get_freeze_count()
     log.info("froze %d start-up objects out of the garbage collector's walks", n)
     return n

@@ -26,7 +26,7 @@ from moet.config import EngineConfig
 from moet.engine.async_decode import AsyncDecode
 from moet.engine.block_manager import BlockManager
 from moet.engine.detokenizer import IncrementalDetokenizer
-from moet.engine.gc_pauses import install_gc_pauses
+from moet.engine.gc_pauses import install_gc_pauses, server_starting
 from moet.engine.model_runner import ModelRunner
 from moet.engine.sampler import Sampler, new_generator, position_logprobs
 from moet.engine.scheduler import Scheduler, SchedulerOutput
@@ -136,9 +136,10 @@ class LLMEngine:
                 w.mark_starting()
         if device.type == "cuda" and config.compile_warmup and residency is None:
             self.compile_warmup()
-        for w in (self._jit, self._gc):
-            if w is not None:
-                w.mark_ready()
+        if not server_starting():                    # a server marks them once it accepts requests
+            for w in (self._jit, self._gc):
+                if w is not None:
+                    w.mark_ready()
 
     def compile_warmup(self) -> int:
         """Warm-up requests of random tokens (EngineConfig.compile_warmup), then no trace of them:

@@ -139,6 +139,11 @@ class JitWatch:
 _watch: JitWatch | None = None
 
 
+def installed_jit_watch() -> JitWatch | None:
+    """The process's watch if one was installed (no install)."""
+    return _watch
+
+
 def install_jit_watch() -> JitWatch | None:
     """The process's watch (installed on first call); None where Triton lacks the hooks."""
     global _watch
