@@ -32,16 +32,27 @@ ncu)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     echo "ncu: ${NCU:-none}"; nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv
     if [ -n "$NCU" ]; then
+        # full set into a report, then the details page and the SASS with per-instruction stall samples
+        prof() {  # name, kernel regex, launch skip, command...
+            local n=$1 k=$2 s=$3; shift 3
+            timeout -k 5 200 $NCU --clock-control none --target-processes all -k regex:$k -s $s -c 1 \
+                --set full --import-source no -f -o $R/ncu_$n "$@" > $R/ncu_run_$n.txt 2>&1
+            echo "$n rc=$?"; tail -3 $R/ncu_run_$n.txt
+            $NCU -i $R/ncu_$n.ncu-rep --page details --csv > $R/ncu_$n.csv 2>&1
+            $NCU -i $R/ncu_$n.ncu-rep --page source --csv --print-source sass > $R/ncu_sass_$n.csv 2>&1
+            grep -E "Stall|Occupancy|Throughput|Registers|Shared Memory|Waves|Issue|Duration|Warp Cycles" \
+                $R/ncu_$n.csv | cut -c1-200 | head -60
+            mkdir -p /tmp/ncurep; mv -f $R/ncu_$n.ncu-rep /tmp/ncurep/ 2>/dev/null; save
+        }
         for v in base splits64; do
-            # the first launch of the variant's kernel (eager, before its graph is captured)
-            timeout -k 5 180 $NCU --target-processes all -k regex:_gqa_decode_split_kernel -c 1 \
-                --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-                --section LaunchStats --section SchedulerStats --csv --page details \
-                python tools/kernel_lab/gqa_decode_probe.py --out $R/ncu_$v --batches 1 --kv bf16 --only $v \
-                > $R/ncu_$v.csv 2> $R/ncu_err_$v.txt
-            echo "$v rc=$?"; grep -E "Stall|Occupancy|Throughput|Registers|Shared|Waves|Issue" $R/ncu_$v.csv | cut -c1-200 | head -40
-            save
+            prof gqa_$v _gqa_decode_split_kernel 0 \
+                python tools/kernel_lab/gqa_decode_probe.py --out $R/probe_$v --batches 1 --kv bf16 --only $v
         done
+        prof gqa_fp8 _gqa_decode_split_kernel 0 \
+            python tools/kernel_lab/gqa_decode_probe.py --out $R/probe_fp8 --batches 1 --kv fp8 --only base
+        # MoE decode, DeepSeek W2 T = 1: launches of the 2nd call (skip the 1st call's: JIT-warm)
+        prof moe_gu _moe_gemm_kernel 2 python tools/kernel_lab/moe_decode_once.py --shape deepseek --tokens 1
+        prof moe_dn _moe_gemm_kernel 3 python tools/kernel_lab/moe_decode_once.py --shape deepseek --tokens 1
     fi
     save ;;
 *) echo "usage: run20.sh serve|prefill|ncu"; exit 2 ;;
