@@ -62,7 +62,8 @@ def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, d: int =
     (Qwen3-30B-A3B: 8), head dim d (128), pages of 16, bf16 queries, `pages` pages per step (4: 64 tokens)."""
     const = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), DV=d,
                  BLOCK_DV=triton.next_power_of_2(d), BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=window, SCALE_KIND=kind,
-                 GROUP_K=d, GROUP_V=d, BF16_DOT=True, INTERPRET=False, PAGES=pages, OP_F16=bool(kind))
+                 GROUP_K=d, GROUP_V=d, BF16_DOT=True, INTERPRET=False, PAGES=pages, OP_F16=bool(kind),
+                 **at._merge_blocks(32, d))
     types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                  lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
     return _compile(at._gqa_decode_split_kernel, types, const, dict(num_warps=num_warps, num_stages=num_stages),
@@ -136,7 +137,8 @@ def main() -> None:
         # GLM-4.5-like: 96 q heads / 8 kv heads, head_dim 128, pages of 16, sliding window on the bf16 one
         const = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16,
                      MAX_SPLITS=32, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
-                     GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=bool(kind))
+                     GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=bool(kind),
+                     **at._merge_blocks(32, 128))
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const, div16=GQA_DIV16)
@@ -193,10 +195,15 @@ def main() -> None:
                 assert r["spill_ops"] == 0 and c.metadata.shared <= 227 * 1024, f"{dev} {key} s{st}: {r}"
                 print("gqa table", dev, key, f"w{entry['num_warps']} s{st}", "regs", r["regs"], "smem",
                       c.metadata.shared, "cp.async", r["ldgsts"])
-    c = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32",
-                                               out_ptr="*bf16"),
-                 dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16))
-    print("merge", "cubin bytes", len(c.asm["cubin"]))
+    # the split merge, all splits loaded at once: GQA rows of 128 (one [32, 128] tile) and MLA's
+    # latent rows of 512 (four column tiles), as paged_decode_gqa / _mla launch it; no spills
+    for name, hq, dv in (("gqa", 96, 128), ("mla", 128, 512)):
+        c = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32",
+                                                   out_ptr="*bf16"),
+                     dict(HQ=hq, DV=dv, BLOCK_DV=dv, MAX_SPLITS=32, BLOCK_SIZE=16, **at._merge_blocks(32, dv)))
+        r = sass_report(c)
+        assert r["spill_ops"] == 0, f"merge {name}: {r}"
+        print("merge", name, "cubin bytes", len(c.asm["cubin"]), "regs", r["regs"])
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
     for flag in ("FUSED_FINISH", "FUSED_COMBINE", "ZERO_OUT"):   # the separate launches unless asked
         if flag in fn.arg_names:
             const = {flag: False, **const}
+    if "UNROLL" in fn.arg_names:                                  # a defaulted constexpr: AOT needs it given
+        const = {"UNROLL": 1, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     opts = {"num_warps": num_warps, "num_stages": num_stages}
@@ -32,16 +34,18 @@ def main(quick: bool = False) -> None:
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
         for gate_up in (True, False):
             # (BM, BN, BKH, SPLIT_K, warps, stages, PDL): decode tiles of 16 and 1 pairs, prefill
-            configs = ((16, 64, 32, 1, 4, 4, False), (1, 32, 32, 2, 2, 4, True), (64, 128, 16, 1, 8, 3, False))
-            for bm, bn, bkh, split, warps, stages, pdl in configs[:1] if quick else configs:
+            # (the last: BM 4 with the K loop unrolled twice, the T = 1 form of run 21)
+            configs = ((16, 64, 32, 1, 4, 4, False, 1), (1, 32, 32, 2, 2, 4, True, 1), (64, 128, 16, 1, 8, 3, False, 1),
+                       (4, 32, 32, 2, 2, 4, True, 2))
+            for bm, bn, bkh, split, warps, stages, pdl, unroll in (configs[:1] + configs[-1:]) if quick else configs:
                 n, k = (2048, 7168) if gate_up else (7168, 2048)
                 types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",
                              bslot_ptr="*i32", out_ptr="*bf16" if gate_up and split == 1 else "*fp32",
                              s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
                 const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=split, HAS_LIMIT=gate_up,
-                             USE_ASM=True, BM=bm, BN=bn, BKH=bkh, PDL=pdl)
+                             USE_ASM=True, BM=bm, BN=bn, BKH=bkh, PDL=pdl, UNROLL=unroll)
                 c = _compile(m._moe_gemm_kernel, types, const, warps, stages)
-                print("gemm", name, "gate_up" if gate_up else "down", bm, bn, bkh, split,
+                print("gemm", name, "gate_up" if gate_up else "down", bm, bn, bkh, split, unroll,
                       "cubin bytes", len(c.asm["cubin"]))
     # the split gate/up with the SwiGLU finish in its last program per (tile, row block)
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):

@@ -19,7 +19,8 @@ BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 GQA_TYPES = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ks_ptr=F32, vs_ptr=F32, bt_ptr=I32, lens_ptr=I32, acc_ptr=F32,
                  m_ptr=F32, l_ptr=F32, out_ptr=BF16, cnt_ptr=I32, scale="fp32")
 GQA_CONST = dict(G=12, BLOCK_G=16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=0,
-                 SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False)
+                 SCALE_KIND=0, GROUP_K=128, GROUP_V=128, BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False,
+                 **at._merge_blocks(32, 128))
 
 # (name, kernel, pointer / float types (others i32), constexprs) at GLM-4.5-Air's shapes
 KERNELS = [
@@ -37,7 +38,7 @@ KERNELS = [
     ("gqa_decode_fused_merge", at._gqa_decode_split_kernel, GQA_TYPES, dict(GQA_CONST, FUSED_MERGE=True)),
     ("merge_splits", at._merge_splits_kernel,
      dict(acc_ptr=F32, m_ptr=F32, l_ptr=F32, lens_ptr=I32, out_ptr=BF16),
-     dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16)),
+     dict(HQ=96, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16, **at._merge_blocks(32, 128))),
     ("router_gemv", rt._router_gemv_kernel, dict(x_ptr=BF16, w_ptr=F32, out_ptr=F32),
      dict(H=4096, E=128, BE=1, BK=4096, OUT_BF16=False)),
     ("router_topk", rt._router_kernel,

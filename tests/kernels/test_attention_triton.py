@@ -136,6 +136,31 @@ def test_split_size_changes_rounding_only_and_empty_sequences_give_zero():
     assert torch.isfinite(many).all()
 
 
+@pytest.mark.parametrize("max_splits", [None, 6], ids=["splits-32", "splits-6"])
+def test_merge_of_ragged_split_counts_matches_reference(max_splits):
+    """The split merge (all of a sequence's splits loaded at once, masked past its used ones) over
+    a batch whose sequences use 10, 3, 1 and 0 splits (6 splits of 1-2 pages when max_splits is
+    6; BLOCK_S 32 / 8): each non-empty sequence matches the reference, the empty one is 0, reruns
+    and the fused merge give the same bits, and a sequence run alone gives its batch row's bits."""
+    at = _tri()
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    fmt = KVFormat("auto", dtype=torch.float32)
+    lens = [9 * BS + 5, 0, 3 * BS, BS - 3, 5 * BS + 1]
+    cache, table, seq_lens, q = _setup(fmt, lens, 4, 2, 16, g)
+    kw = dict(split_tokens=BS, max_splits=max_splits)
+    got = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, **kw)
+    want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3)
+    live = [b for b, n in enumerate(lens) if n]
+    err = (got.cpu()[live] - want[live]).norm() / want[live].norm()
+    assert float(err) < 2e-5, float(err)
+    assert (got[1] == 0).all()                  # no keys: 0, not NaN
+    assert torch.equal(got, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, **kw))
+    assert torch.equal(got, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, fused_merge=True, **kw))
+    for b in (0, 3):
+        alone = at.paged_decode_gqa(q[b:b + 1], cache, table[b:b + 1], seq_lens[b:b + 1], 0.3, **kw)
+        assert torch.equal(alone[0], got[b]), b
+
+
 def _to_cpu(cache):
     from dataclasses import replace
     return replace(cache, k=cache.k.cpu(), v=cache.v.cpu(),

@@ -466,7 +466,7 @@ def test_kernels_compile_for_sm90():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     kinds = [line.split()[0] for line in r.stdout.splitlines()]
-    assert kinds.count("gemm") == 4 and {"align", "swiglu", "combine"} <= set(kinds), r.stdout
+    assert kinds.count("gemm") == 8 and {"align", "swiglu", "combine"} <= set(kinds), r.stdout
     # the few-token paths, GPU-only code (the interpreter never compiles): run 13 found token-major
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
@@ -565,3 +565,32 @@ def test_fused_combine_is_the_combine_kernels_result(poisoned, fmt, cfg):
     ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
     assert _relerr(one, ref) <= BOUND
     assert MoEConfig.from_json(fc.to_json()) == fc and "fused_combine" not in cfg.to_json()
+
+
+@pytest.mark.parametrize("fmt", ["w2", "fp4"])
+def test_unrolled_k_loop_and_wider_token_tile_change_no_bits(poisoned, fmt):
+    """GemmConfig.unroll (the K loop body repeated: run 21's cure for the decode GEMMs' x stall)
+    runs the same dots in the same order: the tiled path's bits; a token tile wider than the
+    pairs per expert (BM 4: the rows past them are masked) the same per-row sums to rounding;
+    split and unsplit K, odd step counts (K = 64 over BKH 16: W2 one step, FP4 a step left over
+    for the second copy of the body to mask), misses counted alike; the JSON round trip."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(51 if fmt == "w2" else 52)
+    pool, run = _pool_and_run(mt, fmt, g)
+    tab = _table([3, -1, 0, 5, -1, 1])
+    x, ids, w = _inputs(3, 2, 64, 6, g)
+    base = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 2, 2, 2))
+    m0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
+    for cfg in (replace(base, gate_up=replace(base.gate_up, unroll=2), down=replace(base.down, unroll=2)),
+                replace(base, BM=4, gate_up=replace(base.gate_up, unroll=2)),
+                replace(base, gate_up=GemmConfig(16, 16, 3, 2, 2, unroll=2), down=replace(base.down, unroll=3))):
+        m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+        if cfg.BM == base.BM:
+            assert torch.equal(out, ref), cfg
+        else:   # another tile shape: another matmul kernel under the interpreter, another compiled one on a GPU
+            assert _relerr(out, ref) <= 1e-6
+        assert int(m1.item()) == int(m0.item()) > 0
+        assert MoEConfig.from_json(cfg.to_json()) == cfg
+    assert GemmConfig().unroll == 1 and MoEConfig.from_json({"BM": 1, "gate_up": {"BN": 32}, "down": {}}).gate_up.unroll == 1

@@ -37,6 +37,9 @@ class GemmConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    # the K loop unrolled this many times (moe_triton's UNROLL: one step's activation loads in
+    # flight during another's dots); 1 = not unrolled
+    unroll: int = 1
 
 
 @dataclass(frozen=True, slots=True)

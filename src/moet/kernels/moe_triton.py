@@ -204,11 +204,16 @@ def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, U
 
 
 @triton.jit
-def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-               UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-               USE_ASM: tl.constexpr):
+def _codes(wq, rows, rmask, u, umask, UNITS: tl.constexpr):
+    """The [BN, BKH] 16-bit code units of weight rows `rows` at units u."""
+    return tl.load(wq + rows.to(tl.int64)[:, None] * UNITS + u[None, :], mask=rmask[:, None] & umask[None, :], other=0)
+
+
+@triton.jit
+def _coded_dots(acc, c, sc, rows, rmask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc += the rows' weights (codes c, already loaded) times the step's activations."""
     r64 = rows.to(tl.int64)
-    c = tl.load(wq + r64[:, None] * UNITS + u[None, :], mask=rmask[:, None] & umask[None, :], other=0)
     if FMT == 0:
         s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=127)
         acc = _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
@@ -216,6 +221,14 @@ def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4,
         s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=0x38)
         acc = _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
     return acc
+
+
+@triton.jit
+def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+               UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    c = _codes(wq, rows, rmask, u, umask, UNITS)
+    return _coded_dots(acc, c, sc, rows, rmask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, G, FMT, BN, BKH, USE_ASM)
 
 
 @triton.jit
@@ -287,7 +300,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
-                     FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr):
+                     FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -326,7 +339,11 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         xb = x_ptr + xrow[:, None] * s_x                   # x rows in slot-major order [UPW, UNITS]
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         acc2 = tl.zeros([BN, BM], dtype=tl.float32)
-        for i in range(PER):
+        # UNROLL (MoEConfig's unroll): the K loop body repeated so one copy's activation loads can
+        # be issued during the other's dots (Triton stages codes and scales through shared memory
+        # but loads x straight into the MMA registers at the top of the step that uses it: the top
+        # stall of the decode GEMMs in Nsight Compute, run 20). Same dots, same order, same bits.
+        for i in tl.range(0, PER, loop_unroll_factor=UNROLL):
             st = ks * PER + i                              # steps past STEPS are fully masked
             u = st * BKH + hcols
             umask = u < UNITS
@@ -339,8 +356,8 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                              UNITS, G, FMT, BN, BKH, USE_ASM)
             if GATE_UP:
-                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                                  UNITS, G, FMT, BN, BKH, USE_ASM)
+                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6,
+                                  x7, UNITS, G, FMT, BN, BKH, USE_ASM)
         if FMT == 1:   # per-tensor scale_2 (gate / up / down) and the 2^8 the decode left out
             if GATE_UP:
                 acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
@@ -808,7 +825,8 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
-        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, num_warps=cg.num_warps, num_stages=cg.num_stages,
+        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, num_warps=cg.num_warps,
+        num_stages=cg.num_stages,
         **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
         bi = min(1024, triton.next_power_of_2(i))
@@ -822,7 +840,8 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(h, cd.BN), nb, cd.SPLIT_K)](
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
         dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
-        FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, num_warps=cd.num_warps, num_stages=cd.num_stages,
+        FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, num_warps=cd.num_warps,
+        num_stages=cd.num_stages,
         **common, **pdl)
     if not fuse_combine:
         bh = min(1024, triton.next_power_of_2(h))
