@@ -139,8 +139,8 @@ def test_split_size_changes_rounding_only_and_empty_sequences_give_zero():
 @pytest.mark.parametrize("max_splits", [None, 6], ids=["splits-32", "splits-6"])
 def test_merge_of_ragged_split_counts_matches_reference(max_splits):
     """The split merge (all of a sequence's splits loaded at once, masked past its used ones) over
-    a batch whose sequences use 10, 3, 1 and 0 splits (6 splits of 1-2 pages when max_splits is
-    6; BLOCK_S 32 / 8): each non-empty sequence matches the reference, the empty one is 0, reruns
+    a batch whose sequences use 10, 0, 3, 1 and 6 splits of one page (5, 0, 3, 1, 6 when max_splits
+    is 6: the longest gets 2-page splits; BLOCK_S 32 / 8): each non-empty sequence matches the reference, the empty one is 0, reruns
     and the fused merge give the same bits, and a sequence run alone gives its batch row's bits."""
     at = _tri()
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
