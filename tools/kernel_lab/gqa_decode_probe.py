@@ -6,7 +6,7 @@ only in where the bytes are, so no kernel change is needed to tell the suspects 
   ident      the same pages in table order (block i of a sequence = physical block i): DRAM locality
   hnd        [NB, Hkv, 16, D] storage seen through a permuted view (a head's page one 4 KB run)
   bs64       pages of 64 tokens (one block-table entry per 64-token tile instead of four)
-  base_pdl   base with the small kernels under PDL (the engine's default since run 18)
+  base_pdl   base with the small kernels under PDL (the engine's default since run 18; in the default list)
   s9 .. s21  deeper cp.async pipelines (launch keywords of paged_decode_gqa; same bits as base)
   t128, w8   128-token loop steps, 8 warps
 
@@ -71,6 +71,10 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated variant names to run (e.g. base,splits64: "
                                                "one kernel per variant under a profiler)")
     ap.add_argument("--kv", default="bf16,fp8", help="KV formats: bf16, fp8")
+    ap.add_argument("--amortize", type=int, default=0,
+                    help="also time one CUDA graph of N calls over N distinct caches (per-call time = total / N): "
+                         "the graph launch's fixed cost, which a one-call graph pays per call and the engine's "
+                         "decode-step graph pays once for all its layers, spread over N calls")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from moet.kernels import attention_triton, pdl
@@ -79,10 +83,10 @@ def main() -> int:
     scale = d ** -0.5
     fmts = [("bf16", KVFormat("auto", dtype=torch.bfloat16)), ("fp8", KVFormat("fp8_e4m3", "tensor"))]
     # (name, block size, HND storage, identity table, PDL, paged_decode_gqa keywords)
-    variants = [("base", 16, False, False, False, {})]
+    variants = [("base", 16, False, False, False, {}), ("base_pdl", 16, False, False, True, {})]
     if args.layouts:                    # run 19's first call (layout, table order, page size, PDL)
         variants += [("ident", 16, False, True, False, {}), ("hnd", 16, True, False, False, {}),
-                     ("bs64", 64, False, False, False, {}), ("base_pdl", 16, False, False, True, {})]
+                     ("bs64", 64, False, False, False, {})]
     variants += [
                 # deeper K/V pipelines: Triton 3.6 gives the K and V loads of this loop only
                 # ceil(num_stages / 2) buffers (the block-table load in front of them takes the other
@@ -126,6 +130,15 @@ def main() -> int:
                     torch.cuda.synchronize()
                     got = out.clone()
                     ms = time_ms(run)
+                    ms_amortized = None
+                    if args.amortize > 1:
+                        others = [make_cache(fmt, nb, bs, hkv, d, hnd, gen_seed=1235 + j) for j in range(args.amortize - 1)]
+                        outs = [torch.empty_like(out) for _ in others]
+                        calls = [run] + [lambda c=c, o=o: attention_triton.paged_decode_gqa(q, c, table, lens, scale,
+                                                                                           out=o, **kw)
+                                         for c, o in zip(others, outs)]
+                        ms_amortized = time_ms(lambda: [c() for c in calls]) / len(calls)
+                        del others, outs, calls
                 except Exception as exc:       # e.g. out of shared memory for this many stages
                     print(f"b{batch} {fname} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     recs.append(dict(batch=batch, kv=fname, variant=name, kwargs=kw, error=str(exc)[:500]))
@@ -151,9 +164,12 @@ def main() -> int:
                 byt = gqa_bytes_per_token(hkv, d, d, fmt) * args.ctx * batch
                 r = dict(batch=batch, kv=fname, variant=name, block_size=bs, hnd=hnd, identity_table=ident,
                          pdl=use_pdl, kwargs=kw, ms=ms, gbps=byt / ms / 1e6, rel_err_vs_reference=err, rerun_identical=same,
-                         bits_as_base=bits_as_base)
+                         bits_as_base=bits_as_base, ms_amortized=ms_amortized,
+                         gbps_amortized=byt / ms_amortized / 1e6 if ms_amortized else None)
                 recs.append(r)
                 print(f"[{time.time() - t0:5.0f}s] b{batch} {fname} {name}: {ms * 1e3:.1f} us, {r['gbps']:.0f} GB/s"
+                      + (f" (graph of {args.amortize}: {ms_amortized * 1e3:.1f} us, {r['gbps_amortized']:.0f} GB/s per call)"
+                         if ms_amortized else "")
                       + (f", relerr {err:.1e}" if err is not None else "") + f", rerun identical {same}" + ("" if bits_as_base is None else f", bits as base {bits_as_base}"), flush=True)
                 del cache, table
                 torch.cuda.empty_cache()
@@ -166,6 +182,9 @@ def main() -> int:
     for name, *_ in variants:
         row = {(r["batch"], r["kv"]): r.get("gbps", 0) for r in recs if r["variant"] == name}
         lines.append(f"| {name} | " + " | ".join(f"{row.get(k, 0):.0f}" for k in keys) + " |")
+        if args.amortize > 1:
+            row = {(r["batch"], r["kv"]): r.get("gbps_amortized") or 0 for r in recs if r["variant"] == name}
+            lines.append(f"| {name}, graph of {args.amortize} | " + " | ".join(f"{row.get(k, 0):.0f}" for k in keys) + " |")
     md = "\n".join(lines)
     print(md)
     with open(os.path.join(args.out, "gqa_decode_probe.md"), "w") as f:

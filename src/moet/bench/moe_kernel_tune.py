@@ -290,9 +290,23 @@ def _alternatives():
 
 
 def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
-    """Token-tile sizes worth timing at decode: up to ~4x the mean pairs per expert (>= 2)."""
-    cap = max(2, 1 << max(0, math.ceil(math.log2(max(1.0, 4 * pairs / experts)))))
+    """Token-tile sizes worth timing at decode: up to ~4x the mean pairs per expert, and at least
+    up to 8: BM >= 4 tiles stage x through shared memory (cp.async) where BM 1-2 tiles load it
+    into registers at each K step, and the m16n8k16 MMA count is the same up to BM 8 (run 21:
+    DeepSeek-V3 W2 at T = 8, ~1 pair per expert, BM 8 303.5 us against BM 1 348.9)."""
+    cap = max(8, 1 << max(0, math.ceil(math.log2(max(1.0, 4 * pairs / experts)))))
     return [b for b in (1, 2, 4, 8, 16) if b <= cap]
+
+
+def prefill_whole_configs(fmt: str):
+    """Whole prefill configs the greedy sweeps cannot reach one field at a time: W2 at BM 128 needs
+    two cp.async stages (three ran out of shared memory in run 21: x tiles of 128 rows x 8 slots)."""
+    from moet.kernels.moe_configs import GemmConfig, MoEConfig
+    if fmt != "w2":
+        return []
+    two = GemmConfig(128, 32, 1, 8, 2)
+    return [MoEConfig(128, two, two), MoEConfig(128, two, GemmConfig(128, 32, 1, 8, 3)),
+            MoEConfig(128, GemmConfig(128, 16, 1, 8, 2), two)]
 
 
 def main():
@@ -407,6 +421,10 @@ def main():
                             if best.BM != bm0:           # the row tiles were chosen for the old BM
                                 sweep(lambda b, gu: replace(b, gate_up=gu), gus)
                                 sweep(lambda b, dn: replace(b, down=dn), dns)
+                            sweep(lambda b, c: c, prefill_whole_configs(fmt))
+                        else:                            # the K loop unrolled (GemmConfig.unroll)
+                            sweep(lambda b, u: replace(b, gate_up=replace(b.gate_up, unroll=u)), (2,))
+                            sweep(lambda b, u: replace(b, down=replace(b.down, unroll=u)), (2,))
                         rep["tuning"][f"{key}/T{t}"] = tried
                         def try_flag(flag: str, label: str):
                             """The best config with one launch option on; kept when correct and >= 2% faster."""
