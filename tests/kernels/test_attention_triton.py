@@ -141,7 +141,8 @@ def test_merge_of_ragged_split_counts_matches_reference(max_splits):
     """The split merge (all of a sequence's splits loaded at once, masked past its used ones) over
     a batch whose sequences use 10, 0, 3, 1 and 6 splits of one page (5, 0, 3, 1, 6 when max_splits
     is 6: the longest gets 2-page splits; BLOCK_S 32 / 8): each non-empty sequence matches the reference, the empty one is 0, reruns
-    and the fused merge give the same bits, and a sequence run alone gives its batch row's bits."""
+    give the same bits, the fused merge too under the interpreter (within 1e-6 compiled), and a
+    sequence run alone gives its batch row's bits."""
     at = _tri()
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     fmt = KVFormat("auto", dtype=torch.float32)
@@ -155,7 +156,11 @@ def test_merge_of_ragged_split_counts_matches_reference(max_splits):
     assert float(err) < 2e-5, float(err)
     assert (got[1] == 0).all()                  # no keys: 0, not NaN
     assert torch.equal(got, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, **kw))
-    assert torch.equal(got, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, fused_merge=True, **kw))
+    fused = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, fused_merge=True, **kw)
+    if DEVICE == "cpu":
+        assert torch.equal(got, fused)
+    else:   # compiled, the fused merge is another kernel's arithmetic (H200, run 21: BLOCK_S 8 differed in the last bit)
+        assert float((fused - got).norm() / got.norm()) <= 1e-6
     for b in (0, 3):
         alone = at.paged_decode_gqa(q[b:b + 1], cache, table[b:b + 1], seq_lens[b:b + 1], 0.3, **kw)
         assert torch.equal(alone[0], got[b]), b
