@@ -28,14 +28,21 @@ def test_attention_bench_smoke(tmp_path):
     assert any(r["same_output_as_first_of_partition"] is True for r in gqa)
     md = (tmp_path / "attention_bench.md").read_text()
     assert "bf16 GEMV:" in md and "of GEMV" in md and "16/32: launch | w4 s3" in md
+    # every row's best setting again as one graph of 4 calls over 4 caches (the engine-shaped figure)
+    graphs = [r for r in result["records"] if r["kind"] == "decode_graph"]
+    rows = {(r["arch"], r["ctx"], r["batch"], r["fmt"]) for r in result["records"] if r["kind"] == "decode"}
+    assert {(r["arch"], r["ctx"], r["batch"], r["fmt"]) for r in graphs} == rows
+    assert all(r["calls"] == ab.Bench.GRAPH_CALLS and r["gbps"] > 0 and r["ms"] > 0 for r in graphs)
+    assert f"graph of {ab.Bench.GRAPH_CALLS}: ms, GB/s, of copy" in md
 
 
 def test_quick_settings():
     labels = [ab.setting_label(s) for s in ab.QUICK_SPLITS["gqa"]]
     assert labels[0] == "256/32"                          # the defaults: the launch table's
     assert {"256/32 w4 s3", "256/32 w4 s5", "256/32 w4 s7"} <= set(labels)
-    # the fused split merge next to the two-launch decode (run 15 retired the co-resident split counts)
-    assert {"256/32 fused merge", "256/32 w4 s7 fused merge"} <= set(labels)
+    # two online-softmax chains per program next to the table's launch (runs 18 / 21 retired the fused merge)
+    assert {"256/32 w4 s3 chains 2", "256/32 w4 s5 chains 2"} <= set(labels)
     assert ab.gqa_kw((256, 32, None, 4, 7)) == dict(split_tokens=256, max_splits=32, tile_tokens=None,
-                                                   num_warps=4, num_stages=7, fused_merge=False)
+                                                   num_warps=4, num_stages=7, fused_merge=False, chains=1)
     assert ab.gqa_kw((256, 32, None, None, None, True))["fused_merge"] is True
+    assert ab.gqa_kw((256, 32, None, 4, 3, False, 2))["chains"] == 2

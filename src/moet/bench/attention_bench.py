@@ -77,18 +77,20 @@ SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (25
 # Now: the same split counts with the programs co-resident (256/64 s3 = 96 KiB, two per SM; 32-token
 # tiles, 16 KiB a stage: 256/64/32 s5 two per SM, 256/128/32 s3 four per SM), and 256/32/32 s7
 # (the default split with the smaller tile). Run 15: all four slower than 256/32 at every batch
-# (short walks, not waves, cost), so they left the list. Now: the fused split merge (a sixth
-# element True: no merge launch, the last program of each sequence and kv head merges).
+# (short walks, not waves, cost), so they left the list. A sixth element True: the fused split merge
+# (no merge launch; runs 18 and 21: slower at every batch, so it left the list again). Now: a seventh
+# element 2, paged_decode_gqa(chains=2) (each split's halves as two online-softmax chains: more
+# independent work for batch 1's one program per SM) at 3 and 5 stages (sm_90 AOT: 72 / 138 KB).
 QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 4, 3), (256, 32, None, 4, 5), (256, 32, None, 4, 7),
-                        (256, 32, None, None, None, True), (256, 32, None, 4, 7, True)),
+                        (256, 32, None, 4, 3, False, 2), (256, 32, None, 4, 5, False, 2)),
                 "mla": ((256, 32), (256, 64), (2048, 32))}
 
 
 def gqa_kw(s: tuple) -> dict:
     """paged_decode_gqa keywords of a GQA setting tuple (see QUICK_SPLITS)."""
-    s = tuple(s) + (None,) * (6 - len(s))
+    s = tuple(s) + (None,) * (7 - len(s))
     return dict(split_tokens=s[0], max_splits=s[1], tile_tokens=s[2], num_warps=s[3], num_stages=s[4],
-                fused_merge=bool(s[5]))
+                fused_merge=bool(s[5]), chains=s[6] or 1)
 
 
 def setting_label(s: tuple) -> str:
@@ -99,6 +101,8 @@ def setting_label(s: tuple) -> str:
         lab += f" w{kw['num_warps'] or '-'} s{kw['num_stages'] or '-'}"
     if kw["fused_merge"]:
         lab += " fused merge"
+    if kw["chains"] > 1:
+        lab += f" chains {kw['chains']}"
     return lab
 
 
@@ -456,6 +460,8 @@ class Bench:
                             out = torch.empty(batch, a.num_heads, a.v_head_dim, device=self.dev, dtype=q.dtype)
                             run = lambda s: attention_triton.paged_decode_gqa(q, cache, table, lens, a.scale,
                                                                               out=out, **gqa_kw(s))
+                            run_on = lambda s, c, o: attention_triton.paged_decode_gqa(q, c, table, lens, a.scale,
+                                                                                       out=o, **gqa_kw(s))
                         else:
                             a = self.mla
                             ql = torch.randn(batch, a.num_heads, a.kv_lora_rank, device=self.dev, dtype=torch.bfloat16)
@@ -465,7 +471,9 @@ class Bench:
                             run = lambda s: attention_triton.paged_decode_mla(ql, qr, cache, table, lens, a.scale,
                                                                               split_tokens=s[0], max_splits=s[1],
                                                                               out=out)
-                        by_split = {}
+                            run_on = lambda s, c, o: attention_triton.paged_decode_mla(
+                                ql, qr, c, table, lens, a.scale, split_tokens=s[0], max_splits=s[1], out=o)
+                        by_split, setting_of = {}, {}
                         # absorbed MLA decode is compute-bound at 128 heads (~240 FLOP per bf16 KV byte):
                         # its TFLOP/s say how far from the tensor cores' peak it runs
                         flops_per_token = (2 * self.gqa.num_heads * (self.gqa.head_dim + self.gqa.v_head_dim)
@@ -488,9 +496,10 @@ class Bench:
                             gbps = need / ms / 1e6
                             lab = setting_label(s)
                             by_split[lab] = gbps
+                            setting_of[lab] = s
                             # pipeline depths of one split partition at one num_warps (the layouts):
                             # same math in the same order, so the outputs must agree bit for bit
-                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"], warps)
+                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"], warps, kw["chains"])
                             same = None
                             if part in first_out:
                                 same = bool(torch.equal(out, first_out[part][1]))
@@ -517,11 +526,41 @@ class Bench:
                             self.log(f"{label}: best split/max {best}: {by_split[best]:.0f} GB/s = "
                                      f"{by_split[best] / bw['copy']:.0%} of copy, {by_split[best] / bw['gemv']:.0%} "
                                      "of GEMV  (all: " + ", ".join(f"{s}:{v:.0f}" for s, v in by_split.items()) + ")")
+                            self.decode_in_graphs(arch, fmt, fname, ctx, batch, need, bw, setting_of[best], best,
+                                                  cache, out, run_on)
                         if fname == "bf16":
                             self.sdpa_decode(arch, ctx, batch, need, bw)
                         del cache
                         if not self.smoke:
                             torch.cuda.empty_cache()
+
+    GRAPH_CALLS = 4
+
+    def decode_in_graphs(self, arch, fmt, fname, ctx, batch, need, bw, setting, label, cache, out, run_on) -> None:
+        """The row's best setting once more, as one CUDA graph of GRAPH_CALLS calls over as many
+        distinct caches (per call = graph time / GRAPH_CALLS; each call's cache is cold: the others'
+        bytes and do_bench's L2 flush lie between its reads). A one-call graph pays the graph
+        launch's fixed cost on every call; the engine's decode step is one graph for all its layers
+        and pays it once, so this is the engine-shaped figure (at batch 1, 32K: 29 against 33 us,
+        run 21)."""
+        n = self.GRAPH_CALLS
+        if not self.smoke and need * (n - 1) * 1.3 > torch.cuda.mem_get_info()[0]:
+            self.skipped.append(f"decode {arch} ctx {ctx} batch {batch} {fname} graph of {n}: does not fit")
+            return
+        if self.left() < 10:
+            self.skipped.append(f"decode {arch} ctx {ctx} batch {batch} {fname} graph of {n}: budget")
+            return
+        caches = [cache] + [self.random_cache(arch, fmt, ctx * batch) for _ in range(n - 1)]
+        outs = [out] + [torch.empty_like(out) for _ in range(n - 1)]
+        ms, graphed = self.time_ms(lambda: [run_on(setting, c, o) for c, o in zip(caches, outs)])
+        per = ms / n
+        gbps = need / per / 1e6
+        self.records.append(dict(kind="decode_graph", arch=arch, ctx=ctx, batch=batch, fmt=fname, setting=label,
+                                 calls=n, ms=per, kv_bytes=need, gbps=gbps, frac_of_copy=gbps / bw["copy"],
+                                 frac_of_gemv=gbps / bw["gemv"], graph=graphed))
+        self.log(f"  in a graph of {n} calls over {n} caches: {per:.4f} ms a call, {gbps:.0f} GB/s = "
+                 f"{gbps / bw['copy']:.0%} of copy, {gbps / bw['gemv']:.0%} of GEMV")
+        del caches, outs
 
     def sdpa_decode(self, arch: str, ctx: int, batch: int, need: int, bw: dict) -> None:
         """torch SDPA on the same shapes, contiguous K/V (what a non-paged engine would read)."""
@@ -663,11 +702,14 @@ class Bench:
         checks = [r for r in self.records if r["kind"] == "check"]
         lines.append(f"checks: {sum(r['ok'] for r in checks)}/{len(checks)} ok"
                      + (f"; FAILED: {', '.join(self.failures)}" if self.failures else ""))
-        lines += ["", "## decode (best setting per row; KV GB/s and fraction of the copy and the GEMV)", "",
+        lines += ["", "## decode (best setting per row; KV GB/s and fraction of the copy and the GEMV; 'graph of "
+                  f"{self.GRAPH_CALLS}': that setting as one CUDA graph of {self.GRAPH_CALLS} calls over as many caches, "
+                  "per call, as the engine's decode-step graph runs it)", "",
                   "| arch | ctx | batch | kv | best setting | launch | ms | GB/s | of copy | of GEMV | TFLOP/s "
-                  "| sdpa bf16 GB/s |",
-                  "|" + "---|" * 12]
+                  f"| graph of {self.GRAPH_CALLS}: ms, GB/s, of copy | sdpa bf16 GB/s |",
+                  "|" + "---|" * 13]
         sdpa = {(r["arch"], r["ctx"], r["batch"]): r for r in self.records if r["kind"] == "sdpa_decode"}
+        in_graph = {(r["arch"], r["ctx"], r["batch"], r["fmt"]): r for r in self.records if r["kind"] == "decode_graph"}
         best: dict[tuple, dict] = {}
         for r in self.records:
             if r["kind"] == "decode":
@@ -678,9 +720,11 @@ class Bench:
             s = sdpa.get((arch, ctx, batch), {})
             lab = r.get("setting") or f"{r['split_tokens']}/{r['max_splits']}"
             launch = f"w{r['num_warps']} s{r['num_stages']}" if r.get("num_warps") else "-"
+            gr = in_graph.get((arch, ctx, batch, fmt))
+            gcell = f"{gr['ms']:.4f}, {gr['gbps']:.0f}, {gr['frac_of_copy']:.0%}" if gr else "-"
             lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {lab} | {launch} | {r['ms']:.3f} "
                          f"| {r['gbps']:.0f} | {r['frac_of_copy']:.0%} | {r['frac_of_gemv']:.0%} "
-                         f"| {r.get('tflops', float('nan')):.0f} | {s.get('gbps', float('nan')):.0f} |")
+                         f"| {r.get('tflops', float('nan')):.0f} | {gcell} | {s.get('gbps', float('nan')):.0f} |")
         # every GQA setting side by side (--quick: the launches; issue 5 reads batch 1)
         gqa = [r for r in self.records if r["kind"] == "decode" and r["arch"] == "gqa"]
         cols = list(dict.fromkeys((r["ctx"], r["batch"], r["fmt"]) for r in gqa))
