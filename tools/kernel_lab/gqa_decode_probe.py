@@ -109,7 +109,9 @@ def main() -> int:
                 # 255 / 255 registers and 72 / 138 / 204 KB at 3 / 5 / 7 stages, no spills; fp8 255 at 3
                 ("chains2_s3", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=3)),
                 ("chains2_s5", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=5)),
-                ("chains2_s7", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=7))]
+                ("chains2_s7", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=7)),
+                ("chains2_s3_sp64", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=3,
+                                                                  split_tokens=256, max_splits=64))]
     if args.only:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep]

@@ -7,6 +7,6 @@ timeout -k 5 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_atten
     > $R/pytest_chains.txt 2>&1; echo "tests rc=$?"; tail -1 $R/pytest_chains.txt
 tar czf $OUT/r21b.tgz -C $R .
 timeout -k 5 110 python tools/kernel_lab/gqa_decode_probe.py --out $R/probe --amortize 4 \
-    --only base,chains2_s3,chains2_s5,chains2_s7 --batches 1,8,32 > $R/log_probe.txt 2>&1; echo "probe rc=$?"
+    --only base,splits64,chains2_s3,chains2_s5,chains2_s7,chains2_s3_sp64 --batches 1,8,32 > $R/log_probe.txt 2>&1; echo "probe rc=$?"
 grep -E "^\[|\|" $R/log_probe.txt | cut -c1-200
 tar czf $OUT/r21b.tgz -C $R .
