@@ -209,6 +209,26 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
 
 
 @triton.jit
+def _gqa_decode_two_tiles(q, m_i, l_i, acc, m_b, l_b, acc_b, first, mid, last, j, n, lo_tok, b, h, k_ptr, v_ptr,
+                          ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh,
+                          ss_vb, ss_vt, ss_vh, s_btb, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, SCALE_KIND: tl.constexpr,
+                          GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr,
+                          OP_F16: tl.constexpr):
+    """One step of CHAINS = 2: chain A's tile at first + j (pages before mid), chain B's at
+    mid + j (pages before last)."""
+    m_i, l_i, acc = _gqa_decode_tile(
+        q, m_i, l_i, acc, first + j, mid, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
+        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
+        D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+    m_b, l_b, acc_b = _gqa_decode_tile(
+        q, m_b, l_b, acc_b, mid + j, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
+        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
+        D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+    return m_i, l_i, acc, m_b, l_b, acc_b
+
+
+@triton.jit
 def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
@@ -264,25 +284,19 @@ def _gqa_decode_split_kernel(
             if INTERPRET:
                 j = 0
                 while j < half:
-                    m_i, l_i, acc = _gqa_decode_tile(
-                        q, m_i, l_i, acc, first + j, mid, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d,
-                        dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                        qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                    m_b, l_b, acc_b = _gqa_decode_tile(
-                        q, m_b, l_b, acc_b, mid + j, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d,
-                        dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                        qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                    m_i, l_i, acc, m_b, l_b, acc_b = _gqa_decode_two_tiles(
+                        q, m_i, l_i, acc, m_b, l_b, acc_b, first, mid, last, j, n, lo_tok, b, h, k_ptr, v_ptr,
+                        ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh,
+                        ss_vb, ss_vt, ss_vh, s_btb, qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K,
+                        GROUP_V, BF16_DOT, OP_F16)
                     j += PAGES
             else:
                 for j in range(0, half, PAGES):
-                    m_i, l_i, acc = _gqa_decode_tile(
-                        q, m_i, l_i, acc, first + j, mid, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d,
-                        dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                        qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-                    m_b, l_b, acc_b = _gqa_decode_tile(
-                        q, m_b, l_b, acc_b, mid + j, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d,
-                        dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
-                        qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                    m_i, l_i, acc, m_b, l_b, acc_b = _gqa_decode_two_tiles(
+                        q, m_i, l_i, acc, m_b, l_b, acc_b, first, mid, last, j, n, lo_tok, b, h, k_ptr, v_ptr,
+                        ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh,
+                        ss_vb, ss_vt, ss_vh, s_btb, qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K,
+                        GROUP_V, BF16_DOT, OP_F16)
             m_new = tl.maximum(m_i, m_b)                 # chain A holds keys, so m_new is finite
             wa = tl.exp(m_i - m_new)
             wb = tl.exp(m_b - m_new)

@@ -204,16 +204,11 @@ def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, U
 
 
 @triton.jit
-def _codes(wq, rows, rmask, u, umask, UNITS: tl.constexpr):
-    """The [BN, BKH] 16-bit code units of weight rows `rows` at units u."""
-    return tl.load(wq + rows.to(tl.int64)[:, None] * UNITS + u[None, :], mask=rmask[:, None] & umask[None, :], other=0)
-
-
-@triton.jit
-def _coded_dots(acc, c, sc, rows, rmask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
-    """acc += the rows' weights (codes c, already loaded) times the step's activations."""
+def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+               UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+               USE_ASM: tl.constexpr):
     r64 = rows.to(tl.int64)
+    c = tl.load(wq + r64[:, None] * UNITS + u[None, :], mask=rmask[:, None] & umask[None, :], other=0)
     if FMT == 0:
         s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=127)
         acc = _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
@@ -221,14 +216,6 @@ def _coded_dots(acc, c, sc, rows, rmask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x
         s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=0x38)
         acc = _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
     return acc
-
-
-@triton.jit
-def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-               UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-               USE_ASM: tl.constexpr):
-    c = _codes(wq, rows, rmask, u, umask, UNITS)
-    return _coded_dots(acc, c, sc, rows, rmask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, G, FMT, BN, BKH, USE_ASM)
 
 
 @triton.jit
@@ -339,10 +326,10 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         xb = x_ptr + xrow[:, None] * s_x                   # x rows in slot-major order [UPW, UNITS]
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         acc2 = tl.zeros([BN, BM], dtype=tl.float32)
-        # UNROLL (MoEConfig's unroll): the K loop body repeated so one copy's activation loads can
-        # be issued during the other's dots (Triton stages codes and scales through shared memory
-        # but loads x straight into the MMA registers at the top of the step that uses it: the top
-        # stall of the decode GEMMs in Nsight Compute, run 20). Same dots, same order, same bits.
+        # UNROLL (GemmConfig.unroll): the K loop body repeated, so one copy's activation loads can
+        # be issued during the other's dots (with BM < 4 Triton loads x straight into the MMA
+        # registers at the top of each step: the top stall in Nsight Compute, run 20; on the H200
+        # it bought nothing at T = 1, run 21, so the tuner tries it). Same dots, same order, same bits.
         for i in tl.range(0, PER, loop_unroll_factor=UNROLL):
             st = ks * PER + i                              # steps past STEPS are fully masked
             u = st * BKH + hcols
@@ -356,8 +343,8 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                              UNITS, G, FMT, BN, BKH, USE_ASM)
             if GATE_UP:
-                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6,
-                                  x7, UNITS, G, FMT, BN, BKH, USE_ASM)
+                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                                  UNITS, G, FMT, BN, BKH, USE_ASM)
         if FMT == 1:   # per-tensor scale_2 (gate / up / down) and the 2^8 the decode left out
             if GATE_UP:
                 acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
