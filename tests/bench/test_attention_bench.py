@@ -40,9 +40,8 @@ def test_quick_settings():
     labels = [ab.setting_label(s) for s in ab.QUICK_SPLITS["gqa"]]
     assert labels[0] == "256/32"                          # the defaults: the launch table's
     assert {"256/32 w4 s3", "256/32 w4 s5", "256/32 w4 s7"} <= set(labels)
-    # two online-softmax chains per program next to the table's launch (runs 18 / 21 retired the fused merge)
-    assert {"256/32 w4 s3 chains 2", "256/32 w4 s5 chains 2"} <= set(labels)
+    # no fused merge (runs 18 / 21) and no chains 2 (run 22, removed): the launches only
+    assert not any("fused merge" in lab or "chains" in lab for lab in labels)
     assert ab.gqa_kw((256, 32, None, 4, 7)) == dict(split_tokens=256, max_splits=32, tile_tokens=None,
-                                                   num_warps=4, num_stages=7, fused_merge=False, chains=1)
+                                                   num_warps=4, num_stages=7, fused_merge=False)
     assert ab.gqa_kw((256, 32, None, None, None, True))["fused_merge"] is True
-    assert ab.gqa_kw((256, 32, None, 4, 3, False, 2))["chains"] == 2

@@ -40,8 +40,6 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
         const = {"PDL": False, **const}
     if "FUSED_MERGE" in fn.arg_names:    # the two-launch decode unless asked (aot_compile_small.py)
         const = {"FUSED_MERGE": False, **const}
-    if "CHAINS" in fn.arg_names:         # a defaulted constexpr: AOT needs it given
-        const = {"CHAINS": 1, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     # pointers 16-byte aligned, as the JIT specialises them at run time; so are the integer
     # arguments named in div16 (the JIT marks every int that is a multiple of 16 at launch)
@@ -59,12 +57,12 @@ GQA_DIV16 = ("s_qb", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "ss
 
 
 def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, d: int = 128, pages: int = 4,
-                       num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True, chains: int = 1):
+                       num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True):
     """_gqa_decode_split_kernel as paged_decode_gqa launches it: g query heads per kv head
     (Qwen3-30B-A3B: 8), head dim d (128), pages of 16, bf16 queries, `pages` pages per step (4: 64 tokens)."""
     const = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), DV=d,
                  BLOCK_DV=triton.next_power_of_2(d), BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=window, SCALE_KIND=kind,
-                 GROUP_K=d, GROUP_V=d, BF16_DOT=True, INTERPRET=False, PAGES=pages, OP_F16=bool(kind), CHAINS=chains,
+                 GROUP_K=d, GROUP_V=d, BF16_DOT=True, INTERPRET=False, PAGES=pages, OP_F16=bool(kind),
                  **at._merge_blocks(32, d))
     types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                  lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")

@@ -9,10 +9,10 @@ only in where the bytes are, so no kernel change is needed to tell the suspects 
   base_pdl   base with the small kernels under PDL (the engine's default since run 18; in the default list)
   s9 .. s21  deeper cp.async pipelines (launch keywords of paged_decode_gqa; same bits as base)
   t128, w8   128-token loop steps, 8 warps
-  chains2_*  paged_decode_gqa(chains=2): two online-softmax chains per program, 3 / 5 / 7 stages
 
 (Run 19's second call also timed a per-page online-softmax variant of the kernel, since removed:
-docs/perf.md, attention "Run 19".)
+docs/perf.md, attention "Run 19"; runs 21b / 22 timed chains2_* variants, paged_decode_gqa(chains=2)
+with two online-softmax chains per program, slower in every case and removed: attention "Run 22".)
 
 Qwen3-30B-A3B heads (32 q / 4 kv, d 128), bf16 queries, bf16 and fp8 (per-tensor) caches, batch
 1 / 8 / 32. Every variant's output is checked against base (same math: bit-identical expected
@@ -102,16 +102,7 @@ def main() -> int:
                 ("t128 w4 s7", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=7)),
                 ("t64 w8 s11", 16, False, False, False, dict(num_warps=8, num_stages=11)),
                 # more programs per sequence: 64 splits of 512 tokens (2 programs per SM at batch 1)
-                ("splits64", 16, False, False, False, dict(split_tokens=256, max_splits=64)),
-                # two online-softmax chains per program (each split's halves side by side: run 20's
-                # ncu had one 4-warp program per SM issuing on 21% of cycles at batch 1); other sums
-                # than base, so compared with the reference, not base's bits. sm_90 AOT: bf16 194 /
-                # 255 / 255 registers and 72 / 138 / 204 KB at 3 / 5 / 7 stages, no spills; fp8 255 at 3
-                ("chains2_s3", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=3)),
-                ("chains2_s5", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=5)),
-                ("chains2_s7", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=7)),
-                ("chains2_s3_sp64", 16, False, False, False, dict(chains=2, num_warps=4, num_stages=3,
-                                                                  split_tokens=256, max_splits=64))]
+                ("splits64", 16, False, False, False, dict(split_tokens=256, max_splits=64))]
     if args.only:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep]

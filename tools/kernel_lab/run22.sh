@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Device run 22 (prepared in stop 19 for the next session). Results in one $OUT/<mode>.tgz.
+# Historical: its attn mode ran as run 22 (tools/kernel_lab/run22_h200_2026-12-01/); chains=2 was slower in
+# every case and has been removed (docs/perf.md, attention "Run 22"), so attn no longer runs as is.
 #   bash tools/kernel_lab/run22.sh attn    (~4 min) paged_decode_gqa(chains=2), built in stop 19 and never run
 #       on a GPU: its reference checks (GPU pytest), the probe in graphs of 4 (run21b.sh), then
 #       attention_bench --quick, whose rows now carry the engine-shaped "graph of 4" figure next to the

@@ -78,19 +78,18 @@ SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (25
 # tiles, 16 KiB a stage: 256/64/32 s5 two per SM, 256/128/32 s3 four per SM), and 256/32/32 s7
 # (the default split with the smaller tile). Run 15: all four slower than 256/32 at every batch
 # (short walks, not waves, cost), so they left the list. A sixth element True: the fused split merge
-# (no merge launch; runs 18 and 21: slower at every batch, so it left the list again). Now: a seventh
-# element 2, paged_decode_gqa(chains=2) (each split's halves as two online-softmax chains: more
-# independent work for batch 1's one program per SM) at 3 and 5 stages (sm_90 AOT: 72 / 138 KB).
-QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 4, 3), (256, 32, None, 4, 5), (256, 32, None, 4, 7),
-                        (256, 32, None, 4, 3, False, 2), (256, 32, None, 4, 5, False, 2)),
+# (no merge launch; runs 18 and 21: slower at every batch, so it left the list again). A seventh
+# element 2, paged_decode_gqa(chains=2) at 3 and 5 stages (each split's halves as two online-softmax
+# chains): slower in every case (docs/perf.md, attention "Run 22"), so the option was removed.
+QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 4, 3), (256, 32, None, 4, 5), (256, 32, None, 4, 7)),
                 "mla": ((256, 32), (256, 64), (2048, 32))}
 
 
 def gqa_kw(s: tuple) -> dict:
     """paged_decode_gqa keywords of a GQA setting tuple (see QUICK_SPLITS)."""
-    s = tuple(s) + (None,) * (7 - len(s))
+    s = tuple(s) + (None,) * (6 - len(s))
     return dict(split_tokens=s[0], max_splits=s[1], tile_tokens=s[2], num_warps=s[3], num_stages=s[4],
-                fused_merge=bool(s[5]), chains=s[6] or 1)
+                fused_merge=bool(s[5]))
 
 
 def setting_label(s: tuple) -> str:
@@ -101,8 +100,6 @@ def setting_label(s: tuple) -> str:
         lab += f" w{kw['num_warps'] or '-'} s{kw['num_stages'] or '-'}"
     if kw["fused_merge"]:
         lab += " fused merge"
-    if kw["chains"] > 1:
-        lab += f" chains {kw['chains']}"
     return lab
 
 
@@ -499,7 +496,7 @@ class Bench:
                             setting_of[lab] = s
                             # pipeline depths of one split partition at one num_warps (the layouts):
                             # same math in the same order, so the outputs must agree bit for bit
-                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"], warps, kw["chains"])
+                            part = (kw["split_tokens"], kw["max_splits"], kw["tile_tokens"], warps)
                             same = None
                             if part in first_out:
                                 same = bool(torch.equal(out, first_out[part][1]))

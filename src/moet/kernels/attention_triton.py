@@ -209,26 +209,6 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
 
 
 @triton.jit
-def _gqa_decode_two_tiles(q, m_i, l_i, acc, m_b, l_b, acc_b, first, mid, last, j, n, lo_tok, b, h, k_ptr, v_ptr,
-                          ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh,
-                          ss_vb, ss_vt, ss_vh, s_btb, qk_scale, D: tl.constexpr, DV: tl.constexpr,
-                          BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, SCALE_KIND: tl.constexpr,
-                          GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr,
-                          OP_F16: tl.constexpr):
-    """One step of CHAINS = 2: chain A's tile at first + j (pages before mid), chain B's at
-    mid + j (pages before last)."""
-    m_i, l_i, acc = _gqa_decode_tile(
-        q, m_i, l_i, acc, first + j, mid, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
-        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-        D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-    m_b, l_b, acc_b = _gqa_decode_tile(
-        q, m_b, l_b, acc_b, mid + j, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
-        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-        D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
-    return m_i, l_i, acc, m_b, l_b, acc_b
-
-
-@triton.jit
 def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
@@ -237,8 +217,7 @@ def _gqa_decode_split_kernel(
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr,
-        CHAINS: tl.constexpr = 1):
+        FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -268,42 +247,7 @@ def _gqa_decode_split_kernel(
         # pages of this split, those wholly before the window left out
         first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
         last = tl.minimum(sp * pps + pps, n_pages)
-        if CHAINS == 2:
-            # The split's pages in two halves walked side by side: two independent online-softmax
-            # chains per loop step, merged once at the end. At batch 1 each SM holds one 4-warp
-            # program whose step is a dependent chain (load wait -> QK^T -> cross-warp max / sum ->
-            # P V; Nsight Compute, run 20: one instruction per warp every 4.2 cycles, 21% of issue
-            # slots busy); a second chain gives the schedulers independent work in the same program.
-            # Chain B starts at a finite floor instead of -inf so that its fully masked steps (a
-            # half shorter than A's, or empty) keep alpha = exp(0) = 1 rather than exp(-inf + inf).
-            half = ((last - first + 2 * PAGES - 1) // (2 * PAGES)) * PAGES    # chain A's pages
-            mid = tl.minimum(first + half, last)
-            m_b = tl.full([BLOCK_G], -1.0e30, tl.float32)
-            l_b = tl.zeros([BLOCK_G], tl.float32)
-            acc_b = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-            if INTERPRET:
-                j = 0
-                while j < half:
-                    m_i, l_i, acc, m_b, l_b, acc_b = _gqa_decode_two_tiles(
-                        q, m_i, l_i, acc, m_b, l_b, acc_b, first, mid, last, j, n, lo_tok, b, h, k_ptr, v_ptr,
-                        ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh,
-                        ss_vb, ss_vt, ss_vh, s_btb, qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K,
-                        GROUP_V, BF16_DOT, OP_F16)
-                    j += PAGES
-            else:
-                for j in range(0, half, PAGES):
-                    m_i, l_i, acc, m_b, l_b, acc_b = _gqa_decode_two_tiles(
-                        q, m_i, l_i, acc, m_b, l_b, acc_b, first, mid, last, j, n, lo_tok, b, h, k_ptr, v_ptr,
-                        ks_ptr, vs_ptr, bt_ptr, d, dv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh,
-                        ss_vb, ss_vt, ss_vh, s_btb, qk_scale, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K,
-                        GROUP_V, BF16_DOT, OP_F16)
-            m_new = tl.maximum(m_i, m_b)                 # chain A holds keys, so m_new is finite
-            wa = tl.exp(m_i - m_new)
-            wb = tl.exp(m_b - m_new)
-            l_i = l_i * wa + l_b * wb
-            acc = acc * wa[:, None] + acc_b * wb[:, None]
-            m_i = m_new
-        elif INTERPRET:                           # loaded-scalar loop bounds: see prefill_triton.py
+        if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
             page = first
             while page < last:
                 m_i, l_i, acc = _gqa_decode_tile(
@@ -583,7 +527,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     fused_merge: bool = False, chains: int = 1) -> torch.Tensor:
+                     fused_merge: bool = False) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -597,11 +541,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     splits in the merge kernel's order (the same bits under the interpreter; compiled, another
     kernel's arithmetic may contract differently). Off in the engine (EngineConfig.attention_fused_merge):
     slower on the H200 at every batch (run 18: 0.69x at batch 1, 32K).
-    chains: 2 walks each split's two halves side by side as independent online-softmax chains,
-    merged at the split's end (more independent work per program where one program per SM is all
-    batch 1 has); other sums than chains=1, so like num_warps it must be fixed per model."""
-    if chains not in (1, 2):
-        raise ConfigError(f"paged decode (triton): chains must be 1 or 2, got {chains}")
+    (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
+    slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -635,8 +576,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
-        FUSED_MERGE=fused_merge, CHAINS=chains, **_merge_blocks(max_splits, dv), num_warps=num_warps,
-        num_stages=num_stages,
+        FUSED_MERGE=fused_merge, **_merge_blocks(max_splits, dv), num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(q))
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
