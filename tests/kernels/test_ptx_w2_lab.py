@@ -449,6 +449,22 @@ def test_run_moe_wgmma_check_path_cpu(monkeypatch):
     assert [ln[4] for ln in cus[0].launches[:5]] == [False] * 5
     assert [ln[4] for ln in cus[-1].launches[:5]] == [False, True, True, True, True]   # the PDL twin
     assert r["pdl_twin_identical"] and r["pdl_twin_error"] is None
+    # the --breakdown prefixes: stages = n issues exactly the first n launches, and what they leave
+    # in the workspace is what the whole layer computes there
+    kp = R.random_kpool(10, 256, 160, torch.device("cpu"), gen)
+    x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [3, 7]], dtype=torch.int32)
+    tw = torch.rand(2, 2, generator=gen)
+    table = torch.arange(10, dtype=torch.int32)
+    full_ws = MW.workspace(2, 2, 256, 160, kp.Ip, torch.device("cpu"), fill=float("nan"))
+    lay = make(kp)
+    lay(x, ids, tw, table, torch.zeros(1, dtype=torch.int32), ws=full_ws)
+    for n, key in ((1, "xq"), (2, "gu"), (3, "aq"), (4, "y")):
+        ws = MW.workspace(2, 2, 256, 160, kp.Ip, torch.device("cpu"), fill=float("nan"))
+        before = len(cus[-1].launches)
+        assert lay(x, ids, tw, table, torch.zeros(1, dtype=torch.int32), ws=ws, stages=n) is None
+        assert len(cus[-1].launches) - before == n
+        assert torch.equal(ws[key], full_ws[key]), key
 
 
 # ----------------------------------------------------------------------------- bf16-activation wgmma kernel (emulate_bf16, gen_wgmma_bf16)

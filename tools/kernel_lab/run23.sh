@@ -3,6 +3,9 @@
 #   bash tools/kernel_lab/run23.sh prefill   (~5 min) DeepSeek-V3 W2 + FP4 prefill (T = 8192) re-tuned with the
 #       BKH-64 and BN-256 candidates (issue 4's >= 50% at T = 8192: 48.6% / 39.9% in run 21), table merged
 #   bash tools/kernel_lab/run23.sh final     (~9 min) engine_bench GLM-4.5-Air and Qwen3-30B-A3B (run21.sh final)
+#   bash tools/kernel_lab/run23.sh wgmma     (~3 min) the kernel lab's grouped e4m3 wgmma MoE layer (run 10: 62 us
+#       at T = 1 on DeepSeek-V3 although its two GEMVs ran at 92% / 78% stacked, ~36 us) with --breakdown:
+#       launches 1..n timed as prefixes, so the layer's time splits into what each launch adds
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r23; mkdir -p $R
 MODE=${1:-}
@@ -17,5 +20,10 @@ prefill)
     save ;;
 final)
     bash tools/kernel_lab/run21.sh final; cp -r /tmp/r21/. $R/ 2>/dev/null; save ;;
-*) echo "usage: run23.sh prefill|final"; exit 2 ;;
+wgmma)
+    timeout -k 5 240 python tools/kernel_lab/ptx_w2/run_moe_wgmma.py --out $R/wgmma --budget-s 150 \
+        --shapes deepseek,glm --tokens 1,8 --cfgs 1x2s4/1x1s4/pdl,1x2s4/1x1s4 --breakdown \
+        > $R/log_wgmma.txt 2>&1; echo "rc=$?"; grep -E "breakdown|time " $R/log_wgmma.txt | cut -c1-260
+    save ;;
+*) echo "usage: run23.sh prefill|final|wgmma"; exit 2 ;;
 esac

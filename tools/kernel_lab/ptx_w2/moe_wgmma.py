@@ -243,10 +243,13 @@ class MoeWgmma:
                         c.c_uint32(p), c.c_uint64(self.desc), _u64(ids), _u64(table),
                         _u64(miss) if miss is not None else c.c_uint64(0), c.c_uint32(xdiv)], pdl=self.pdl)
 
-    def __call__(self, hidden, topk_ids, topk_weights, slot_table, miss_counter, swiglu_limit=None, ws=None):
+    def __call__(self, hidden, topk_ids, topk_weights, slot_table, miss_counter, swiglu_limit=None, ws=None,
+                 stages: int = 5):
         """hidden bf16 (or fp32) [T, H]; topk_ids [T, k] int; topk_weights [T, k] float; slot_table
         int32 [E]; miss_counter int32 [1] (incremented by the missed pairs). Returns bf16 [T, H].
-        ws: optional dict of preallocated buffers (the `workspace` shapes); NaN-poisoned by tests."""
+        ws: optional dict of preallocated buffers (the `workspace` shapes); NaN-poisoned by tests.
+        stages < 5: only the first `stages` launches (quantize x, gate/up, SwiGLU + quantize, down,
+        combine) and None back: the timing breakdown of run_moe_wgmma.py --breakdown."""
         kp = self.kp
         t, kk = topk_ids.shape
         p = t * kk
@@ -264,11 +267,19 @@ class MoeWgmma:
         table = slot_table.to(torch.int32).contiguous()
         w = ws or workspace(t, kk, h, i, ip, dev)
         self.quant(hidden, w["xq"], w["xs"], t, h, h, h, 0, Q_BF16 if hidden.dtype == torch.bfloat16 else 0)
+        if stages == 1:
+            return None
         self.gemv("a", kp.gu_codes, kp.gu_sw, kp.gu_aux, w["xq"], w["xs"], w["gu"], p, ids, table, miss_counter, kk)
+        if stages == 2:
+            return None
         flags = Q_SWIGLU | (Q_LIMIT if swiglu_limit is not None else 0)
         self.quant(w["gu"], w["aq"], w["as"], p, i, ip, 2 * i, i, flags,
                    float(swiglu_limit) if swiglu_limit is not None else 0.0, pdl=self.pdl)
+        if stages == 3:
+            return None
         self.gemv("b", kp.dn_codes, kp.dn_sw, kp.dn_aux, w["aq"], w["as"], w["y"], p, ids, table, None, 1)
+        if stages == 4:
+            return None
         out = w["out"]
         self.cu.launch(self.fc, (-(-h // (4 * self.CT)), t), (self.CT, 1), 0,
                        [_u64(w["y"]), _u64(ids), _u64(table), _u64(tw), _u64(out), ctypes.c_uint32(h),

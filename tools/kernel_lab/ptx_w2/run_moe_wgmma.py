@@ -242,8 +242,10 @@ def random_kpool(e, h, i, dev, gen):
                     torch.stack([NX.to_aux_torch(dsc[j]) for j in range(e)]), H=h, I=i, Ip=ip)
 
 
-def time_shape(layers, kp, tri_pool, h, i, e, k, t, dev, gen, nsets=8) -> dict:
-    """layers: {cfg name: MoeWgmma}; the same routings, Triton and bf16 GEMV timed once."""
+def time_shape(layers, kp, tri_pool, h, i, e, k, t, dev, gen, nsets=8, breakdown=False) -> dict:
+    """layers: {cfg name: MoeWgmma}; the same routings, Triton and bf16 GEMV timed once.
+    breakdown: also the first layer's launches 1..n for n = 1..4 (prefixes, same graphs of 8), so
+    the layer's time splits into what each launch adds after the ones before it."""
     from moet.kernels.moe_dispatch import moe_experts
     x = torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16)
     table = torch.arange(e, dtype=torch.int32, device=dev)
@@ -260,6 +262,14 @@ def time_shape(layers, kp, tri_pool, h, i, e, k, t, dev, gen, nsets=8) -> dict:
         except Exception as ex:                  # one config failing (e.g. PDL in capture) keeps the others
             traceback.print_exc()
             ms[name] = ex
+    prefix = {}
+    if breakdown:
+        name0, layer0 = next(iter(layers.items()))
+        for n in (1, 2, 3, 4):
+            prefix[n] = graph_time_ms([lambda ids=ids, w=w, ws=ws, n=n: layer0(x, ids, w, table, miss, None, ws=ws, stages=n)
+                                       for (ids, w), ws in zip(sets, wss)])
+        if not isinstance(ms.get(name0), Exception):
+            prefix[5] = ms[name0]
     miss64 = torch.zeros(1, dtype=torch.int64, device=dev)
     sets_l = [(ids.long(), w) for ids, w in sets]
     ms_t = graph_time_ms([lambda ids=ids, w=w: moe_experts(x, ids, w, table, tri_pool, miss64) for ids, w in sets_l])
@@ -279,6 +289,9 @@ def time_shape(layers, kp, tri_pool, h, i, e, k, t, dev, gen, nsets=8) -> dict:
            "triton_us": ms_t * 1e3, "triton_GBps": nbytes / ms_t / 1e6,
            "bf16_gemv_us": ms_b * 1e3, "bf16_gemv_GBps": gbs_b}
     rec["triton_pct"] = 100 * rec["triton_GBps"] / gbs_b
+    if prefix:
+        names = ("quantize x", "gate/up", "SwiGLU + quantize", "down", "combine")
+        rec["prefix_us"] = {f"1-{n} ({names[n - 1]})": v * 1e3 for n, v in prefix.items()}
     return rec
 
 
@@ -325,6 +338,8 @@ def main():
                     help="gemv configs gate_up/down[/pdl] (MGxKGsST; pdl = programmatic dependent launch); "
                          "the first is checked (and its PDL twin must give the same bits), all are timed")
     ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the first config's launches 1..n (n = 1..4): what each launch adds")
     ap.add_argument("--cpu-dry", action="store_true")
     a = ap.parse_args()
     if a.cpu_dry:
@@ -386,7 +401,10 @@ def main():
                     print(f"budget reached: skipping timing {name} T {t}")
                     continue
                 r = {"shape": name, "T": t}
-                r.update(time_shape(layers, kp, tri, h, i, e, k, t, dev, gen))
+                r.update(time_shape(layers, kp, tri, h, i, e, k, t, dev, gen, breakdown=a.breakdown))
+                if "prefix_us" in r:
+                    print(f"[{time.time() - t0:5.0f}s] breakdown {name} T {t} ({'/'.join(cfgs[0])}): "
+                          + ", ".join(f"{n}: {v:.1f} us" for n, v in r["prefix_us"].items()))
                 wg = " | ".join(f"wgmma {c} {v['us']:.1f} us {v['GBps']:.0f} GB/s {v['pct']:.1f}%" if "us" in v
                                 else f"wgmma {c} ERROR" for c, v in r["wgmma"].items())
                 for c, v in r["wgmma"].items():
