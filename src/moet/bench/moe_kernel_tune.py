@@ -248,11 +248,17 @@ def candidates(regime: str, fmt: str):
     # wider token tiles and deeper pipelines are in the list too (issue 4's prefill target: run 4's
     # best, BM 64, was 43.8% of the GEMM at T = 8192 with only these first four per side)
     base = MoEConfig(64, GemmConfig(64, 16, 1, 8, 3), GemmConfig(128, 16, 1, 8, 3))
+    # BKH 64 (stop 20): BKH 32 was run 21's win (twice the K per register-A wgmma, half the
+    # warp-group waits), so the next doubling is in the list (sm_90 AOT at BM 64: FP4 fits 3 stages
+    # without spills; W2 gate/up needs 2 stages and spills a little, W2 down fits 2 stages), and a
+    # BN-256 down (half the x-tile reads per weight; its gate/up twin spills)
     gu = [GemmConfig(64, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(64, 32, 1, 8, 3),
           GemmConfig(128, 16, 1, 8, 3), GemmConfig(128, 32, 1, 8, 3), GemmConfig(64, 16, 1, 4, 4),
-          GemmConfig(128, 16, 1, 8, 4)]
+          GemmConfig(128, 16, 1, 8, 4), GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 2),
+          GemmConfig(64, 64, 1, 4, 3)]
     dn = [GemmConfig(128, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3),
-          GemmConfig(64, 32, 1, 4, 3), GemmConfig(128, 16, 1, 8, 4), GemmConfig(64, 16, 1, 8, 3)]
+          GemmConfig(64, 32, 1, 4, 3), GemmConfig(128, 16, 1, 8, 4), GemmConfig(64, 16, 1, 8, 3),
+          GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 2), GemmConfig(256, 32, 1, 8, 2)]
     return base, gu, dn
 
 
@@ -302,8 +308,9 @@ def prefill_whole_configs(fmt: str):
     """Whole prefill configs the greedy sweeps cannot reach one field at a time: W2 at BM 128 needs
     two cp.async stages (three ran out of shared memory in run 21: x tiles of 128 rows x 8 slots)."""
     from moet.kernels.moe_configs import GemmConfig, MoEConfig
-    if fmt != "w2":
-        return []
+    if fmt != "w2":    # FP4 at BM 128 (run 21's winner) with the down K step doubled (its gate/up twin spills)
+        g = GemmConfig(128, 32, 1, 8, 3)
+        return [MoEConfig(128, g, GemmConfig(128, 64, 1, 8, 2)), MoEConfig(128, g, GemmConfig(128, 64, 1, 8, 3))]
     two = GemmConfig(128, 32, 1, 8, 2)
     return [MoEConfig(128, two, two), MoEConfig(128, two, GemmConfig(128, 32, 1, 8, 3)),
             MoEConfig(128, GemmConfig(128, 16, 1, 8, 2), two)]
