@@ -306,14 +306,18 @@ def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
 
 def prefill_whole_configs(fmt: str):
     """Whole prefill configs the greedy sweeps cannot reach one field at a time: W2 at BM 128 needs
-    two cp.async stages (three ran out of shared memory in run 21: x tiles of 128 rows x 8 slots)."""
+    two cp.async stages (three ran out of shared memory in run 21: x tiles of 128 rows x 8 slots),
+    or a BN-64 gate/up, which fits three (sm_90 AOT, stop 20: BN 128 needs 233,472 bytes, 1 KB over
+    the H200's 232,448 a block; BN 64 215-217 KB, no spills; the BN-128 down 215 KB)."""
     from moet.kernels.moe_configs import GemmConfig, MoEConfig
     if fmt != "w2":    # FP4 at BM 128 (run 21's winner) with the down K step doubled (its gate/up twin spills)
         g = GemmConfig(128, 32, 1, 8, 3)
         return [MoEConfig(128, g, GemmConfig(128, 64, 1, 8, 2)), MoEConfig(128, g, GemmConfig(128, 64, 1, 8, 3))]
     two = GemmConfig(128, 32, 1, 8, 2)
     return [MoEConfig(128, two, two), MoEConfig(128, two, GemmConfig(128, 32, 1, 8, 3)),
-            MoEConfig(128, GemmConfig(128, 16, 1, 8, 2), two)]
+            MoEConfig(128, GemmConfig(128, 16, 1, 8, 2), two),
+            MoEConfig(128, GemmConfig(64, 32, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3)),
+            MoEConfig(128, GemmConfig(64, 32, 1, 8, 3), GemmConfig(128, 32, 1, 8, 3))]
 
 
 def main():
