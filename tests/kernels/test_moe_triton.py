@@ -594,3 +594,94 @@ def test_unrolled_k_loop_and_wider_token_tile_change_no_bits(poisoned, fmt):
         assert int(m1.item()) == int(m0.item()) > 0
         assert MoEConfig.from_json(cfg.to_json()) == cfg
     assert GemmConfig().unroll == 1 and MoEConfig.from_json({"BM": 1, "gate_up": {"BN": 32}, "down": {}}).gate_up.unroll == 1
+
+
+def _run_asm(asm: str, regs: dict) -> dict:
+    """A small interpreter of the decoders' PTX (the instructions they use), vectorised over numpy
+    uint32 arrays: regs maps "$i" / local names to values; returns them after the block. fma.rn.bf16x2
+    is computed exactly per half and rounded to bf16 once (torch's round to nearest even)."""
+    import numpy as np
+    r = dict(regs)
+
+    def val(tok):
+        tok = tok.strip().rstrip(";")
+        return np.uint32(int(tok, 0)) if tok[0].isdigit() else r[tok]
+
+    def bf16_halves(v):
+        lo = torch.from_numpy((v & 0xFFFF).astype(np.int32)).to(torch.int16).view(torch.bfloat16).double()
+        hi = torch.from_numpy((v >> 16).astype(np.int32)).to(torch.int16).view(torch.bfloat16).double()
+        return lo, hi
+
+    def to_word(lo, hi):
+        bits = lambda t: t.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+        return bits(lo) | (bits(hi) << 16)
+
+    for line in asm.splitlines():
+        line = line.strip()
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.rstrip(";").split(",")]
+        d = args[0]
+        if op == "mov.b32":
+            r[d] = np.broadcast_to(val(args[1]), np.shape(next(iter(regs.values())))).astype(np.uint32)
+        elif op == "and.b32":
+            r[d] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            r[d] = val(args[1]) | val(args[2])
+        elif op == "shr.u32":
+            r[d] = (val(args[1]) >> val(args[2])).astype(np.uint32)
+        elif op == "shl.b32":
+            r[d] = (val(args[1]).astype(np.uint64) << val(args[2])).astype(np.uint32)
+        elif op == "mul.lo.u32":
+            r[d] = (val(args[1]).astype(np.uint64) * val(args[2])).astype(np.uint32)
+        elif op == "mad.lo.u32":
+            r[d] = (val(args[1]).astype(np.uint64) * val(args[2]) + val(args[3])).astype(np.uint32)
+        elif op == "fma.rn.bf16x2":
+            (al, ah), (bl, bh), (cl, ch) = (bf16_halves(val(x)) for x in args[1:])
+            r[d] = to_word(al * bl + cl, ah * bh + ch)
+        else:
+            raise AssertionError(f"the emulator does not know {op}")
+    return r
+
+
+def test_fp4_and_nb8_asm_decoders_match_their_plain_twins():
+    """The inline-asm decoders (what the GPU runs; the interpreter runs the plain twins) emulated
+    instruction by instruction on numpy: FP4_ASM over every pair of 16-bit NVFP4 units sampled with
+    every byte value in each position, against the e2m1 table times the multiplier (exactly what
+    _fp4_plain computes), for several e4m3 scales; NB8_ASM against the nb8 decode (+-1 / +-4 times
+    2^(s - 127)) for scale bytes 1, 100, 127 and 252 (252: the top of its exact range)."""
+    import numpy as np
+    mt = _mt()
+    from moet.kernels.reference import E2M1_VALUES
+    rng = np.random.default_rng(0)
+    b = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([b | (rng.integers(0, 256, 256, dtype=np.uint32) << 8) | (rng.integers(0, 65536, 256, dtype=np.uint32) << 16),
+                            rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32), b << 24, b << 16, b << 8])
+    e2m1 = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    for scale in (0.25, 1.0, 3.75, 448.0, 2.0 ** -9):
+        mult = torch.tensor(scale * 2.0 ** 118, dtype=torch.float64).to(torch.bfloat16)
+        mbits = int(mult.view(torch.int16).item()) & 0xFFFF
+        r = _run_asm(str(mt.FP4_ASM.value if hasattr(mt.FP4_ASM, "value") else mt.FP4_ASM),
+                     {"$4": words, "$5": np.full(words.shape, mbits | (mbits << 16), dtype=np.uint32)})
+        nb = words                                                          # NVFP4 bytes, as the pool holds them
+        for p in range(4):
+            for half in (0, 1):
+                code = (nb >> (16 * half + 4 * p)) & 15                     # element 4u + p of that unit
+                want = e2m1[torch.from_numpy(code.astype(np.int64))] * 2.0 ** -126 * mult.double()
+                got = torch.from_numpy(((r[f"${p}"] >> (16 * half)) & 0xFFFF).astype(np.int32)).to(torch.int16) \
+                    .view(torch.bfloat16).double()
+                assert torch.equal(got, want), (scale, p, half)
+    units = rng.integers(0, 2**32, 2048, dtype=np.uint64).astype(np.uint32)
+    for s in (1, 100, 127, 252):
+        r = _run_asm(str(mt.NB8_ASM.value if hasattr(mt.NB8_ASM, "value") else mt.NB8_ASM),
+                     {"$8": units, "$9": np.full(units.shape, s, dtype=np.uint32)})
+        for p in range(8):
+            big_bit, neg_bit = w2.NB8_BIG_BIT[p], w2.NB8_NEG_BIT[p]
+            for half in (0, 1):
+                u = (units >> (16 * half)) & 0xFFFF
+                lvl = np.where((u >> big_bit) & 1, 4.0, 1.0) * np.where((u >> neg_bit) & 1, -1.0, 1.0)
+                want = torch.from_numpy(lvl) * 2.0 ** (s - 127)
+                got = torch.from_numpy(((r[f"${p}"] >> (16 * half)) & 0xFFFF).astype(np.int32)).to(torch.int16) \
+                    .view(torch.bfloat16).double()
+                assert torch.equal(got, want), (s, p, half)
