@@ -210,21 +210,9 @@ def check(make_layer, h, i, e, k, t, dev, gen, limit=None, make_twin=None) -> di
 # ----------------------------------------------------------------------------- timing
 
 def graph_time_ms(fns, reps: int = 2) -> float:
-    import triton
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    torch.cuda.synchronize()
-    best = min(triton.testing.do_bench(g.replay, warmup=20, rep=120, return_mode="median") for _ in range(reps))
-    return best / len(fns)
+    """moet's MoE tuner's timing (one CUDA graph of the calls, median ms per call)."""
+    from moet.bench.moe_kernel_tune import graph_time_ms as timed
+    return timed(fns, reps)
 
 
 def random_kpool(e, h, i, dev, gen):
