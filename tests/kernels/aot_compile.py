@@ -40,6 +40,9 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
         const = {"PDL": False, **const}
     if "FUSED_MERGE" in fn.arg_names:    # the two-launch decode unless asked (aot_compile_small.py)
         const = {"FUSED_MERGE": False, **const}
+    if "SLACK" in fn.arg_names:          # the lazy-rescale slack the launchers pass by default
+        from moet.kernels.attention_triton import RESCALE_SLACK
+        const = {"SLACK": RESCALE_SLACK, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     # pointers 16-byte aligned, as the JIT specialises them at run time; so are the integer
     # arguments named in div16 (the JIT marks every int that is a multiple of 16 at launch)

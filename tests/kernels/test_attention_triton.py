@@ -12,6 +12,7 @@ from tests.kernels.triton_support import requires_triton
 pytestmark = requires_triton
 
 
+from moet.errors import ConfigError  # noqa: E402
 from moet.kernels import attention_reference as ref  # noqa: E402
 from moet.kernels.kv_cache import KVFormat, new_gqa_layer, new_mla_layer, write_gqa_kv, write_mla_kv  # noqa: E402
 from tests.kernels.paged import random_block_tables, slots_for  # noqa: E402
@@ -205,6 +206,37 @@ def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split, block_h)
     assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split,
                                                     block_h=block_h))
 
+
+
+def test_triton_paged_mla_decode_late_max_rescales_some_heads():
+    """Lazy rescaling in the MLA decode (rescale_slack > 0: the accumulator is rescaled only when a
+    tile's max passes the running max by the slack): a key in the third 32-token tile that scores
+    >12 nats above the rest for head 0 (and not for every head) makes that tile rescale some heads
+    and not others, and one long split walks tiles before and after it; the reference to fp32
+    rounding, as the eager form (the default, RESCALE_SLACK 0); a negative slack is refused."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    r, p, h, n = 32, 16, 4, 5 * BS + 9
+    fmt = KVFormat("auto", dtype=torch.float32)
+    cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
+    table = random_block_tables([n], BS, NUM_BLOCKS, g).to(DEVICE)
+    ql, qr = torch.randn(1, h, r, generator=g), torch.randn(1, h, p, generator=g)
+    lat = torch.randn(n, r, generator=g)
+    lat[70] = 5.0 * ql[0, 0]                                  # token 70: tile 3 of the split
+    write_mla_kv(cache, lat.to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
+                 slots_for(table.cpu(), 0, range(n), BS).to(DEVICE))
+    scores = 0.2 * (lat @ ql[0].T)                            # latent part of the scores [n, h]
+    jump = scores[70] - scores[:64].max(0).values
+    assert jump[0] > 12.0 and bool((jump < 4.0).any()), jump        # head 0 rescales, some head does not
+    seq_lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    cpu = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt)
+    cpu.buffer.copy_(cache.buffer.cpu())
+    want = ref.paged_decode_mla(ql, qr, cpu, table.cpu(), seq_lens.cpu(), 0.2)
+    for slack in (8.0, 1.0, None):
+        got = _tri().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, split_tokens=n + 7,
+                                      rescale_slack=slack)
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ConfigError, match="rescale_slack"):
+        _tri().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, rescale_slack=-1.0)
 
 
 @pytest.mark.parametrize("fmt", [KVFormat("auto", dtype=torch.bfloat16),

@@ -6,6 +6,9 @@
 #   bash tools/kernel_lab/run23.sh wgmma     (~3 min) the kernel lab's grouped e4m3 wgmma MoE layer (run 10: 62 us
 #       at T = 1 on DeepSeek-V3 although its two GEMVs ran at 92% / 78% stacked, ~36 us) with --breakdown:
 #       launches 1..n timed as prefixes, so the layer's time splits into what each launch adds
+#   bash tools/kernel_lab/run23.sh rescale   (~3 min) lazy online-softmax rescaling (attention_triton.RESCALE_SLACK,
+#       now the default of the MLA decode / prefill and the GQA prefill) against the eager form: GPU tests of
+#       those kernels, then tools/kernel_lab/rescale_probe.py (MLA decode 32K b1/8/32, MLA and GQA prefill 8K)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r23; mkdir -p $R
 MODE=${1:-}
@@ -25,5 +28,12 @@ wgmma)
         --shapes deepseek,glm --tokens 1,8 --cfgs 1x2s4/1x1s4/pdl,1x2s4/1x1s4 --breakdown \
         > $R/log_wgmma.txt 2>&1; echo "rc=$?"; grep -E "breakdown|time " $R/log_wgmma.txt | cut -c1-260
     save ;;
-*) echo "usage: run23.sh prefill|final|wgmma"; exit 2 ;;
+rescale)
+    timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_triton.py \
+        tests/kernels/test_prefill_triton.py tests/kernels/test_mla_prefill_triton.py tests/kernels/test_attention_cuda.py \
+        > $R/pytest_attn.txt 2>&1; echo "tests rc=$?"; tail -2 $R/pytest_attn.txt; save
+    timeout -k 5 240 python tools/kernel_lab/rescale_probe.py --out $R/rescale > $R/log_rescale.txt 2>&1
+    echo "probe rc=$?"; cut -c1-400 $R/log_rescale.txt | tail -12
+    save ;;
+*) echo "usage: run23.sh prefill|final|wgmma|rescale"; exit 2 ;;
 esac

@@ -101,6 +101,13 @@ MLA_BLOCK_H = 64
 MLA_BLOCK_N = 32
 MLA_NUM_WARPS = 8
 MLA_NUM_STAGES = 2
+# lazy online-softmax rescaling (the MLA decode and prefill, the GQA prefill; FlashAttention-4's
+# conditional rescale): > 0 = the nats a tile's max may exceed a row's running max before the row's
+# accumulator is rescaled, so most tiles skip the rescale (sm_90 AOT: 154 of the MLA decode loop's
+# 786 instructions); 0 = the eager form, rescaled at every tile (the kernels as they were). Default
+# eager until the GPU has timed both (tools/kernel_lab/rescale_probe.py); the launchers'
+# rescale_slack picks one. Like the splits it must be fixed per model (it changes the last bits)
+RESCALE_SLACK = 0.0
 
 
 @triton.jit
@@ -387,7 +394,7 @@ def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_
                      s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
                      R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
-                     NG: tl.constexpr, BF16_DOT: tl.constexpr):
+                     NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr):
     """BLOCK_N consecutive tokens (t0 .. t0 + BLOCK_N, masked at t_end; they may span several
     pages: the page of each token is gathered from the block table) for all BLOCK_H heads of the
     program: scores = q_latent . latent + q_rope . rope, the online-softmax update, P @ latent.
@@ -401,11 +408,30 @@ def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_
     # transposed: tokens are the M dimension, heads N; queries are the B operand (shared memory)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, BLOCK_H]
     s = tl.where(tmask[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp(m_i - m_new)
+    if SLACK > 0:
+        # lazy rescaling: the running max a head's exps are taken against moves only when the tile's
+        # max exceeds it by more than SLACK (RESCALE_SLACK; then the [BLOCK_R, BLOCK_H] accumulator is
+        # rescaled, one multiply per element); otherwise the exps of this tile are <= e^SLACK against
+        # the older max and the accumulator is left alone. The same sums up to rounding, deterministic
+        m_cand = tl.maximum(m_i, tl.max(s, axis=0))
+        grow = m_cand > m_i + SLACK
+        if tl.max(grow.to(tl.int32), axis=0) > 0:
+            # exactly 1 where the row does not move (its -inf - -inf never reaches the exp)
+            alpha = tl.where(grow, tl.exp(m_i - tl.where(grow, m_cand, 0.0)), 1.0)
+            l_i = l_i * alpha
+            acc = acc * alpha[None, :]
+            m_i = tl.where(grow, m_cand, m_i)
+        m_new = m_i
+    else:                                   # eager: rescale at every tile (by 1 where the max stays)
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
     pr = tl.exp(s - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(pr, axis=0)
-    acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)     # [BLOCK_R, BLOCK_H]
+    if SLACK > 0:
+        l_i = l_i + tl.sum(pr, axis=0)
+        acc = acc + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)                    # [BLOCK_R, BLOCK_H]
+    else:
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(pr, axis=0)
+        acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
     return m_new, l_i, acc
 
 
@@ -416,7 +442,7 @@ def _mla_decode_split_kernel(
         H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         MAX_SPLITS: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK):
     pdl_enter(PDL)
     # grid (head blocks, B, splits): the head blocks of one (sequence, split) are adjacent in
     # launch order, so they run together and all but the first read its latent rows from L2
@@ -451,14 +477,14 @@ def _mla_decode_split_kernel(
                 m_i, l_i, acc = _mla_decode_tile(
                     ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
                     s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
                 t0 += BLOCK_N
         else:
             for t0 in range(t_lo, t_end, BLOCK_N):
                 m_i, l_i, acc = _mla_decode_tile(
                     ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
                     s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
         if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
             acc = acc * tl.load(ls_ptr)
         row = (b * H + hh) * tl.num_programs(2) + sp
@@ -482,6 +508,14 @@ def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, n
     _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE)
     _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr + b * s_ob + h * s_oh, (b * HQ + h) * num_splits, used,
                 DV, BLOCK_DV, BLOCK_S, DV_TILE)
+
+
+def _slack(rescale_slack: float | None) -> float:
+    """The lazy-rescale slack a launch compiles in (RESCALE_SLACK unless given; >= 0)."""
+    v = RESCALE_SLACK if rescale_slack is None else float(rescale_slack)
+    if not v >= 0.0:
+        raise ConfigError(f"rescale_slack must be >= 0 (nats), got {rescale_slack}")
+    return v
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -599,10 +633,12 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
-                     block_h: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_h: int | None = None, out: torch.Tensor | None = None,
+                     rescale_slack: float | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa).
     block_h: heads per program (default MLA_BLOCK_H, at most the heads rounded up to a power of
-    two); like the splits it must be fixed per model (the dot shapes change the last bits)."""
+    two); like the splits it must be fixed per model (the dot shapes change the last bits).
+    rescale_slack: RESCALE_SLACK unless given (0: the eager online softmax)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     b, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -633,7 +669,8 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N, BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=group, NG=ng, BF16_DOT=_bf16_dots(q_latent),
-        INTERPRET=_INTERPRET, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES, **pdl_launch(q_latent))
+        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack), num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES,
+        **pdl_launch(q_latent))
     _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                  HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
                                  **_merge_blocks(max_splits, r), **pdl_launch(q_latent))

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS, _SCALE_BLOCK,
-                                           _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mla_load_tile, _mma,
+from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS, RESCALE_SLACK,
+                                           _SCALE_BLOCK, _SCALE_NONE, _slack, _SCALE_TENSOR, _bf16_dots, _mla_load_tile, _mma,
                                            _pow2)
 from moet.kernels.kv_cache import MLALayerKV
 
@@ -47,7 +47,7 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
                       s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
                       R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
-                      NG: tl.constexpr, BF16_DOT: tl.constexpr):
+                      NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr):
     """Keys k0 .. k0 + BLOCK_N (several pages; masked past `last`, the tile's last query position)
     for all rows of the program, transposed as the decode kernel (attention_triton._mla_decode_tile):
     scores^T [keys, rows] = tile @ q^T, out^T [R, rows] += tile^T @ P^T; causal per row."""
@@ -59,13 +59,32 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
                                R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
     s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    if SLACK > 0:
+        # lazy rescaling, as the decode (attention_triton._mla_decode_tile): the accumulator is
+        # rescaled only in tiles where some row's max passes its running max by more than the slack;
+        # a row that does not move is left exactly as it was, so a row's sums depend on its own
+        # scores only and chunked prompts still compute the same sums
+        m_cand = tl.maximum(m_i, tl.max(s, axis=0))
+        grow = m_cand > m_i + SLACK
+        if tl.max(grow.to(tl.int32), axis=0) > 0:
+            # exactly 1 where the row does not move (its -inf - -inf never reaches the exp)
+            alpha = tl.where(grow, tl.exp(m_i - tl.where(grow, m_cand, 0.0)), 1.0)
+            l_i = l_i * alpha
+            acc = acc * alpha[None, :]
+            m_i = tl.where(grow, m_cand, m_i)
+        m_new = m_i
+    else:                                   # eager: rescale at every tile (by 1 where the max stays)
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
     # padding rows see no key: shift by 0 so exp gives 0 rather than NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
     pr = tl.exp(s - m_safe[None, :])
-    l_i = l_i * alpha + tl.sum(pr, axis=0)
-    acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)     # [BLOCK_R, rows]
+    if SLACK > 0:
+        l_i = l_i + tl.sum(pr, axis=0)
+        acc = acc + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)                    # [BLOCK_R, rows]
+    else:
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(pr, axis=0)
+        acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
     return m_new, l_i, acc
 
 
@@ -76,7 +95,7 @@ def _mla_prefill_kernel(
         H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, INTERPRET: tl.constexpr,
-        BF16_DOT: tl.constexpr):
+        BF16_DOT: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK):
     # grid (head blocks, B, query tiles): the head blocks of one query tile are adjacent in launch
     # order, so all but the first read the latent tiles from L2
     hb = tl.program_id(0)
@@ -116,14 +135,14 @@ def _mla_prefill_kernel(
                 m_i, l_i, acc = _mla_prefill_tile(
                     ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
                     s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
                 k0 += BLOCK_N
         else:
             for k0 in range(0, last + 1, BLOCK_N):
                 m_i, l_i, acc = _mla_prefill_tile(
                     ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
                     s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
         if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
             acc = acc * tl.load(ls_ptr)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
@@ -134,12 +153,13 @@ def _mla_prefill_kernel(
 def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                       max_seqlen_q: int | None = None, block_h: int | None = None, block_m: int = 1,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, rescale_slack: float | None = None) -> torch.Tensor:
     """As attention_reference.paged_prefill_mla: q_latent [Tq, H, R], q_rope [Tq, H, P] ->
     [Tq, H, R] in q_latent.dtype. max_seqlen_q: an upper bound on any sequence's query count (grid
     size; a host sync computes it when None). block_h, block_m: heads and query tokens per program
     (powers of two, block_h * block_m >= 16 for tl.dot; default MLA_BLOCK_H heads, clipped to the
-    heads rounded up to a power of two, x 1 token). out: optional [Tq, H, R] tensor to write into."""
+    heads rounded up to a power of two, x 1 token). out: optional [Tq, H, R] tensor to write into.
+    rescale_slack: attention_triton.RESCALE_SLACK unless given (0: the eager online softmax)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     tq, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -176,5 +196,6 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
         out.stride(0), out.stride(1), float(scale),
         H=h, BLOCK_H=block_h, BLOCK_M=block_m, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N,
         BLOCK_SIZE=bs, SCALE_KIND=kind, GROUP=group, NG=r // group, INTERPRET=_INTERPRET,
-        BF16_DOT=_bf16_dots(q_latent), num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES)
+        BF16_DOT=_bf16_dots(q_latent), SLACK=_slack(rescale_slack), num_warps=MLA_NUM_WARPS,
+        num_stages=MLA_NUM_STAGES)
     return out

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (_SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots,
+from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _slack,
                                            _gqa_load_operand, _mma, _pow2)
 from moet.kernels.kv_cache import GQALayerKV
 
@@ -51,7 +51,8 @@ PREFILL_NUM_WARPS = 8
 def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, h, d, dv, j,
                   s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr,
-                  SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr):
+                  SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr,
+                  SLACK: tl.constexpr):
     """Keys k0 .. k0 + BLOCK_N (several pages: each key's page gathered from the block table) for
     all rows of the tile: the online-softmax update. Tiles of BLOCK_N keys, not one page: the
     fp32 rescale of the [rows, Dv] accumulator and the exp run once per BLOCK_N keys (run 1 on
@@ -71,18 +72,39 @@ def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr
     if WINDOW > 0:
         vis = vis & (kpos[None, :] > qpos[:, None] - WINDOW)
     s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if SLACK > 0:
+        # lazy rescaling (attention_triton.RESCALE_SLACK, as the MLA kernels): the [rows, Dv]
+        # accumulator is rescaled only in tiles where some row's max passes its running max by more
+        # than the slack; a row that does not move is left exactly as it was, so a row's sums depend
+        # on its own scores only and chunked prompts still compute the same sums
+        m_cand = tl.maximum(m_i, tl.max(s, axis=1))
+        grow = m_cand > m_i + SLACK
+        if tl.max(grow.to(tl.int32), axis=0) > 0:
+            # exactly 1 where the row does not move (its -inf - -inf never reaches the exp)
+            alpha = tl.where(grow, tl.exp(m_i - tl.where(grow, m_cand, 0.0)), 1.0)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = tl.where(grow, m_cand, m_i)
+        m_new = m_i
+    else:                                   # eager: rescale at every tile (by 1 where the max stays)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # a row that has seen no visible key yet (window, padding rows) keeps m = -inf: shift by 0
     # instead, so exp gives 0 rather than NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
+    alpha = tl.exp(m_i - m_safe)                # eager only (lazy rescaled above)
     p = tl.exp(s - m_safe[:, None])
     v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], off, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
                           DV, SCALE_KIND, GROUP_V, BF16_DOT, False)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if SLACK > 0:
+        l_i = l_i + tl.sum(p, axis=1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     if (SCALE_KIND == 2) & (GROUP_V == DV):
         p = p * tl.load(vs_ptr + blk * ss_vb + off * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
-    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, BF16_DOT)
+    if SLACK > 0:
+        acc = acc + _mma(p.to(v.dtype), v, BF16_DOT)
+    else:
+        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, BF16_DOT)
     return m_new, l_i, acc
 
 
@@ -95,7 +117,7 @@ def _gqa_prefill_kernel(
         D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
         SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, INTERPRET: tl.constexpr,
-        BF16_DOT: tl.constexpr):
+        BF16_DOT: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -141,14 +163,14 @@ def _gqa_prefill_kernel(
                 m_i, l_i, acc = _prefill_tile(
                     q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
                     j, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
-                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, SLACK)
                 k0 += BLOCK_N
         else:
             for k0 in range(lo_tile, last + 1, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(
                     q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr + b * s_btb, h, d, dv,
                     j, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
-                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT)
+                    D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, SLACK)
         if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
             acc = acc * tl.load(vs_ptr)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -159,12 +181,14 @@ def _gqa_prefill_kernel(
 def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       sliding_window: int | None = None, *, max_seqlen_q: int | None = None,
-                      block_m: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      block_m: int | None = None, out: torch.Tensor | None = None,
+                      rescale_slack: float | None = None) -> torch.Tensor:
     """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype.
     max_seqlen_q: an upper bound on any sequence's query count (grid size; computed from
     cu_seqlens_q with a host sync when None). block_m: query tokens per program (a power of two;
     default: PREFILL_ROWS rows of (token, head) per program, at least one token). out: optional
-    [Tq, Hq, Dv] tensor to write into."""
+    [Tq, Hq, Dv] tensor to write into. rescale_slack: attention_triton.RESCALE_SLACK unless given
+    (0: the eager online softmax)."""
     q = q.contiguous()
     tq, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -201,5 +225,5 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         G=g, BLOCK_G=block_g, BLOCK_M=block_m, D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv),
         BLOCK_SIZE=bs, BLOCK_N=PREFILL_BLOCK_N, WINDOW=sliding_window or 0, SCALE_KIND=kind,
         GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q),
-        num_warps=PREFILL_NUM_WARPS)
+        SLACK=_slack(rescale_slack), num_warps=PREFILL_NUM_WARPS)
     return out
