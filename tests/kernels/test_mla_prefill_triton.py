@@ -67,19 +67,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("slack", [None, 0.25], ids=["eager", "lazy"])     # rescale_slack (attention_triton)
 @pytest.mark.parametrize("fmt,seqs,h,block_h,block_m", CASES)
-def test_triton_paged_mla_prefill_matches_reference(fmt, seqs, h, block_h, block_m):
+def test_triton_paged_mla_prefill_matches_reference(fmt, seqs, h, block_h, block_m, slack):
     g = _gen()
     cache, table, cu, lens, ql, qr = _setup(fmt, seqs, h, g)
     want = ref.paged_prefill_mla(ql.cpu(), qr.cpu(), _cpu(cache), table.cpu(), cu.cpu(), lens.cpu(), 0.2)
-    got = _tri().paged_prefill_mla(ql, qr, cache, table, cu, lens, 0.2, block_h=block_h, block_m=block_m)
+    kw = dict(block_h=block_h, block_m=block_m, rescale_slack=slack)
+    got = _tri().paged_prefill_mla(ql, qr, cache, table, cu, lens, 0.2, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
-    again = _tri().paged_prefill_mla(ql, qr, cache, table, cu, lens, 0.2, block_h=block_h, block_m=block_m)
+    again = _tri().paged_prefill_mla(ql, qr, cache, table, cu, lens, 0.2, **kw)
     assert torch.equal(got, again)
 
 
-def test_chunked_equals_one_shot_and_last_row_equals_decode():
+@pytest.mark.parametrize("slack", [None, 0.25], ids=["eager", "lazy"])
+def test_chunked_equals_one_shot_and_last_row_equals_decode(slack):
     g = _gen()
     n, split = 2 * BS + 4, BS + 5
     cache, table, _, _, _, _ = _setup(F32, [(n, n)], 4, g)
@@ -87,7 +90,7 @@ def test_chunked_equals_one_shot_and_last_row_equals_decode():
     i32 = dict(dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([n], **i32)
     tri = _tri()
-    kw = dict(block_h=4, block_m=4)
+    kw = dict(block_h=4, block_m=4, rescale_slack=slack)
     whole = tri.paged_prefill_mla(ql, qr, cache, table, torch.tensor([0, n], **i32), lens, 0.2, **kw)
     first = tri.paged_prefill_mla(ql[:split], qr[:split], cache, table, torch.tensor([0, split], **i32),
                                   torch.tensor([split], **i32), 0.2, **kw)
@@ -95,7 +98,8 @@ def test_chunked_equals_one_shot_and_last_row_equals_decode():
                                    lens, 0.2, **kw)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=2e-5, atol=2e-5)
     from moet.kernels import attention_triton
-    dec = attention_triton.paged_decode_mla(ql[-1:], qr[-1:], cache, table, lens, 0.2, split_tokens=BS)
+    dec = attention_triton.paged_decode_mla(ql[-1:], qr[-1:], cache, table, lens, 0.2, split_tokens=BS,
+                                            rescale_slack=slack)
     torch.testing.assert_close(whole[-1:], dec, rtol=2e-5, atol=2e-5)
     with pytest.raises(ConfigError, match="block_h"):
         tri.paged_prefill_mla(ql, qr, cache, table, torch.tensor([0, n], **i32), lens, 0.2, block_h=3)

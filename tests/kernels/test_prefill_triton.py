@@ -71,32 +71,37 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("slack", [None, 0.25], ids=["eager", "lazy"])     # rescale_slack (attention_triton)
 @pytest.mark.parametrize("fmt,seqs,hq,hkv,d,window,block_m", CASES)
-def test_triton_paged_prefill_matches_reference(fmt, seqs, hq, hkv, d, window, block_m):
+def test_triton_paged_prefill_matches_reference(fmt, seqs, hq, hkv, d, window, block_m, slack):
     g = _gen()
     cache, table, cu, seq_lens, q = _setup(fmt, seqs, hq, hkv, d, g)
     want = ref.paged_prefill_gqa(q.cpu(), _to_cpu(cache), table.cpu(), cu.cpu(), seq_lens.cpu(), 0.3, window)
-    got = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, window, block_m=block_m)
+    got = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, window, block_m=block_m, rescale_slack=slack)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
-    again = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, window, block_m=block_m)
+    again = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, window, block_m=block_m, rescale_slack=slack)
     assert torch.equal(got, again)              # bit-identical run to run
 
 
-def test_chunked_prefill_equals_one_shot_and_last_token_equals_decode():
+@pytest.mark.parametrize("slack", [None, 0.25], ids=["eager", "lazy"])
+def test_chunked_prefill_equals_one_shot_and_last_token_equals_decode(slack):
     """The same prompt attended in one step or in two chunks (prefix cached first) gives the same
-    rows (keys come from the cache either way); a one-query extend equals the Triton decode."""
+    rows (keys come from the cache either way); a one-query extend equals the Triton decode; with
+    the eager and the lazy online-softmax rescale."""
     g = _gen()
     n, split = 3 * BS + 4, BS + 5
     cache, table, _, _, _ = _setup(F32, [(n, n)], 4, 2, 16, g)
     q = torch.randn(n, 4, 16, generator=g).to(DEVICE)
     lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
     tri = _tri()
-    whole = tri.paged_prefill_gqa(q, cache, table, torch.tensor([0, n], dtype=torch.int32, device=DEVICE), lens, 0.3)
+    whole = tri.paged_prefill_gqa(q, cache, table, torch.tensor([0, n], dtype=torch.int32, device=DEVICE), lens, 0.3,
+                                  rescale_slack=slack)
     first = tri.paged_prefill_gqa(q[:split], cache, table, torch.tensor([0, split], dtype=torch.int32, device=DEVICE),
-                                  torch.tensor([split], dtype=torch.int32, device=DEVICE), 0.3)
+                                  torch.tensor([split], dtype=torch.int32, device=DEVICE), 0.3,
+                                  rescale_slack=slack)
     second = tri.paged_prefill_gqa(q[split:], cache, table, torch.tensor([0, n - split], dtype=torch.int32,
-                                                                          device=DEVICE), lens, 0.3)
+                                                                          device=DEVICE), lens, 0.3, rescale_slack=slack)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=2e-5, atol=2e-5)
     from moet.kernels import attention_triton
     dec = attention_triton.paged_decode_gqa(q[-1:], cache, table, lens, 0.3, split_tokens=BS)
