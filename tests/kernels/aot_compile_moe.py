@@ -43,10 +43,12 @@ def main(quick: bool = False) -> None:
                              bslot_ptr="*i32", out_ptr="*bf16" if gate_up and split == 1 else "*fp32",
                              s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
                 const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=split, HAS_LIMIT=gate_up,
-                             USE_ASM=True, BM=bm, BN=bn, BKH=bkh, PDL=pdl, UNROLL=unroll)
+                             USE_ASM=2, BM=bm, BN=bn, BKH=bkh, PDL=pdl, UNROLL=unroll)   # sm_90: asm_level 2
                 c = _compile(m._moe_gemm_kernel, types, const, warps, stages)
+                # FP4 at asm_level 2 converts its e4m3 scales with the hardware instruction
+                cvt = " e4m3-cvt" if "cvt.rn.f16x2.e4m3x2" in c.asm["ptx"] else ""
                 print("gemm", name, "gate_up" if gate_up else "down", bm, bn, bkh, split, unroll,
-                      "cubin bytes", len(c.asm["cubin"]))
+                      "cubin bytes", str(len(c.asm["cubin"])) + cvt)
     # the split gate/up with the SwiGLU finish in its last program per (tile, row block)
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
         types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",

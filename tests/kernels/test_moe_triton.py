@@ -467,6 +467,8 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     kinds = [line.split()[0] for line in r.stdout.splitlines()]
     assert kinds.count("gemm") == 8 and {"align", "swiglu", "combine"} <= set(kinds), r.stdout
+    gemms = [line for line in r.stdout.splitlines() if line.startswith("gemm ")]
+    assert all(line.endswith(" e4m3-cvt") == (line.split()[1] == "fp4") for line in gemms), r.stdout
     # the few-token paths, GPU-only code (the interpreter never compiles): run 13 found token-major
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
@@ -685,3 +687,30 @@ def test_fp4_and_nb8_asm_decoders_match_their_plain_twins():
                 got = torch.from_numpy(((r[f"${p}"] >> (16 * half)) & 0xFFFF).astype(np.int32)).to(torch.int16) \
                     .view(torch.bfloat16).double()
                 assert torch.equal(got, want), (s, p, half)
+
+
+def test_fp4_scale_conversions_agree_on_every_e4m3_byte():
+    """The FP4 scale multiplier (e4m3 * 2^118) has two forms: integer bit placement (_e4m3_times_2p118:
+    the interpreter and GPUs below sm_89) and Triton's float8e4nv conversion (sm_89+, asm_level 2).
+    Both must give torch's e4m3 value * 2^118 for every byte except the two NaN encodings, so the
+    GPU's bits do not depend on which one a device takes."""
+    import triton
+    import triton.language as tl
+    global _e4m3_times_2p118                       # a jit function reaches helpers through its globals
+    _e4m3_times_2p118 = _mt()._e4m3_times_2p118
+
+    @triton.jit
+    def conv(b_ptr, out_ptr, out2_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        b = tl.load(b_ptr + i)
+        tl.store(out_ptr + i, _e4m3_times_2p118(b.to(tl.int32)))
+        tl.store(out2_ptr + i, b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 2.0 ** 118)
+
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    got, got2 = (torch.empty(256, dtype=torch.float32, device=DEVICE) for _ in range(2))
+    conv[(1,)](b, got, got2, N=256)
+    want = b.cpu().view(torch.float8_e4m3fn).float() * 2.0 ** 118
+    ok = ~torch.isnan(want)
+    assert int(ok.sum()) == 254
+    assert torch.equal(got.cpu()[ok], want[ok]) and torch.equal(got2.cpu()[ok], want[ok])
+    assert bool((got.cpu()[~ok].abs() == 480 * 2.0 ** 118).all())    # the integer form: 0x7F / 0xFF read as +-480

@@ -132,7 +132,7 @@ def fused_grid(device: torch.device, items: int) -> int:
 
 
 def run_fused_decode(hidden, ids, table, tw, ops, fmt: int, t: int, k: int, h: int, i: int, limit: float,
-                     has_limit: bool, config, miss_counter, out, workspace, use_asm: bool, pdl: dict) -> None:
+                     has_limit: bool, config, miss_counter, out, workspace, use_asm: int, pdl: dict) -> None:
     """One launch of _fused_decode_kernel (moe_triton._run's decode branch for config.fused)."""
     gu_q, gu_s, gu_s2, dn_q, dn_s, dn_s2 = ops
     p = t * k

@@ -50,7 +50,7 @@ activations of gate/up are the bf16 hidden states, and the SwiGLU output is roun
 before the down projection (as vLLM's fused_moe does), so against the fp32 reference
 ||out - ref|| / ||ref|| is 2.2e-3..2.6e-3 (measured on the H200 at real shapes), asserted
 <= 1e-2. (An fp32 hidden input is rounded to bf16 as well.) An e4m3 NaN scale byte (0x7F)
-decodes as 480, not NaN: NVFP4 encoders never write it.
+decodes as 480 below sm_89 and as NaN from sm_89 on (NVFP4 encoders never write it).
 Under TRITON_INTERPRET=1 (CPU tests) the inline asm cannot run: the same bits are built with
 plain Triton integer ops in fp32, dots are fp32 "ieee" and act stays fp32 (bound 1e-5).
 Launch configurations: moet.kernels.moe_configs (table in the repo, tuning script
@@ -117,6 +117,7 @@ def _fp4_asm() -> str:
 NB8_ASM = tl.constexpr(_nb8_asm())
 FP4_ASM = tl.constexpr(_fp4_asm())
 _TWO_109 = tl.constexpr(2.0 ** 109)
+_TWO_118 = tl.constexpr(2.0 ** 118)
 
 
 @triton.jit
@@ -184,7 +185,10 @@ def _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, BKH: 
 def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
     """acc [BN, BM] += (W * 2^-8) [BN, 4 BKH] @ x^T: c int16 [BN, BKH] FP4 units, s4 uint8
     [BN, BKH/4] e4m3 scale bytes, x_p [BM, BKH] the activations of slot p (weight 4u + p)."""
-    m4 = _e4m3_times_2p118(s4.to(tl.int32))
+    if USE_ASM >= 2:     # sm_89+: the GPU's own e4m3 conversion (cvt.rn.f16x2.e4m3x2), exact;
+        m4 = s4.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118     # sm_90 AOT: FP4 loops -10..18%
+    else:                # the interpreter and older GPUs (no e4m3 type in Triton before sm_89)
+        m4 = _e4m3_times_2p118(s4.to(tl.int32))
     m = tl.reshape(tl.broadcast_to(m4[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
     if USE_ASM:
         mb = m.to(tl.bfloat16).to(tl.int16, bitcast=True)
@@ -659,6 +663,15 @@ def _tm_down_kernel(act_ptr, ids_ptr, table_ptr, tw_ptr, wq_ptr, sc_ptr, s2_ptr,
 
 # ====================================================================================== driver
 
+def asm_level(device: torch.device) -> int:
+    """The kernels' USE_ASM constexpr: 0 under the interpreter (plain-Triton decoders, fp32 dots),
+    1 on a GPU (inline-asm decoders, bf16 dots), 2 on a GPU that also converts e4m3 natively
+    (sm_89+: the FP4 scales through Triton's float8e4nv)."""
+    if device.type != "cuda":
+        return 0
+    return 2 if torch.cuda.get_device_capability(device) >= (8, 9) else 1
+
+
 def _workspace(shape, dtype, device) -> torch.Tensor:
     """Every buffer the kernels write (tests replace this to poison them)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -746,12 +759,12 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     t, k = topk_ids.shape
     p = t * k
     dev = hidden.device
-    use_asm = dev.type == "cuda"
+    use_asm = asm_level(dev)
     if config is None:
         config = fit_token_tile(lookup(fname, h, i, p, _device_name(dev)), p, gu_q.shape[0])
     # programmatic dependent launch (config.pdl, table-driven): every kernel of the layer starts
     # with griddepcontrol.wait, so the next launch overlaps the kernel before
-    pdl = dict(PDL=use_asm and config.pdl, **({"launch_pdl": config.pdl} if use_asm else {}))
+    pdl = dict(PDL=bool(use_asm) and config.pdl, **({"launch_pdl": config.pdl} if use_asm else {}))
     bm, cg, cd = config.BM, config.gate_up, config.down
     ids = topk_ids.reshape(-1).contiguous()
     table = slot_table.contiguous()
