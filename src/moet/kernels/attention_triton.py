@@ -390,6 +390,28 @@ def _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt
 
 
 @triton.jit
+def _lazy_rescale(m_i, l_i, acc, tile_max, SLACK: tl.constexpr, ROWS_LAST: tl.constexpr):
+    """Lazy online-softmax rescaling (RESCALE_SLACK > 0): a row's running max moves only when the
+    tile's max passes it by more than SLACK, and then its l and accumulator row are rescaled (behind
+    one branch for the whole program); other rows are left exactly as they were, their exps this
+    tile <= e^SLACK against the older max. The same sums up to rounding, deterministic, and a row's
+    bits depend on its own scores only. ROWS_LAST: acc is [cols, rows] (the transposed MLA tiles),
+    else [rows, cols]. Returns (the max to take this tile's exps against, l, acc)."""
+    m_cand = tl.maximum(m_i, tile_max)
+    grow = m_cand > m_i + SLACK
+    if tl.max(grow.to(tl.int32), axis=0) > 0:
+        # exactly 1 where the row does not move (its -inf - -inf never reaches the exp)
+        alpha = tl.where(grow, tl.exp(m_i - tl.where(grow, m_cand, 0.0)), 1.0)
+        l_i = l_i * alpha
+        if ROWS_LAST:
+            acc = acc * alpha[None, :]
+        else:
+            acc = acc * alpha[:, None]
+        m_i = tl.where(grow, m_cand, m_i)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
                      s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
                      R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -408,20 +430,8 @@ def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_
     # transposed: tokens are the M dimension, heads N; queries are the B operand (shared memory)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, BLOCK_H]
     s = tl.where(tmask[:, None], s, float("-inf"))
-    if SLACK > 0:
-        # lazy rescaling: the running max a head's exps are taken against moves only when the tile's
-        # max exceeds it by more than SLACK (RESCALE_SLACK; then the [BLOCK_R, BLOCK_H] accumulator is
-        # rescaled, one multiply per element); otherwise the exps of this tile are <= e^SLACK against
-        # the older max and the accumulator is left alone. The same sums up to rounding, deterministic
-        m_cand = tl.maximum(m_i, tl.max(s, axis=0))
-        grow = m_cand > m_i + SLACK
-        if tl.max(grow.to(tl.int32), axis=0) > 0:
-            # exactly 1 where the row does not move (its -inf - -inf never reaches the exp)
-            alpha = tl.where(grow, tl.exp(m_i - tl.where(grow, m_cand, 0.0)), 1.0)
-            l_i = l_i * alpha
-            acc = acc * alpha[None, :]
-            m_i = tl.where(grow, m_cand, m_i)
-        m_new = m_i
+    if SLACK > 0:                           # lazy: the [BLOCK_R, BLOCK_H] accumulator rescaled in few tiles
+        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=0), SLACK, True)
     else:                                   # eager: rescale at every tile (by 1 where the max stays)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
     pr = tl.exp(s - m_new[None, :])

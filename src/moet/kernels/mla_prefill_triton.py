@@ -35,8 +35,8 @@ import triton.language as tl
 
 from moet.errors import ConfigError
 from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS, RESCALE_SLACK,
-                                           _SCALE_BLOCK, _SCALE_NONE, _slack, _SCALE_TENSOR, _bf16_dots, _mla_load_tile, _mma,
-                                           _pow2)
+                                           _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _lazy_rescale,
+                                           _mla_load_tile, _mma, _pow2, _slack)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -59,20 +59,8 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
                                R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
     s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
-    if SLACK > 0:
-        # lazy rescaling, as the decode (attention_triton._mla_decode_tile): the accumulator is
-        # rescaled only in tiles where some row's max passes its running max by more than the slack;
-        # a row that does not move is left exactly as it was, so a row's sums depend on its own
-        # scores only and chunked prompts still compute the same sums
-        m_cand = tl.maximum(m_i, tl.max(s, axis=0))
-        grow = m_cand > m_i + SLACK
-        if tl.max(grow.to(tl.int32), axis=0) > 0:
-            # exactly 1 where the row does not move (its -inf - -inf never reaches the exp)
-            alpha = tl.where(grow, tl.exp(m_i - tl.where(grow, m_cand, 0.0)), 1.0)
-            l_i = l_i * alpha
-            acc = acc * alpha[None, :]
-            m_i = tl.where(grow, m_cand, m_i)
-        m_new = m_i
+    if SLACK > 0:                           # lazy (attention_triton._lazy_rescale): chunked prompts still
+        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=0), SLACK, True)   # sum the same
     else:                                   # eager: rescale at every tile (by 1 where the max stays)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
     # padding rows see no key: shift by 0 so exp gives 0 rather than NaN

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _slack,
-                                           _gqa_load_operand, _mma, _pow2)
+from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots,
+                                           _gqa_load_operand, _lazy_rescale, _mma, _pow2, _slack)
 from moet.kernels.kv_cache import GQALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -72,20 +72,8 @@ def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr
     if WINDOW > 0:
         vis = vis & (kpos[None, :] > qpos[:, None] - WINDOW)
     s = tl.where(vis, s, float("-inf"))
-    if SLACK > 0:
-        # lazy rescaling (attention_triton.RESCALE_SLACK, as the MLA kernels): the [rows, Dv]
-        # accumulator is rescaled only in tiles where some row's max passes its running max by more
-        # than the slack; a row that does not move is left exactly as it was, so a row's sums depend
-        # on its own scores only and chunked prompts still compute the same sums
-        m_cand = tl.maximum(m_i, tl.max(s, axis=1))
-        grow = m_cand > m_i + SLACK
-        if tl.max(grow.to(tl.int32), axis=0) > 0:
-            # exactly 1 where the row does not move (its -inf - -inf never reaches the exp)
-            alpha = tl.where(grow, tl.exp(m_i - tl.where(grow, m_cand, 0.0)), 1.0)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = tl.where(grow, m_cand, m_i)
-        m_new = m_i
+    if SLACK > 0:                           # lazy (attention_triton._lazy_rescale): chunked prompts still
+        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=1), SLACK, False)  # sum the same
     else:                                   # eager: rescale at every tile (by 1 where the max stays)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # a row that has seen no visible key yet (window, padding rows) keeps m = -inf: shift by 0
