@@ -58,6 +58,7 @@ moet.bench.moe_kernel_tune). Measured speed and its limits: docs/perf.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -669,7 +670,12 @@ def asm_level(device: torch.device) -> int:
     (sm_89+: the FP4 scales through Triton's float8e4nv)."""
     if device.type != "cuda":
         return 0
-    return 2 if torch.cuda.get_device_capability(device) >= (8, 9) else 1
+    return _cuda_asm_level(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_asm_level(index: int) -> int:          # once per device: every MoE layer call asks
+    return 2 if torch.cuda.get_device_capability(index) >= (8, 9) else 1
 
 
 def _workspace(shape, dtype, device) -> torch.Tensor:
