@@ -714,3 +714,15 @@ def test_fp4_scale_conversions_agree_on_every_e4m3_byte():
     assert int(ok.sum()) == 254
     assert torch.equal(got.cpu()[ok], want[ok]) and torch.equal(got2.cpu()[ok], want[ok])
     assert bool((got.cpu()[~ok].abs() == 480 * 2.0 ** 118).all())    # the integer form: 0x7F / 0xFF read as +-480
+
+
+def test_asm_level_follows_the_device(monkeypatch):
+    """USE_ASM per device: 0 off the GPU (the interpreter's plain decoders), 1 below sm_89 (no e4m3
+    type in Triton there: the FP4 scales by integer ops), 2 from sm_89 on (the hardware conversion)."""
+    mt = _mt()
+    assert mt.asm_level(torch.device("cpu")) == 0
+    for cap, want in (((8, 0), 1), ((8, 6), 1), ((8, 9), 2), ((9, 0), 2), ((12, 0), 2)):
+        mt._cuda_asm_level.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cap=cap: cap)
+        assert mt.asm_level(torch.device("cuda", 0)) == want, cap
+    mt._cuda_asm_level.cache_clear()
