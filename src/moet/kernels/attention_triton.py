@@ -430,16 +430,30 @@ def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_
     # transposed: tokens are the M dimension, heads N; queries are the B operand (shared memory)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, BLOCK_H]
     s = tl.where(tmask[:, None], s, float("-inf"))
-    if SLACK > 0:                           # lazy: the [BLOCK_R, BLOCK_H] accumulator rescaled in few tiles
+    return _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK, False, BF16_DOT)
+
+
+@triton.jit
+def _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+                    BF16_DOT: tl.constexpr):
+    """The online-softmax step of the transposed MLA tiles (decode and prefill): scores s [keys, rows]
+    (masked keys -inf), acc [R, rows] += lat^T @ P, lazily (SLACK > 0: _lazy_rescale) or eagerly.
+    EMPTY_ROWS: some rows may have seen no key yet (prefill padding rows): their exps are taken
+    against 0 instead of -inf, which gives 0 rather than NaN. -> (m, l, acc)."""
+    if SLACK > 0:                           # lazy: the accumulator rescaled in few tiles
         m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=0), SLACK, True)
     else:                                   # eager: rescale at every tile (by 1 where the max stays)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    pr = tl.exp(s - m_new[None, :])
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    pr = tl.exp(s - m_ref[None, :])
     if SLACK > 0:
         l_i = l_i + tl.sum(pr, axis=0)
-        acc = acc + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)                    # [BLOCK_R, BLOCK_H]
+        acc = acc + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
     else:
-        alpha = tl.exp(m_i - m_new)
+        alpha = tl.exp(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(pr, axis=0)
         acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
     return m_new, l_i, acc

@@ -35,8 +35,8 @@ import triton.language as tl
 
 from moet.errors import ConfigError
 from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS, RESCALE_SLACK,
-                                           _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _lazy_rescale,
-                                           _mla_load_tile, _mma, _pow2, _slack)
+                                           _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mla_load_tile,
+                                           _mla_softmax_pv, _mma, _pow2, _slack)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -59,21 +59,9 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
                                R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
     s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
     s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
-    if SLACK > 0:                           # lazy (attention_triton._lazy_rescale): chunked prompts still
-        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=0), SLACK, True)   # sum the same
-    else:                                   # eager: rescale at every tile (by 1 where the max stays)
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    # padding rows see no key: shift by 0 so exp gives 0 rather than NaN
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    pr = tl.exp(s - m_safe[None, :])
-    if SLACK > 0:
-        l_i = l_i + tl.sum(pr, axis=0)
-        acc = acc + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)                    # [BLOCK_R, rows]
-    else:
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(pr, axis=0)
-        acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
-    return m_new, l_i, acc
+    # lazy or eager (attention_triton._mla_softmax_pv; lazily, chunked prompts still sum the same);
+    # padding rows see no key
+    return _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK, True, BF16_DOT)
 
 
 @triton.jit
