@@ -40,6 +40,9 @@ def _schedule(g: torch.Generator) -> tuple[list[list[int]], int]:
     steps = [[int(torch.randint(0, 3 * BS + 2, (1,), generator=g)) for _ in range(3)] for _ in range(3)]
     steps[0] = [max(1, n) for n in steps[0]]
     steps[0][1] = BS                    # exactly one page, then more
+    for step in steps[1:]:              # a step schedules some token (all idle is no step: the
+        if not any(step):               # contiguous side would have nothing to concatenate)
+            step[0] = 1
     return steps, 3
 
 
