@@ -259,6 +259,29 @@ def test_triton_paged_mla_decode_bf16_queries(fmt):
     got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32).float().cpu()
     assert got.dtype == want.dtype and float((got - want).norm() / want.norm()) < 1e-2
 
+@pytest.mark.parametrize("fmt,slack", [(KVFormat("auto", dtype=torch.bfloat16), 8.0),
+                                       (KVFormat("fp8_e4m3", "block", group=16, dtype=torch.bfloat16), 0.0),
+                                       (KVFormat("fp8_e4m3", dtype=torch.bfloat16), 0.0),
+                                       (KVFormat("auto", dtype=torch.float32), 0.0)],
+                         ids=["bf16-lazy", "fp8-block-eager", "fp8-tensor-eager", "fp32-eager"])
+def test_mla_decode_default_slack_follows_the_cache_format(fmt, slack):
+    """The MLA decode compiles lazy rescaling in by default only over a bf16 cache (where it won on
+    the H200, run 23); the default launch is bit-identical to that slack given explicitly."""
+    from moet.kernels import attention_triton
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    r, p, h, lens = 32, 16, 4, [2 * BS + 3]
+    cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
+    assert attention_triton.mla_decode_slack(cache) == slack
+    table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
+    write_mla_kv(cache, torch.randn(lens[0], r, generator=g).to(DEVICE), torch.randn(lens[0], p, generator=g).to(DEVICE),
+                 slots_for(table.cpu(), 0, range(lens[0]), BS).to(DEVICE))
+    ql = torch.randn(1, h, r, generator=g).to(DEVICE, fmt.dtype)
+    qr = torch.randn(1, h, p, generator=g).to(DEVICE, fmt.dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2)
+    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, rescale_slack=slack))
+
+
 def test_padded_table_width_changes_nothing():
     """The engine pads block tables to max_model_len for CUDA graphs: the extra columns add
     splits that hold no keys, which write nothing and are never merged, so the output is

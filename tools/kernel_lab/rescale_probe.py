@@ -163,9 +163,10 @@ def run(args) -> dict:
 
 
 def _cpu_mla(cache):
-    from dataclasses import replace
-    return replace(cache, buffer=cache.buffer.cpu(),
-                   latent_scale=None if cache.latent_scale is None else cache.latent_scale.cpu())
+    # every tensor field: latent / rope are views of buffer, and a partial move leaves them on the GPU
+    from dataclasses import fields, replace
+    return replace(cache, **{f.name: getattr(cache, f.name).cpu() for f in fields(cache)
+                             if isinstance(getattr(cache, f.name), torch.Tensor)})
 
 
 def main() -> int:

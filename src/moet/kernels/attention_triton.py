@@ -103,11 +103,16 @@ MLA_NUM_WARPS = 8
 MLA_NUM_STAGES = 2
 # lazy online-softmax rescaling (the MLA decode and prefill, the GQA prefill; FlashAttention-4's
 # conditional rescale): > 0 = the nats a tile's max may exceed a row's running max before the row's
-# accumulator is rescaled, so most tiles skip the rescale (sm_90 AOT: 154 of the MLA decode loop's
-# 786 instructions); 0 = the eager form, rescaled at every tile (the kernels as they were). Default
-# eager until the GPU has timed both (tools/kernel_lab/rescale_probe.py); the launchers'
-# rescale_slack picks one. Like the splits it must be fixed per model (it changes the last bits)
+# accumulator is rescaled, so most tiles skip the rescale (sm_90 AOT: the MLA decode step 751 -> 632
+# instructions); 0 = the eager form, rescaled at every tile. Timed on the H200 (run 23,
+# tools/kernel_lab/rescale_probe.py, docs/perf.md): lazy (slack 8) won only in the MLA decode over a
+# bf16 cache (+1.8-2.0% at batch 1 / 8 / 32, 32K); it lost over an fp8-block cache (-5%: the
+# dequantising step, not the rescale, is that loop's cost) and in the GQA prefill (-3%), and tied in
+# the MLA prefill (+0.2%). So the launchers default to RESCALE_SLACK (eager) except the bf16 MLA
+# decode (MLA_DECODE_BF16_SLACK); rescale_slack overrides both. Like the splits it must be fixed per
+# model (it changes the last bits), and it is: a function of the cache format alone
 RESCALE_SLACK = 0.0
+MLA_DECODE_BF16_SLACK = 8.0
 
 
 @triton.jit
@@ -534,12 +539,17 @@ def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, n
                 DV, BLOCK_DV, BLOCK_S, DV_TILE)
 
 
-def _slack(rescale_slack: float | None) -> float:
-    """The lazy-rescale slack a launch compiles in (RESCALE_SLACK unless given; >= 0)."""
-    v = RESCALE_SLACK if rescale_slack is None else float(rescale_slack)
+def _slack(rescale_slack: float | None, default: float = RESCALE_SLACK) -> float:
+    """The lazy-rescale slack a launch compiles in (the launcher's default unless given; >= 0)."""
+    v = default if rescale_slack is None else float(rescale_slack)
     if not v >= 0.0:
         raise ConfigError(f"rescale_slack must be >= 0 (nats), got {rescale_slack}")
     return v
+
+
+def mla_decode_slack(cache: MLALayerKV) -> float:
+    """The MLA decode's default rescale slack for this cache (see MLA_DECODE_BF16_SLACK)."""
+    return MLA_DECODE_BF16_SLACK if cache.latent.dtype == torch.bfloat16 else RESCALE_SLACK
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -662,7 +672,8 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa).
     block_h: heads per program (default MLA_BLOCK_H, at most the heads rounded up to a power of
     two); like the splits it must be fixed per model (the dot shapes change the last bits).
-    rescale_slack: RESCALE_SLACK unless given (0: the eager online softmax)."""
+    rescale_slack: unless given, MLA_DECODE_BF16_SLACK over a bf16 cache, else RESCALE_SLACK (0: the
+    eager online softmax)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     b, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -693,7 +704,7 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N, BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=group, NG=ng, BF16_DOT=_bf16_dots(q_latent),
-        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack), num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES,
+        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack, mla_decode_slack(cache)), num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES,
         **pdl_launch(q_latent))
     _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                  HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
