@@ -77,15 +77,18 @@ STEP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["heads-M", "tokens-M"])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
 @pytest.mark.parametrize("fmt,lens,hq,hkv,d,window,split,tile", STEP_CASES)
-def test_loop_steps_and_query_dtypes_match_reference(fmt, lens, hq, hkv, d, window, split, tile, qdtype):
+def test_loop_steps_and_query_dtypes_match_reference(fmt, lens, hq, hkv, d, window, split, tile, qdtype, swap_ab):
     """Loop steps of several pages (tile_tokens) with splits that end mid-step, fp32 queries
-    (exact dots) and bf16 queries (the served tensor-core path, emulated under the interpreter)."""
+    (exact dots) and bf16 queries (the served tensor-core path, emulated under the interpreter);
+    swap_ab: the transposed update (tokens as the MMAs' M)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
     q = q.to(qdtype)
-    got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split, tile_tokens=tile)
+    got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split, tile_tokens=tile,
+                                  swap_ab=swap_ab)
     want = ref.paged_decode_gqa(q.float().cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
     if qdtype == torch.float32:
         torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)

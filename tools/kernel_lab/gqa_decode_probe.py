@@ -102,7 +102,20 @@ def main() -> int:
                 ("t128 w4 s7", 16, False, False, False, dict(tile_tokens=128, num_warps=4, num_stages=7)),
                 ("t64 w8 s11", 16, False, False, False, dict(num_warps=8, num_stages=11)),
                 # more programs per sequence: 64 splits of 512 tokens (2 programs per SM at batch 1)
-                ("splits64", 16, False, False, False, dict(split_tokens=256, max_splits=64))]
+                ("splits64", 16, False, False, False, dict(split_tokens=256, max_splits=64)),
+                # the transposed update (swap_ab: tokens as the MMAs' M, so sm_90 runs wgmma with K / V
+                # read from shared memory; sm_90 AOT bf16: 16 HGMMA.64 a step instead of 32 HMMA + 28
+                # LDSM, 581 instructions against 522); 8 warps = two warp groups over 128-token steps
+                ("swap", 16, False, False, False, dict(swap_ab=True)),
+                ("swap s3", 16, False, False, False, dict(swap_ab=True, num_warps=4, num_stages=3)),
+                ("swap s5", 16, False, False, False, dict(swap_ab=True, num_warps=4, num_stages=5)),
+                ("swap w8 s5", 16, False, False, False, dict(swap_ab=True, num_warps=8, num_stages=5)),
+                ("swap t128 w8 s3", 16, False, False, False, dict(swap_ab=True, tile_tokens=128, num_warps=8,
+                                                                   num_stages=3)),
+                ("swap t128 w8 s5", 16, False, False, False, dict(swap_ab=True, tile_tokens=128, num_warps=8,
+                                                                   num_stages=5)),
+                ("swap splits64 s3", 16, False, False, False, dict(swap_ab=True, split_tokens=256, max_splits=64,
+                                                                    num_warps=4, num_stages=3))]
     if args.only:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep]

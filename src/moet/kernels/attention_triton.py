@@ -184,9 +184,12 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
                      s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                      SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr,
-                     OP_F16: tl.constexpr):
+                     OP_F16: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """PAGES pages (from page0, none at or past `last`) of one KV head for the G query heads: the
-    online-softmax update. Several pages per step give each load and dot enough tokens to keep
+    online-softmax update. SWAP_AB: the same update transposed -- q is q^T [BLOCK_D, BLOCK_G], acc is
+    acc^T [BLOCK_DV, BLOCK_G], scores [tokens, heads] = K q^T and acc^T += V^T P^T -- so the tokens
+    (64 a step) are the MMAs' M and the K / V tiles their shared-memory A operand (Hopper wgmma
+    needs M >= 64; the G <= 16 heads are N). Several pages per step give each load and dot enough tokens to keep
     the memory system busy (one 16-token page per step read 36% of copy at batch 1, 32K).
     The caller's page range holds keys (no branch here: a branch in the loop body would stop
     Triton from pipelining the loads across steps). fp8 scales stay out of the dots: per-tensor
@@ -201,23 +204,53 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
     tmask = inside & (pos < n) & (pos >= lo_tok)
     k = _gqa_load_operand(k_ptr, ks_ptr, blk[:, None], tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
                           D, SCALE_KIND, GROUP_K, BF16_DOT, OP_F16)
-    s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                          # [BLOCK_G, PAGES * BLOCK_SIZE]
+    if SWAP_AB:     # (not an early return: Triton's frontend rejects a return inside an if)
+        m_i, l_i, acc = _gqa_decode_tile_t(q, m_i, l_i, acc, k, blk, tok, tmask, h, v_ptr, ks_ptr, vs_ptr, dv,
+                                           s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
+                                           D, DV, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+    else:
+        s = _mma(q, tl.trans(k), BF16_DOT) * qk_scale                          # [BLOCK_G, PAGES * BLOCK_SIZE]
+        if (SCALE_KIND == 2) & (GROUP_K == D):
+            s = s * tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
+                              DV, SCALE_KIND, GROUP_V, BF16_DOT, OP_F16)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if (SCALE_KIND == 2) & (GROUP_V == DV):
+            pv = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + _mma(pv.to(v.dtype), v, BF16_DOT)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _gqa_decode_tile_t(q_t, m_i, l_i, acc_t, k, blk, tok, tmask, h, v_ptr, ks_ptr, vs_ptr, dv,
+                       s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
+                       D: tl.constexpr, DV: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr,
+                       GROUP_V: tl.constexpr, BF16_DOT: tl.constexpr, OP_F16: tl.constexpr):
+    """_gqa_decode_tile's update transposed (SWAP_AB): the same products and reductions, over
+    axis 0 (tokens) instead of 1."""
+    s = _mma(k, q_t, BF16_DOT) * qk_scale                                  # [PAGES * BLOCK_SIZE, BLOCK_G]
     if (SCALE_KIND == 2) & (GROUP_K == D):
-        s = s * tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        s = s * tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)[:, None]
+    s = tl.where(tmask[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    p = tl.exp(s - m_new[None, :])
     v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
                           DV, SCALE_KIND, GROUP_V, BF16_DOT, OP_F16)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
     if (SCALE_KIND == 2) & (GROUP_V == DV):
-        pv = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
+        pv = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[:, None]
     else:
         pv = p
-    acc = acc * alpha[:, None] + _mma(pv.to(v.dtype), v, BF16_DOT)
-    m_i = m_new
-    return m_i, l_i, acc
+    acc_t = acc_t * alpha[None, :] + _mma(tl.trans(v), pv.to(v.dtype), BF16_DOT)
+    return m_new, l_i, acc_t
 
 
 @triton.jit
@@ -229,7 +262,8 @@ def _gqa_decode_split_kernel(
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr):
+        FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr,
+        SWAP_AB: tl.constexpr = False):
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -245,14 +279,19 @@ def _gqa_decode_split_kernel(
         # values, e4m3 -> bf16 went through f16 and a scalar f16 -> bf16 per value (SASS, sm_90:
         # 7.5 vs 4.1 instructions per KV element), and f16 keeps more of q and P than bf16
         qd = tl.float16 if OP_F16 else tl.bfloat16 if BF16_DOT else tl.float32
-        q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
-                    mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(qd)   # operand dtype, once
+        if SWAP_AB:                               # q^T and acc^T: see _gqa_decode_tile
+            q = tl.load(q_ptr + b * s_qb + qh[None, :] * s_qh + d[:, None],
+                        mask=(g[None, :] < G) & (d[:, None] < D), other=0.0).to(qd)
+            acc = tl.zeros([BLOCK_DV, BLOCK_G], tl.float32)
+        else:
+            q = tl.load(q_ptr + b * s_qb + qh[:, None] * s_qh + d[None, :],
+                        mask=(g[:, None] < G) & (d[None, :] < D), other=0.0).to(qd)   # operand dtype, once
+            acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
         qk_scale = scale
         if SCALE_KIND == 1:
             qk_scale = scale * tl.load(ks_ptr)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
         lo_tok = 0
         if WINDOW > 0:
             lo_tok = tl.maximum(n - WINDOW, 0)     # key j visible iff j > (n - 1) - WINDOW
@@ -265,14 +304,14 @@ def _gqa_decode_split_kernel(
                 m_i, l_i, acc = _gqa_decode_tile(
                     q, m_i, l_i, acc, page, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16, SWAP_AB)
                 page += PAGES
         else:
             for page in range(first, last, PAGES):
                 m_i, l_i, acc = _gqa_decode_tile(
                     q, m_i, l_i, acc, page, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
-                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16)
+                    D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16, SWAP_AB)
         if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
             acc = acc * tl.load(vs_ptr)
         # workspace [B, Hq, S]: S from the grid, so one compiled kernel serves every table width
@@ -280,7 +319,10 @@ def _gqa_decode_split_kernel(
         gmask = g < G
         tl.store(m_ptr + row, m_i, mask=gmask)
         tl.store(l_ptr + row, l_i, mask=gmask)
-        tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=gmask[:, None] & (dv[None, :] < DV))
+        if SWAP_AB:
+            tl.store(acc_ptr + row[None, :] * DV + dv[:, None], acc, mask=gmask[None, :] & (dv[:, None] < DV))
+        else:
+            tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=gmask[:, None] & (dv[None, :] < DV))
     if FUSED_MERGE:
         # No merge launch: every program of (sequence, kv head) counts itself once its partials
         # are stored (release), and the last to arrive (acquire) merges the group's heads in the
@@ -595,7 +637,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     fused_merge: bool = False) -> torch.Tensor:
+                     fused_merge: bool = False, swap_ab: bool = False) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -609,6 +651,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     splits in the merge kernel's order (the same bits under the interpreter; compiled, another
     kernel's arithmetic may contract differently). Off in the engine (EngineConfig.attention_fused_merge):
     slower on the H200 at every batch (run 18: 0.69x at batch 1, 32K).
+    swap_ab: the tile's update transposed (tokens as the MMAs' M, so Hopper can use wgmma with the
+    K / V tiles read from shared memory); the same math, other bits (fixed per model, like num_warps).
     (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
     slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
@@ -645,7 +689,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
         FUSED_MERGE=fused_merge, **_merge_blocks(max_splits, dv), num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(q))
+        SWAP_AB=swap_ab, **pdl_launch(q))
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
