@@ -40,6 +40,9 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
         const = {"PDL": False, **const}
     if "FUSED_MERGE" in fn.arg_names:    # the two-launch decode unless asked (aot_compile_small.py)
         const = {"FUSED_MERGE": False, **const}
+    for flag in ("SWAP_AB", "F8_WORDS"):  # the GQA decode's default forms unless asked
+        if flag in fn.arg_names:
+            const = {flag: False, **const}
     if "SLACK" in fn.arg_names:          # the lazy-rescale slack the launchers pass by default
         from moet.kernels.attention_triton import RESCALE_SLACK
         const = {"SLACK": RESCALE_SLACK, **const}
@@ -60,13 +63,14 @@ GQA_DIV16 = ("s_qb", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "ss
 
 
 def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, d: int = 128, pages: int = 4,
-                       num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True):
+                       num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True,
+                       swap_ab: bool = False, fp8_words: bool = False):
     """_gqa_decode_split_kernel as paged_decode_gqa launches it: g query heads per kv head
     (Qwen3-30B-A3B: 8), head dim d (128), pages of 16, bf16 queries, `pages` pages per step (4: 64 tokens)."""
     const = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), DV=d,
                  BLOCK_DV=triton.next_power_of_2(d), BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=window, SCALE_KIND=kind,
                  GROUP_K=d, GROUP_V=d, BF16_DOT=True, INTERPRET=False, PAGES=pages, OP_F16=bool(kind),
-                 **at._merge_blocks(32, d))
+                 SWAP_AB=swap_ab, F8_WORDS=fp8_words, **at._merge_blocks(32, d))
     types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                  lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
     return _compile(at._gqa_decode_split_kernel, types, const, dict(num_warps=num_warps, num_stages=num_stages),
@@ -113,6 +117,7 @@ def sass_report(c) -> dict:
                 ldg_scalar=sum(n for o, n in hist.items() if o in ("LDG.E.U16", "LDG.E.U8", "LDG.E.S16")),
                 loop_spill_ops=sum(o.startswith(("LDL", "STL")) for o in ops),
                 loop_instrs=len(ops), loop_kv_loads=sum(map(kv_load, ops)), loop_mmas=sum(map(mma, ops)),
+                loop_hist=dict(collections.Counter(ops)),
                 loop_first_kv_load=first(kv_load), loop_first_mma=first(mma),
                 waits=[int(w, 16) for w in re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass)],
                 loop_waits=[int(re.search(r"0x[0-9a-f]+", r)[0], 16) for _, o, r in loop if o == "DEPBAR.LE"])
@@ -198,6 +203,21 @@ def main() -> None:
                 assert r["spill_ops"] == 0 and c.metadata.shared <= 227 * 1024, f"{dev} {key} s{st}: {r}"
                 print("gqa table", dev, key, f"w{entry['num_warps']} s{st}", "regs", r["regs"], "smem",
                       c.metadata.shared, "cp.async", r["ldgsts"])
+    # the GQA decode's optional forms at Qwen3-30B-A3B's shape, 5 stages: fp8_words (the fp8 cache read
+    # as int32 words: no single-byte shared-memory loads left in the loop, fewer instructions than the
+    # byte tile) and swap_ab (tokens as M: wgmma on sm_90); no spills, within shared memory
+    byte = sass_report(compile_gqa_decode("*fp8e4nv", 1, num_stages=5))
+    for name, c in (("fp8 words", compile_gqa_decode("*fp8e4nv", 1, num_stages=5, fp8_words=True)),
+                    ("fp8 words token-head", compile_gqa_decode("*fp8e4nv", 2, num_stages=5, fp8_words=True)),
+                    ("swap_ab", compile_gqa_decode("*bf16", 0, num_stages=5, swap_ab=True))):
+        r = sass_report(c)
+        assert r["spill_ops"] == 0 and c.metadata.shared <= 227 * 1024, f"gqa {name}: {r}"
+        if name.startswith("fp8"):
+            assert byte["loop_hist"].get("LDS.U8", 0) > 0 and r["loop_hist"].get("LDS.U8", 0) == 0, (byte, r)
+            assert r["loop_instrs"] < byte["loop_instrs"], (byte["loop_instrs"], r["loop_instrs"])
+        else:
+            assert any(o.startswith("HGMMA") for o in r["loop_hist"]), r
+        print("gqa form", name, "loop instrs", r["loop_instrs"], "(byte tile", byte["loop_instrs"], ") regs", r["regs"])
     # the split merge, all splits loaded at once: GQA rows of 128 (one [32, 128] tile) and MLA's
     # latent rows of 512 (four column tiles), as paged_decode_gqa / _mla launch it; no spills
     for name, hq, dv in (("gqa", 96, 128), ("mla", 128, 512)):

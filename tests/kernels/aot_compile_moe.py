@@ -22,6 +22,9 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
             const = {flag: False, **const}
     if "UNROLL" in fn.arg_names:                                  # a defaulted constexpr: AOT needs it given
         const = {"UNROLL": 1, **const}
+    for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)
+        if flag in fn.arg_names:
+            const = {flag: False, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     opts = {"num_warps": num_warps, "num_stages": num_stages}

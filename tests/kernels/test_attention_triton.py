@@ -96,6 +96,37 @@ def test_loop_steps_and_query_dtypes_match_reference(fmt, lens, hq, hkv, d, wind
         assert float((got.float().cpu() - want).norm() / want.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("fmt,lens,window,split,tile", [
+    (KVFormat("fp8_e4m3", "tensor"), [1, BS + 1, 6 * BS + 2], None, 4 * BS, 64),
+    (KVFormat("fp8_e4m3", "tensor"), [13 * BS + 7, 9], 2 * BS + 5, 3 * BS, 32),        # window, 32-token steps
+    (KVFormat("fp8_e4m3", "block", group=32), [BS + 3, 7 * BS], None, 3 * BS, 64),      # one scale per token-head
+], ids=["tensor", "tensor-window", "token-head"])
+def test_fp8_words_decode_matches_reference(fmt, lens, window, split, tile):
+    """fp8_words: the fp8 cache read as int32 words, the dots split by byte slot (q_p . k_p summed,
+    P v_p per slot): the reference to the f16 operands' accuracy, and equal to the byte-tile path's
+    result to that accuracy; refused where it does not apply (per-group scales, fp32 queries)."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    hq, hkv, d = 8, 2, 32
+    cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
+    q = q.to(torch.bfloat16)
+    kw = dict(split_tokens=split, tile_tokens=tile)
+    got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, fp8_words=True, **kw)
+    want = ref.paged_decode_gqa(q.float().cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
+    assert float((got.float().cpu() - want).norm() / want.norm()) < 2e-2
+    base = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, **kw)
+    assert float((got.float() - base.float()).norm() / base.float().norm()) < 2e-2
+    assert torch.equal(got, _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, fp8_words=True, **kw))
+    with pytest.raises(ConfigError, match="fp8_words"):
+        _tri().paged_decode_gqa(q.float(), cache, table, seq_lens, 0.3, window, fp8_words=True, **kw)
+
+
+def test_fp8_words_refuses_per_group_scales():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cache, table, seq_lens, q = _setup(KVFormat("fp8_e4m3", "block", group=8), [BS + 3], 4, 2, 16, g)
+    with pytest.raises(ConfigError, match="fp8_words"):
+        _tri().paged_decode_gqa(q.to(torch.bfloat16), cache, table, seq_lens, 0.3, fp8_words=True)
+
+
 def test_launch_table_picks_per_device_format_and_batch(monkeypatch):
     """paged_decode_gqa's default launch comes from attention_configs.json: on an H200 (the
     device name faked here) bf16 queries over a bf16 d-128 cache with 64-token steps take 7

@@ -115,7 +115,15 @@ def main() -> int:
                 ("swap t128 w8 s5", 16, False, False, False, dict(swap_ab=True, tile_tokens=128, num_warps=8,
                                                                    num_stages=5)),
                 ("swap splits64 s3", 16, False, False, False, dict(swap_ab=True, split_tokens=256, max_splits=64,
-                                                                    num_warps=4, num_stages=3))]
+                                                                    num_warps=4, num_stages=3)),
+                # fp8 caches read as int32 words, the dots split by byte slot (fp8_words; sm_90 AOT at 5
+                # stages: 568 loop instructions against 785, the 64 LDS.U8 and ~110 moves gone)
+                ("f8w", 16, False, False, False, dict(fp8_words=True)),
+                ("f8w s3", 16, False, False, False, dict(fp8_words=True, num_warps=4, num_stages=3)),
+                ("f8w s7", 16, False, False, False, dict(fp8_words=True, num_warps=4, num_stages=7)),
+                ("f8w splits64", 16, False, False, False, dict(fp8_words=True, split_tokens=256, max_splits=64)),
+                ("f8w t128 s3", 16, False, False, False, dict(fp8_words=True, tile_tokens=128, num_warps=4,
+                                                              num_stages=3))]
     if args.only:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep]

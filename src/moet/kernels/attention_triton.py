@@ -253,6 +253,136 @@ def _gqa_decode_tile_t(q_t, m_i, l_i, acc_t, k, blk, tok, tmask, h, v_ptr, ks_pt
     return m_new, l_i, acc_t
 
 
+# e4m3 words: 4 cache bytes as one int32 (byte p = element 4i + p) -> 4 f16, two cvt.rn.f16x2.e4m3x2
+_E4M3X4_F16_ASM = tl.constexpr("{\n.reg .b16 lo, hi;\n.reg .b32 a, b;\nmov.b32 {lo, hi}, $4;\n"
+                               "cvt.rn.f16x2.e4m3x2 a, lo;\ncvt.rn.f16x2.e4m3x2 b, hi;\n"
+                               "mov.b32 {$0, $1}, a;\nmov.b32 {$2, $3}, b;\n}")
+
+
+@triton.jit
+def _e4m3_words_f16(wd, ASM: tl.constexpr):
+    """int32 words of 4 e4m3 bytes -> f16 tiles of bytes 0, 1, 2, 3 (exact). ASM: the GPU's paired
+    conversion; else Triton's per-byte one (the interpreter)."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(_E4M3X4_F16_ASM, "=h,=h,=h,=h,r", [wd], dtype=(tl.float16,) * 4,
+                                                   is_pure=True, pack=1)
+    else:
+        b0 = (wd & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b1 = ((wd >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b2 = ((wd >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b3 = ((wd >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _dot_acc(a, b, acc):
+    """acc + a @ b on f16 operands (fp32 dot under the interpreter, as _mma)."""
+    if _EMULATE_BF16_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gqa_f8w_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, page0, last, n, lo_tok, b, h, kw_ptr, vw_ptr,
+                  ks_ptr, vs_ptr, bt_ptr, w, wv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh,
+                  ss_vb, ss_vt, ss_vh, s_btb, qk_scale, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+                  SCALE_KIND: tl.constexpr, ASM: tl.constexpr):
+    """_gqa_decode_tile over an fp8 cache read as int32 words (F8_WORDS): element 4i + p of a row is
+    byte p of word i, so the K / V tiles are four f16 tiles (k_p = elements 4i + p) and the dots
+    run per byte slot -- q_p @ k_p^T summed for the scores, P @ v_p into acc_p -- with no
+    reshape: a word tile goes through shared memory as 32-bit words instead of single bytes
+    (sm_90 SASS of the byte tile: 64 LDS.U8 and ~160 register moves a step)."""
+    t = tl.arange(0, PAGES * BLOCK_SIZE)
+    page = page0 + t // BLOCK_SIZE
+    tok = t % BLOCK_SIZE
+    inside = page < last
+    blk = tl.load(bt_ptr + b * s_btb + page, mask=inside, other=0).to(tl.int64)
+    pos = page * BLOCK_SIZE + tok
+    tmask = inside & (pos < n) & (pos >= lo_tok)
+    kwd = tl.load(kw_ptr + blk[:, None] * s_kb + tok[:, None] * s_kt + h * s_kh + w[None, :],
+                  mask=tmask[:, None], other=0)
+    k0, k1, k2, k3 = _e4m3_words_f16(kwd, ASM)
+    s = tl.zeros([q0.shape[0], PAGES * BLOCK_SIZE], tl.float32)
+    s = _dot_acc(q0, tl.trans(k0), s)
+    s = _dot_acc(q1, tl.trans(k1), s)
+    s = _dot_acc(q2, tl.trans(k2), s)
+    s = _dot_acc(q3, tl.trans(k3), s) * qk_scale
+    if SCALE_KIND == 2:                            # one scale per token and head (group = head dim)
+        s = s * tl.load(ks_ptr + blk * ss_kb + tok * ss_kt + h * ss_kh, mask=tmask, other=0.0)[None, :]
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    vwd = tl.load(vw_ptr + blk[:, None] * s_vb + tok[:, None] * s_vt + h * s_vh + wv[None, :],
+                  mask=tmask[:, None], other=0)
+    v0, v1, v2, v3 = _e4m3_words_f16(vwd, ASM)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if SCALE_KIND == 2:
+        p = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
+    p16 = p.to(tl.float16)
+    a0 = _dot_acc(p16, v0, a0 * alpha[:, None])
+    a1 = _dot_acc(p16, v1, a1 * alpha[:, None])
+    a2 = _dot_acc(p16, v2, a2 * alpha[:, None])
+    a3 = _dot_acc(p16, v3, a3 * alpha[:, None])
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _gqa_f8w_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, acc_ptr, m_ptr, l_ptr, b, h, sp, n, first, last,
+                   lo_tok, row, g, qh, s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                   ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
+                   G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, SCALE_KIND: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """One split of the GQA decode over an fp8 cache in words (see _gqa_f8w_tile): the cache
+    strides are in 4-byte words; D and DV powers of two; writes m, l and acc like the split kernel."""
+    w = tl.arange(0, D // 4)
+    wv = tl.arange(0, DV // 4)
+    gm = g[:, None] < G
+    qb = q_ptr + b * s_qb + qh[:, None] * s_qh + 4 * w[None, :]
+    q0 = tl.load(qb, mask=gm, other=0.0).to(tl.float16)
+    q1 = tl.load(qb + 1, mask=gm, other=0.0).to(tl.float16)
+    q2 = tl.load(qb + 2, mask=gm, other=0.0).to(tl.float16)
+    q3 = tl.load(qb + 3, mask=gm, other=0.0).to(tl.float16)
+    kw_ptr = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    vw_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    a0 = tl.zeros([BLOCK_G, DV // 4], tl.float32)
+    a1 = tl.zeros([BLOCK_G, DV // 4], tl.float32)
+    a2 = tl.zeros([BLOCK_G, DV // 4], tl.float32)
+    a3 = tl.zeros([BLOCK_G, DV // 4], tl.float32)
+    if INTERPRET:
+        page = first
+        while page < last:
+            m_i, l_i, a0, a1, a2, a3 = _gqa_f8w_tile(
+                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, page, last, n, lo_tok, b, h, kw_ptr, vw_ptr, ks_ptr, vs_ptr,
+                bt_ptr, w, wv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
+                qk_scale, BLOCK_SIZE, PAGES, SCALE_KIND, False)
+            page += PAGES
+    else:
+        for page in range(first, last, PAGES):
+            m_i, l_i, a0, a1, a2, a3 = _gqa_f8w_tile(
+                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, page, last, n, lo_tok, b, h, kw_ptr, vw_ptr, ks_ptr, vs_ptr,
+                bt_ptr, w, wv, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb,
+                qk_scale, BLOCK_SIZE, PAGES, SCALE_KIND, True)
+    if SCALE_KIND == 1:                           # V's per-tensor scale, folded out of P @ V
+        vsc = tl.load(vs_ptr)
+        a0 = a0 * vsc
+        a1 = a1 * vsc
+        a2 = a2 * vsc
+        a3 = a3 * vsc
+    gmask = g < G
+    tl.store(m_ptr + row, m_i, mask=gmask)
+    tl.store(l_ptr + row, l_i, mask=gmask)
+    ab = acc_ptr + row[:, None] * DV + 4 * wv[None, :]
+    tl.store(ab, a0, mask=gmask[:, None])
+    tl.store(ab + 1, a1, mask=gmask[:, None])
+    tl.store(ab + 2, a2, mask=gmask[:, None])
+    tl.store(ab + 3, a3, mask=gmask[:, None])
+
+
 @triton.jit
 def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
@@ -263,14 +393,31 @@ def _gqa_decode_split_kernel(
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
         FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr,
-        SWAP_AB: tl.constexpr = False):
+        SWAP_AB: tl.constexpr = False, F8_WORDS: tl.constexpr = False):
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
     n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE)
-    if sp < used:                                 # other splits write nothing; merge skips them
+    if F8_WORDS:                                  # an fp8 cache read as int32 words: _gqa_f8w_split
+        if sp < used:
+            g = tl.arange(0, BLOCK_G)
+            qh = h * G + g
+            qk_scale = scale
+            if SCALE_KIND == 1:
+                qk_scale = scale * tl.load(ks_ptr)
+            lo_tok = 0
+            if WINDOW > 0:
+                lo_tok = tl.maximum(n - WINDOW, 0)
+            first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
+            last = tl.minimum(sp * pps + pps, n_pages)
+            row = (b * (tl.num_programs(1) * G) + qh) * tl.num_programs(2) + sp
+            _gqa_f8w_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, acc_ptr, m_ptr, l_ptr, b, h, sp, n, first, last,
+                           lo_tok, row, g, qh, s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                           ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
+                           G, BLOCK_G, D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, INTERPRET)
+    elif sp < used:                               # other splits write nothing; merge skips them
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
@@ -637,7 +784,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     fused_merge: bool = False, swap_ab: bool = False) -> torch.Tensor:
+                     fused_merge: bool = False, swap_ab: bool = False, fp8_words: bool = False) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -653,6 +800,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     slower on the H200 at every batch (run 18: 0.69x at batch 1, 32K).
     swap_ab: the tile's update transposed (tokens as the MMAs' M, so Hopper can use wgmma with the
     K / V tiles read from shared memory); the same math, other bits (fixed per model, like num_warps).
+    fp8_words: an fp8 cache (per-tensor or per-token-head scales, power-of-two head dims) read as
+    int32 words of 4 e4m3 bytes, the dots split by byte slot (_gqa_f8w_tile); other bits, fixed per model.
     (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
     slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
@@ -680,16 +829,23 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
     sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
     cnt = _merge_counters(q.device, b * hkv) if fused_merge else m    # any pointer when not fused
+    kst, vst = cache.k.stride()[:3], cache.v.stride()[:3]
+    if fp8_words:
+        if not (fmt.is_fp8 and _bf16_dots(q)) or (kind == _SCALE_BLOCK and fmt.group < max(d, dv)) \
+                or d != _pow2(d) or dv != _pow2(dv) or swap_ab or any(x % 4 for x in (*kst, *vst)):
+            raise ConfigError("paged decode (triton): fp8_words needs an fp8 cache with per-tensor or per-token-head "
+                              "scales, bf16 queries, power-of-two head dims and word-aligned strides (not swap_ab)")
+        kst, vst = tuple(x // 4 for x in kst), tuple(x // 4 for x in vst)
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
         q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt,
-        q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
+        q.stride(0), q.stride(1), *kst, *vst,
         *sk[:3], *sv[:3], block_tables.stride(0), float(scale), pages_min, out.stride(0), out.stride(1),
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
         FUSED_MERGE=fused_merge, **_merge_blocks(max_splits, dv), num_warps=num_warps, num_stages=num_stages,
-        SWAP_AB=swap_ab, **pdl_launch(q))
+        SWAP_AB=swap_ab, F8_WORDS=fp8_words, **pdl_launch(q))
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
