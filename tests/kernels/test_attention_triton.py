@@ -307,7 +307,8 @@ def test_mla_decode_default_slack_follows_the_cache_format(fmt, slack):
     cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
     assert attention_triton.mla_decode_slack(cache) == slack
     table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
-    write_mla_kv(cache, torch.randn(lens[0], r, generator=g).to(DEVICE), torch.randn(lens[0], p, generator=g).to(DEVICE),
+    write_mla_kv(cache, torch.randn(lens[0], r, generator=g).to(DEVICE),
+                 torch.randn(lens[0], p, generator=g).to(DEVICE),
                  slots_for(table.cpu(), 0, range(lens[0]), BS).to(DEVICE))
     ql = torch.randn(1, h, r, generator=g).to(DEVICE, fmt.dtype)
     qr = torch.randn(1, h, p, generator=g).to(DEVICE, fmt.dtype)

@@ -189,8 +189,8 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
     online-softmax update. SWAP_AB: the same update transposed -- q is q^T [BLOCK_D, BLOCK_G], acc is
     acc^T [BLOCK_DV, BLOCK_G], scores [tokens, heads] = K q^T and acc^T += V^T P^T -- so the tokens
     (64 a step) are the MMAs' M and the K / V tiles their shared-memory A operand (Hopper wgmma
-    needs M >= 64; the G <= 16 heads are N). Several pages per step give each load and dot enough tokens to keep
-    the memory system busy (one 16-token page per step read 36% of copy at batch 1, 32K).
+    needs M >= 64; the G <= 16 heads are N). Several pages per step give each load and dot enough
+    tokens to keep the memory system busy (one 16-token page per step read 36% of copy at batch 1, 32K).
     The caller's page range holds keys (no branch here: a branch in the loop body would stop
     Triton from pipelining the loads across steps). fp8 scales stay out of the dots: per-tensor
     ones are in qk_scale (K) and applied to the output by the caller (V); one scale per token and
@@ -904,8 +904,8 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N, BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=group, NG=ng, BF16_DOT=_bf16_dots(q_latent),
-        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack, mla_decode_slack(cache)), num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES,
-        **pdl_launch(q_latent))
+        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack, mla_decode_slack(cache)), num_warps=MLA_NUM_WARPS,
+        num_stages=MLA_NUM_STAGES, **pdl_launch(q_latent))
     _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                  HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
                                  **_merge_blocks(max_splits, r), **pdl_launch(q_latent))
