@@ -254,6 +254,8 @@ def test_triton_paged_mla_decode_late_max_rescales_some_heads():
     cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
     table = random_block_tables([n], BS, NUM_BLOCKS, g).to(DEVICE)
     ql, qr = torch.randn(1, h, r, generator=g), torch.randn(1, h, p, generator=g)
+    ql[0, 0] *= r ** 0.5 / ql[0, 0].norm()                   # |q_0|^2 = r: token 70 scores r nats for head 0
+    ql[0, 3] = -ql[0, 0]                                      # head 3 scores token 70 lowest: no rescale
     lat = torch.randn(n, r, generator=g)
     lat[70] = 5.0 * ql[0, 0]                                  # token 70: tile 3 of the split
     write_mla_kv(cache, lat.to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
