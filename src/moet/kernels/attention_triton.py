@@ -180,6 +180,29 @@ def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b
 
 
 @triton.jit
+def _split_window(n, sp, pps, n_pages, WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(first key visible, first page, end page) of split sp of a sequence of n tokens: key j is
+    visible iff j > (n - 1) - WINDOW (WINDOW 0: all); pages wholly before the window left out."""
+    lo_tok = 0
+    if WINDOW > 0:
+        lo_tok = tl.maximum(n - WINDOW, 0)
+    return lo_tok, tl.maximum(sp * pps, lo_tok // BLOCK_SIZE), tl.minimum(sp * pps + pps, n_pages)
+
+
+@triton.jit
+def _gqa_step_tokens(page0, last, n, lo_tok, b, bt_ptr, s_btb, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr):
+    """The PAGES * BLOCK_SIZE token slots of one loop step: their cache block, slot in the block,
+    and whether each holds a visible key (inside the split, before n, inside the window)."""
+    t = tl.arange(0, PAGES * BLOCK_SIZE)
+    page = page0 + t // BLOCK_SIZE
+    tok = t % BLOCK_SIZE
+    inside = page < last
+    blk = tl.load(bt_ptr + b * s_btb + page, mask=inside, other=0).to(tl.int64)
+    pos = page * BLOCK_SIZE + tok
+    return blk, tok, inside & (pos < n) & (pos >= lo_tok)
+
+
+@triton.jit
 def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, d, dv,
                      s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, qk_scale,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
@@ -195,13 +218,7 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
     Triton from pipelining the loads across steps). fp8 scales stay out of the dots: per-tensor
     ones are in qk_scale (K) and applied to the output by the caller (V); one scale per token and
     head (group = head dim) multiplies the score columns (K) and P's columns (V)."""
-    t = tl.arange(0, PAGES * BLOCK_SIZE)
-    page = page0 + t // BLOCK_SIZE
-    tok = t % BLOCK_SIZE
-    inside = page < last
-    blk = tl.load(bt_ptr + b * s_btb + page, mask=inside, other=0).to(tl.int64)
-    pos = page * BLOCK_SIZE + tok
-    tmask = inside & (pos < n) & (pos >= lo_tok)
+    blk, tok, tmask = _gqa_step_tokens(page0, last, n, lo_tok, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
     k = _gqa_load_operand(k_ptr, ks_ptr, blk[:, None], tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
                           D, SCALE_KIND, GROUP_K, BF16_DOT, OP_F16)
     if SWAP_AB:     # (not an early return: Triton's frontend rejects a return inside an if)
@@ -293,13 +310,7 @@ def _gqa_f8w_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, page0, last, n, lo_t
     run per byte slot -- q_p @ k_p^T summed for the scores, P @ v_p into acc_p -- with no
     reshape: a word tile goes through shared memory as 32-bit words instead of single bytes
     (sm_90 SASS of the byte tile: 64 LDS.U8 and ~160 register moves a step)."""
-    t = tl.arange(0, PAGES * BLOCK_SIZE)
-    page = page0 + t // BLOCK_SIZE
-    tok = t % BLOCK_SIZE
-    inside = page < last
-    blk = tl.load(bt_ptr + b * s_btb + page, mask=inside, other=0).to(tl.int64)
-    pos = page * BLOCK_SIZE + tok
-    tmask = inside & (pos < n) & (pos >= lo_tok)
+    blk, tok, tmask = _gqa_step_tokens(page0, last, n, lo_tok, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
     kwd = tl.load(kw_ptr + blk[:, None] * s_kb + tok[:, None] * s_kt + h * s_kh + w[None, :],
                   mask=tmask[:, None], other=0)
     k0, k1, k2, k3 = _e4m3_words_f16(kwd, ASM)
@@ -407,11 +418,7 @@ def _gqa_decode_split_kernel(
             qk_scale = scale
             if SCALE_KIND == 1:
                 qk_scale = scale * tl.load(ks_ptr)
-            lo_tok = 0
-            if WINDOW > 0:
-                lo_tok = tl.maximum(n - WINDOW, 0)
-            first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
-            last = tl.minimum(sp * pps + pps, n_pages)
+            lo_tok, first, last = _split_window(n, sp, pps, n_pages, WINDOW, BLOCK_SIZE)
             row = (b * (tl.num_programs(1) * G) + qh) * tl.num_programs(2) + sp
             _gqa_f8w_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, acc_ptr, m_ptr, l_ptr, b, h, sp, n, first, last,
                            lo_tok, row, g, qh, s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
@@ -439,12 +446,7 @@ def _gqa_decode_split_kernel(
             qk_scale = scale * tl.load(ks_ptr)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        lo_tok = 0
-        if WINDOW > 0:
-            lo_tok = tl.maximum(n - WINDOW, 0)     # key j visible iff j > (n - 1) - WINDOW
-        # pages of this split, those wholly before the window left out
-        first = tl.maximum(sp * pps, lo_tok // BLOCK_SIZE)
-        last = tl.minimum(sp * pps + pps, n_pages)
+        lo_tok, first, last = _split_window(n, sp, pps, n_pages, WINDOW, BLOCK_SIZE)
         if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
             page = first
             while page < last:
