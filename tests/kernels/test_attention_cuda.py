@@ -156,13 +156,18 @@ def test_kv_writes_at_real_shapes_equal_torch_bytes(fmt):
 def test_forward_paged_on_cuda_equals_contiguous(family, dtype, tol):
     """The model on the GPU (Triton path): a mixed step then decodes. float32: exact fp32 dots;
     bf16: the tensor-core dots against the contiguous bf16 path (bf16 rounding differs, hence
-    the loose bound)."""
+    the loose bound). In bf16 every token routes to all 8 experts: with top-2 that rounding
+    flipped a tiny random model's expert choice on 1-2 steps of 4 (H200: 0.17 and 0.09 against
+    0.013-0.016), which says nothing about the attention this test is for."""
     from moet.checkpoint import open_checkpoint
     from moet.model import load_model
     from moet.model.attention_batch import AttentionBatch
     from moet.testing.tiny_checkpoint import VOCAB, cached_checkpoint
     g = _gen()
-    model = load_model(open_checkpoint(cached_checkpoint(family)), expert_format="bf16", dtype=dtype, device=DEV)
+    every_expert = {} if dtype == torch.float32 else \
+        dict(num_experts_per_tok=8, **(dict(n_group=1, topk_group=1) if family == "deepseek_v3" else {}))
+    model = load_model(open_checkpoint(cached_checkpoint(family, **every_expert)), expert_format="bf16", dtype=dtype,
+                       device=DEV)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g).to(DEV) for n in (40, 9)]
     want = []
     with torch.no_grad():
@@ -183,9 +188,4 @@ def test_forward_paged_on_cuda_equals_contiguous(family, dtype, tol):
             errs.append(_rel(logits, ref))
             for b, n in step:
                 done[b] += n
-    if dtype == torch.float32:
-        assert max(errs) < tol, errs
-    else:   # bf16 rounding can flip a tiny random model's top-k expert on one step (seen on the
-        # H200: one step of four at 0.17, the others at 0.013-0.016), so the median step must agree
-        # to tol and no step may be off by more than a flipped expert explains
-        assert sorted(errs)[len(errs) // 2] < tol and max(errs) < 0.3, errs
+    assert max(errs) < tol, errs

@@ -99,32 +99,43 @@ def test_loop_steps_and_query_dtypes_match_reference(fmt, lens, hq, hkv, d, wind
 @pytest.mark.parametrize("fmt,lens,window,split,tile", [
     (KVFormat("fp8_e4m3", "tensor"), [1, BS + 1, 6 * BS + 2], None, 4 * BS, 64),
     (KVFormat("fp8_e4m3", "tensor"), [13 * BS + 7, 9], 2 * BS + 5, 3 * BS, 32),        # window, 32-token steps
-    (KVFormat("fp8_e4m3", "block", group=32), [BS + 3, 7 * BS], None, 3 * BS, 64),      # one scale per token-head
+    (KVFormat("fp8_e4m3", "block", group=64), [BS + 3, 7 * BS], None, 3 * BS, 64),      # one scale per token-head
 ], ids=["tensor", "tensor-window", "token-head"])
 def test_fp8_words_decode_matches_reference(fmt, lens, window, split, tile):
     """fp8_words: the fp8 cache read as int32 words, the dots split by byte slot (q_p . k_p summed,
     P v_p per slot): the reference to the f16 operands' accuracy, and equal to the byte-tile path's
-    result to that accuracy; refused where it does not apply (per-group scales, fp32 queries)."""
+    result to that accuracy; the default wherever it applies (the same bits as fp8_words=True);
+    refused where it does not apply (fp32 queries)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    hq, hkv, d = 8, 2, 32
+    hq, hkv, d = 8, 2, 64
     cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
     q = q.to(torch.bfloat16)
     kw = dict(split_tokens=split, tile_tokens=tile)
     got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, fp8_words=True, **kw)
     want = ref.paged_decode_gqa(q.float().cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
     assert float((got.float().cpu() - want).norm() / want.norm()) < 2e-2
-    base = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, **kw)
+    base = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, fp8_words=False, **kw)
     assert float((got.float() - base.float()).norm() / base.float().norm()) < 2e-2
-    assert torch.equal(got, _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, fp8_words=True, **kw))
+    assert _tri().gqa_fp8_words_applies(q, cache)
+    assert torch.equal(got, _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, **kw))   # the default
     with pytest.raises(ConfigError, match="fp8_words"):
         _tri().paged_decode_gqa(q.float(), cache, table, seq_lens, 0.3, window, fp8_words=True, **kw)
 
 
-def test_fp8_words_refuses_per_group_scales():
+@pytest.mark.parametrize("fmt,d", [(KVFormat("fp8_e4m3", "block", group=8), 64),     # a scale per 8 elements
+                                   (KVFormat("fp8_e4m3", "tensor"), 32),            # byte-slot dots of K = 8 < 16
+                                   (KVFormat("fp8_e4m3", "tensor"), 96)],           # not a power of two
+                         ids=["per-group", "d32", "d96"])
+def test_fp8_words_refused_where_it_does_not_apply(fmt, d):
+    """Refused when asked for, and not the default (the byte tile's bits) where it does not apply."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    cache, table, seq_lens, q = _setup(KVFormat("fp8_e4m3", "block", group=8), [BS + 3], 4, 2, 16, g)
+    cache, table, seq_lens, q = _setup(fmt, [BS + 3], 4, 2, d, g)
+    q = q.to(torch.bfloat16)
+    assert not _tri().gqa_fp8_words_applies(q, cache)
     with pytest.raises(ConfigError, match="fp8_words"):
-        _tri().paged_decode_gqa(q.to(torch.bfloat16), cache, table, seq_lens, 0.3, fp8_words=True)
+        _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, fp8_words=True)
+    assert torch.equal(_tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3),
+                       _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, fp8_words=False))
 
 
 def test_launch_table_picks_per_device_format_and_batch(monkeypatch):
@@ -217,8 +228,10 @@ MLA_CASES = [
 ]
 
 
+@pytest.mark.parametrize("heads_m", [False, True], ids=["tokens-M", "heads-M"])
 @pytest.mark.parametrize("fmt,lens,h,split,block_h", MLA_CASES)
-def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split, block_h):
+def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split, block_h, heads_m):
+    """Both tile forms (heads_m: the heads as the MMAs' M) against the reference."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     r, p = 32, 16
     cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
@@ -235,14 +248,15 @@ def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split, block_h)
     if fmt.is_fp8 and not fmt.block_scaled:
         cpu.latent_scale.copy_(cache.latent_scale.cpu())
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), cpu, table.cpu(), seq_lens.cpu(), 0.2)
-    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split, block_h=block_h)
+    kw = dict(split_tokens=split, block_h=block_h, heads_m=heads_m)
+    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
-    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=split,
-                                                    block_h=block_h))
+    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw))
 
 
 
-def test_triton_paged_mla_decode_late_max_rescales_some_heads():
+@pytest.mark.parametrize("heads_m", [False, True], ids=["tokens-M", "heads-M"])
+def test_triton_paged_mla_decode_late_max_rescales_some_heads(heads_m):
     """Lazy rescaling in the MLA decode (rescale_slack > 0: the accumulator is rescaled only when a
     tile's max passes the running max by the slack): a key in the third 32-token tile that scores
     >12 nats above the rest for head 0 (and not for every head) makes that tile rescale some heads
@@ -269,7 +283,7 @@ def test_triton_paged_mla_decode_late_max_rescales_some_heads():
     want = ref.paged_decode_mla(ql, qr, cpu, table.cpu(), seq_lens.cpu(), 0.2)
     for slack in (8.0, 1.0, None):
         got = _tri().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, split_tokens=n + 7,
-                                      rescale_slack=slack)
+                                      rescale_slack=slack, heads_m=heads_m)
         torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
     with pytest.raises(ConfigError, match="rescale_slack"):
         _tri().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, rescale_slack=-1.0)
@@ -278,7 +292,8 @@ def test_triton_paged_mla_decode_late_max_rescales_some_heads():
 @pytest.mark.parametrize("fmt", [KVFormat("auto", dtype=torch.bfloat16),
                                  KVFormat("fp8_e4m3", "block", group=16, dtype=torch.bfloat16)],
                          ids=["bf16", "fp8-block"])
-def test_triton_paged_mla_decode_bf16_queries(fmt):
+@pytest.mark.parametrize("heads_m", [False, True], ids=["tokens-M", "heads-M"])
+def test_triton_paged_mla_decode_bf16_queries(fmt, heads_m):
     """Serving dtypes: bf16 queries take the bf16 tensor-core operand path (emulated under the
     interpreter), the tile cast to bf16 once and P cast to bf16; held to bf16 accuracy."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -292,7 +307,7 @@ def test_triton_paged_mla_decode_bf16_queries(fmt):
     qr = torch.randn(len(lens), h, p, generator=g).to(DEVICE, torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(cache), table.cpu(), seq_lens.cpu(), 0.2).float()
-    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32).float().cpu()
+    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32, heads_m=heads_m).float().cpu()
     assert got.dtype == want.dtype and float((got - want).norm() / want.norm()) < 1e-2
 
 @pytest.mark.parametrize("fmt,slack", [(KVFormat("auto", dtype=torch.bfloat16), 8.0),

@@ -117,7 +117,9 @@ def main() -> int:
                 ("swap splits64 s3", 16, False, False, False, dict(swap_ab=True, split_tokens=256, max_splits=64,
                                                                     num_warps=4, num_stages=3)),
                 # fp8 caches read as int32 words, the dots split by byte slot (fp8_words; sm_90 AOT at 5
-                # stages: 568 loop instructions against 785, the 64 LDS.U8 and ~110 moves gone)
+                # stages: 568 loop instructions against 785, the 64 LDS.U8 and ~110 moves gone); the
+                # default for fp8 caches since run 25, so "bytes" is the byte tile it replaced
+                ("bytes", 16, False, False, False, dict(fp8_words=False)),
                 ("f8w", 16, False, False, False, dict(fp8_words=True)),
                 ("f8w s3", 16, False, False, False, dict(fp8_words=True, num_warps=4, num_stages=3)),
                 ("f8w s7", 16, False, False, False, dict(fp8_words=True, num_warps=4, num_stages=7)),

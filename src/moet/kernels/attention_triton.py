@@ -630,6 +630,39 @@ def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_
 
 
 @triton.jit
+def _mla_decode_tile_hm(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                        R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
+                        NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr):
+    """_mla_decode_tile with the heads as the MMAs' M (FlashMLA's form, HEADS_M): scores
+    [BLOCK_H, BLOCK_N] = q_latent @ latent^T + q_rope @ rope^T, acc [BLOCK_H, BLOCK_R] += P @ latent.
+    Both dots can run on Hopper's wgmma with the tile read from shared memory and P from registers
+    (the transposed form's score dot has M = BLOCK_N tokens, too few for wgmma at 32); 8 warps =
+    two warp groups, each holding half of acc's latent columns."""
+    pos = t0 + j
+    tmask = pos < t_end
+    blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    off = (pos % BLOCK_SIZE).to(tl.int64)
+    lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
+                               R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
+    s = (_mma(ql, tl.trans(lat), BF16_DOT) + _mma(qr, tl.trans(rope), BF16_DOT)) * qk_scale   # [BLOCK_H, BLOCK_N]
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    if SLACK > 0:
+        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=1), SLACK, False)
+        pr = tl.exp(s - m_new[:, None])
+        l_i = l_i + tl.sum(pr, axis=1)
+        acc = acc + _mma(pr.to(lat.dtype), lat, BF16_DOT)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        pr = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + _mma(pr.to(lat.dtype), lat, BF16_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK: tl.constexpr, EMPTY_ROWS: tl.constexpr,
                     BF16_DOT: tl.constexpr):
     """The online-softmax step of the transposed MLA tiles (decode and prefill): scores s [keys, rows]
@@ -662,7 +695,8 @@ def _mla_decode_split_kernel(
         H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         MAX_SPLITS: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK):
+        BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK,
+        HEADS_M: tl.constexpr = False):
     pdl_enter(PDL)
     # grid (head blocks, B, splits): the head blocks of one (sequence, split) are adjacent in
     # launch order, so they run together and all but the first read its latent rows from L2
@@ -688,29 +722,49 @@ def _mla_decode_split_kernel(
             qk_scale = scale * tl.load(ls_ptr)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
         t_lo = sp * pps * BLOCK_SIZE
         t_end = tl.minimum(t_lo + pps * BLOCK_SIZE, n)
-        if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
-            t0 = t_lo
-            while t0 < t_end:
-                m_i, l_i, acc = _mla_decode_tile(
-                    ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-                t0 += BLOCK_N
-        else:
-            for t0 in range(t_lo, t_end, BLOCK_N):
-                m_i, l_i, acc = _mla_decode_tile(
-                    ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-        if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
-            acc = acc * tl.load(ls_ptr)
         row = (b * H + hh) * tl.num_programs(2) + sp
+        if HEADS_M:                               # heads as the MMAs' M: acc [BLOCK_H, BLOCK_R]
+            acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+            if INTERPRET:                         # loaded-scalar loop bounds: see prefill_triton.py
+                t0 = t_lo
+                while t0 < t_end:
+                    m_i, l_i, acc = _mla_decode_tile_hm(
+                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
+                    t0 += BLOCK_N
+            else:
+                for t0 in range(t_lo, t_end, BLOCK_N):
+                    m_i, l_i, acc = _mla_decode_tile_hm(
+                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
+            if SCALE_KIND == 1:                   # the values' per-tensor scale, folded out of P @ V
+                acc = acc * tl.load(ls_ptr)
+            tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
+        else:                                     # transposed: acc [BLOCK_R, BLOCK_H]
+            acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+            if INTERPRET:
+                t0 = t_lo
+                while t0 < t_end:
+                    m_i, l_i, acc = _mla_decode_tile(
+                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
+                    t0 += BLOCK_N
+            else:
+                for t0 in range(t_lo, t_end, BLOCK_N):
+                    m_i, l_i, acc = _mla_decode_tile(
+                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
+            if SCALE_KIND == 1:
+                acc = acc * tl.load(ls_ptr)
+            tl.store(acc_ptr + row[None, :] * R + r[:, None], acc, mask=hmask[None, :] & (r[:, None] < R))
         tl.store(m_ptr + row, m_i, mask=hmask)
         tl.store(l_ptr + row, l_i, mask=hmask)
-        tl.store(acc_ptr + row[None, :] * R + r[:, None], acc, mask=hmask[None, :] & (r[:, None] < R))
 
 
 @triton.jit
@@ -781,12 +835,28 @@ def gqa_decode_launch(q: torch.Tensor, cache: GQALayerKV, tile_tokens: int | Non
     return lookup_gqa_decode(_device_name(q.device), key, q.shape[0])
 
 
+F8W_MIN_HEAD_DIM = 64      # a byte slot's dots have K = head_dim / 4, and the GPU's tl.dot needs K >= 16
+
+
+def gqa_fp8_words_applies(q: torch.Tensor, cache: GQALayerKV, swap_ab: bool = False) -> bool:
+    """Whether paged_decode_gqa can read this cache as int32 words (fp8_words): an fp8 cache whose
+    scales are per tensor or per token-head (a group spans the head), bf16 queries, power-of-two
+    head dims of at least F8W_MIN_HEAD_DIM, word-aligned page / token / head strides, not swap_ab."""
+    fmt = cache.fmt
+    d, dv = cache.k.shape[-1], cache.v.shape[-1]
+    strides = (*cache.k.stride()[:3], *cache.v.stride()[:3])
+    return (fmt.is_fp8 and _bf16_dots(q) and not swap_ab
+            and not (fmt.block_scaled and fmt.group < max(d, dv))
+            and all(x == _pow2(x) and x >= F8W_MIN_HEAD_DIM for x in (d, dv))
+            and not any(x % 4 for x in strides))
+
+
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     fused_merge: bool = False, swap_ab: bool = False, fp8_words: bool = False) -> torch.Tensor:
+                     fused_merge: bool = False, swap_ab: bool = False, fp8_words: bool | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -802,8 +872,11 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     slower on the H200 at every batch (run 18: 0.69x at batch 1, 32K).
     swap_ab: the tile's update transposed (tokens as the MMAs' M, so Hopper can use wgmma with the
     K / V tiles read from shared memory); the same math, other bits (fixed per model, like num_warps).
-    fp8_words: an fp8 cache (per-tensor or per-token-head scales, power-of-two head dims) read as
-    int32 words of 4 e4m3 bytes, the dots split by byte slot (_gqa_f8w_tile); other bits, fixed per model.
+    fp8_words: an fp8 cache read as int32 words of 4 e4m3 bytes, the dots split by byte slot
+    (_gqa_f8w_tile); other bits than the byte tile. None (default): wherever it applies
+    (gqa_fp8_words_applies: a property of the model's shapes and KV format, never of the batch, so
+    batch invariance holds); the H200 measured it +1% / +8% / +12% at batch 1 / 8 / 32 (32K, run 25).
+    True: refused (ConfigError) where it does not apply; False: the byte tile.
     (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
     slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
@@ -832,11 +905,13 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
     cnt = _merge_counters(q.device, b * hkv) if fused_merge else m    # any pointer when not fused
     kst, vst = cache.k.stride()[:3], cache.v.stride()[:3]
+    applies = gqa_fp8_words_applies(q, cache, swap_ab)
+    if fp8_words and not applies:
+        raise ConfigError("paged decode (triton): fp8_words needs an fp8 cache with per-tensor or per-token-head "
+                          f"scales, bf16 queries, power-of-two head dims >= {F8W_MIN_HEAD_DIM} and word-aligned "
+                          "strides (not swap_ab)")
+    fp8_words = applies if fp8_words is None else fp8_words
     if fp8_words:
-        if not (fmt.is_fp8 and _bf16_dots(q)) or (kind == _SCALE_BLOCK and fmt.group < max(d, dv)) \
-                or d != _pow2(d) or dv != _pow2(dv) or swap_ab or any(x % 4 for x in (*kst, *vst)):
-            raise ConfigError("paged decode (triton): fp8_words needs an fp8 cache with per-tensor or per-token-head "
-                              "scales, bf16 queries, power-of-two head dims and word-aligned strides (not swap_ab)")
         kst, vst = tuple(x // 4 for x in kst), tuple(x // 4 for x in vst)
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
         q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt,
@@ -870,12 +945,16 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      block_h: int | None = None, out: torch.Tensor | None = None,
-                     rescale_slack: float | None = None) -> torch.Tensor:
+                     rescale_slack: float | None = None, heads_m: bool = False, block_n: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa).
     block_h: heads per program (default MLA_BLOCK_H, at most the heads rounded up to a power of
     two); like the splits it must be fixed per model (the dot shapes change the last bits).
     rescale_slack: unless given, MLA_DECODE_BF16_SLACK over a bf16 cache, else RESCALE_SLACK (0: the
-    eager online softmax)."""
+    eager online softmax).
+    heads_m: the heads as the MMAs' M (_mla_decode_tile_hm: both dots on wgmma on Hopper) instead
+    of the transposed tile; other bits, fixed per model. block_n (tokens a step, default
+    MLA_BLOCK_N), num_warps / num_stages (default MLA_NUM_WARPS / MLA_NUM_STAGES): the launch."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     b, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -894,6 +973,9 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     block_h = min(block_h or MLA_BLOCK_H, _pow2(h))
     if block_h < 16 or block_h & (block_h - 1):
         raise ConfigError(f"paged decode mla (triton): block_h must be a power of two >= 16, got {block_h}")
+    block_n = block_n or MLA_BLOCK_N
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ConfigError(f"paged decode mla (triton): block_n must be a power of two >= 16, got {block_n}")
     acc = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_latent.device)
     m = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_latent.device)
     l_ = torch.empty_like(m)
@@ -904,10 +986,10 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, seq_lens, acc, m, l_,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
-        H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N, BLOCK_SIZE=bs,
+        H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=block_n, BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=group, NG=ng, BF16_DOT=_bf16_dots(q_latent),
-        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack, mla_decode_slack(cache)), num_warps=MLA_NUM_WARPS,
-        num_stages=MLA_NUM_STAGES, **pdl_launch(q_latent))
+        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack, mla_decode_slack(cache)), HEADS_M=heads_m,
+        num_warps=num_warps or MLA_NUM_WARPS, num_stages=num_stages or MLA_NUM_STAGES, **pdl_launch(q_latent))
     _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                  HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
                                  **_merge_blocks(max_splits, r), **pdl_launch(q_latent))
