@@ -40,7 +40,7 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
         const = {"PDL": False, **const}
     if "FUSED_MERGE" in fn.arg_names:    # the two-launch decode unless asked (aot_compile_small.py)
         const = {"FUSED_MERGE": False, **const}
-    for flag in ("SWAP_AB", "F8_WORDS"):  # the GQA decode's default forms unless asked
+    for flag in ("SWAP_AB", "F8_WORDS", "HEADS_M"):  # the decodes' default forms unless asked
         if flag in fn.arg_names:
             const = {flag: False, **const}
     if "SLACK" in fn.arg_names:          # the lazy-rescale slack the launchers pass by default
@@ -166,12 +166,24 @@ def main() -> None:
                      BLOCK_SIZE=16, MAX_SPLITS=32, SCALE_KIND=kind, GROUP=128, NG=4, BF16_DOT=True, INTERPRET=False)
         types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
                      bt_ptr="*i32", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
-        # the launch options paged_decode_mla uses (warps, stages: shared memory and registers)
+        # the launch options paged_decode_mla uses (warps, stages: shared memory and registers): the
+        # transposed tile (devices with less shared memory, fp8 per tensor) and, for the bf16 and
+        # fp8-block caches, the heads-as-M 64-token form (mla_decode_form), all wgmma
         c = _compile(at._mla_decode_split_kernel, types, const,
                      dict(num_warps=at.MLA_NUM_WARPS, num_stages=at.MLA_NUM_STAGES))
         # the H200's 227 KB of shared memory per block: over it the launch fails on the GPU only
         assert c.metadata.shared <= 227 * 1024, f"mla decode needs {c.metadata.shared} B of shared memory"
         print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]), "smem", c.metadata.shared)
+        if kind != 1:
+            hm = dict(const, BLOCK_N=at.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
+            c = _compile(at._mla_decode_split_kernel, types, hm, dict(num_warps=at.MLA_NUM_WARPS,
+                                                                      num_stages=at.MLA_NUM_STAGES),
+                         div16=("s_qlb", "s_qlh", "s_qrb", "s_qrh", "s_lb", "s_lt", "s_btb", "pages_min"))
+            r = sass_report(c)
+            assert at.MLA_HM_MIN_SHARED >= c.metadata.shared, (c.metadata.shared, at.MLA_HM_MIN_SHARED)
+            assert r["loop_hist"].get("HGMMA.64", 0) > 0 and not any(o.startswith("HMMA") for o in r["loop_hist"]), r
+            print("mla heads-M", lat, "scale kind", kind, "smem", c.metadata.shared, "loop instrs", r["loop_instrs"],
+                  "HGMMA", r["loop_hist"].get("HGMMA.64"), "spill ops", r["spill_ops"])
         # MLA prefill/extend, same shapes: 64 heads x 1 query token per program, the decode's launch
         const = dict(H=128, BLOCK_H=at.MLA_BLOCK_H, BLOCK_M=1, R=512, BLOCK_R=512, P=64, BLOCK_P=64,
                      BLOCK_N=at.MLA_BLOCK_N, BLOCK_SIZE=16, SCALE_KIND=kind, GROUP=128, NG=4, INTERPRET=False,

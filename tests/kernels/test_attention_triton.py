@@ -310,28 +310,40 @@ def test_triton_paged_mla_decode_bf16_queries(fmt, heads_m):
     got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32, heads_m=heads_m).float().cpu()
     assert got.dtype == want.dtype and float((got - want).norm() / want.norm()) < 1e-2
 
-@pytest.mark.parametrize("fmt,slack", [(KVFormat("auto", dtype=torch.bfloat16), 8.0),
-                                       (KVFormat("fp8_e4m3", "block", group=16, dtype=torch.bfloat16), 0.0),
-                                       (KVFormat("fp8_e4m3", dtype=torch.bfloat16), 0.0),
-                                       (KVFormat("auto", dtype=torch.float32), 0.0)],
-                         ids=["bf16-lazy", "fp8-block-eager", "fp8-tensor-eager", "fp32-eager"])
-def test_mla_decode_default_slack_follows_the_cache_format(fmt, slack):
-    """The MLA decode compiles lazy rescaling in by default only over a bf16 cache (where it won on
-    the H200, run 23); the default launch is bit-identical to that slack given explicitly."""
+@pytest.mark.parametrize("fmt,qdtype,form", [
+    (KVFormat("auto", dtype=torch.bfloat16), torch.bfloat16, (True, 64, 0.0)),
+    (KVFormat("fp8_e4m3", "block", group=16, dtype=torch.bfloat16), torch.bfloat16, (True, 64, 0.0)),
+    (KVFormat("fp8_e4m3", dtype=torch.bfloat16), torch.bfloat16, (False, 32, 0.0)),
+    (KVFormat("auto", dtype=torch.bfloat16), torch.float32, (False, 32, 8.0)),
+    (KVFormat("auto", dtype=torch.float32), torch.float32, (False, 32, 0.0))],
+    ids=["bf16", "fp8-block", "fp8-tensor", "bf16-cache-fp32-q", "fp32"])
+def test_mla_decode_default_form_follows_queries_and_cache_format(fmt, qdtype, form):
+    """The MLA decode's default form (mla_decode_form): the heads-as-M 64-token eager tile for bf16
+    queries over bf16 and fp8-block caches (where it won on the H200, run 25), the transposed
+    32-token tile otherwise (lazy over a bf16 cache, run 23); a function of the query dtype, cache
+    format and device only (batch invariance); the default launch is bit-identical to that form
+    given explicitly, and another form changes the bits no more than rounding."""
     from moet.kernels import attention_triton
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    r, p, h, lens = 32, 16, 4, [2 * BS + 3]
+    r, p, h, lens = 32, 16, 4, [5 * BS + 3]
     cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
-    assert attention_triton.mla_decode_slack(cache) == slack
     table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
     write_mla_kv(cache, torch.randn(lens[0], r, generator=g).to(DEVICE),
                  torch.randn(lens[0], p, generator=g).to(DEVICE),
                  slots_for(table.cpu(), 0, range(lens[0]), BS).to(DEVICE))
-    ql = torch.randn(1, h, r, generator=g).to(DEVICE, fmt.dtype)
-    qr = torch.randn(1, h, p, generator=g).to(DEVICE, fmt.dtype)
+    ql = torch.randn(1, h, r, generator=g).to(DEVICE, qdtype)
+    qr = torch.randn(1, h, p, generator=g).to(DEVICE, qdtype)
+    if DEVICE == "cpu" or torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 222 * 1024:
+        assert tuple(attention_triton.mla_decode_form(ql, cache)) == form
+    heads_m, block_n, slack = attention_triton.mla_decode_form(ql, cache)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2)
-    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, rescale_slack=slack))
+    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, heads_m=heads_m,
+                                                    block_n=block_n, rescale_slack=slack))
+    other = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, heads_m=not heads_m, block_n=32,
+                                    rescale_slack=0.0)
+    tol = 1e-2 if qdtype == torch.bfloat16 else 1e-5
+    assert float((other.float() - got.float()).norm() / got.float().norm()) < tol
 
 
 def test_padded_table_width_changes_nothing():

@@ -1,11 +1,17 @@
 """The paged MLA decode's tile forms and launches on the GPU (issue 5's MLA rows: compute-bound at
 DeepSeek-V3's 128 heads, ~142 TFLOP/s at batch 32 = ~18% of the bf16 MMA rate, run 23).
 
-  base        the launcher's defaults: the transposed tile (tokens as the MMAs' M, 32 tokens a
-              step, so the score dot is mma.sync and only P @ latent runs on wgmma), 8 warps, 2 stages
+  base        the launcher's defaults (mla_decode_form; since run 25 = "hm eager n64" for bf16 and
+              fp8-block caches)
+  t32, t64    the transposed tile (tokens as the MMAs' M, so at 32 tokens a step the score dot is
+              mma.sync and only P @ latent runs on wgmma), 8 warps, 2 stages; lazy = slack 8
   hm*         heads_m=True: the heads as M (FlashMLA's form; sm_90 AOT: 74 HGMMA a step, no HMMA),
               with the eager online softmax (slack 0: 230 registers, no spills) or lazy (spills)
   n16/n64     16 / 64 tokens a step; s3: 3 cp.async stages
+(Run 25's first call named the then-default "base" = today's "t32 lazy" (bf16) / "t32 eager" (fp8-block),
+and "base n64" = "t64 lazy" / "t64".)
+(Run 25b also timed "g4": fp8_ds_mla read as one dot per scale group with the scales on the scores
+and P instead of the tile; slower in every case, removed: docs/perf.md, attention "Run 25".)
 
 DeepSeek-V3 absorbed heads (128 heads, latent 512 + rope 64), bf16 queries, pages of 16, bf16 and
 fp8_ds_mla (fp8-block) caches of random values, a random block table. Batch 1 outputs are checked
@@ -27,15 +33,19 @@ BS = 16
 H, R, P = 128, 512, 64
 
 VARIANTS = [
-    ("base", {}),
-    ("base s3", dict(num_stages=3)),
-    ("base n64", dict(block_n=64)),
-    ("hm", dict(heads_m=True)),
-    ("hm eager", dict(heads_m=True, rescale_slack=0.0)),
-    ("hm eager s3", dict(heads_m=True, rescale_slack=0.0, num_stages=3)),
+    ("base", {}),                                            # the launcher's default (mla_decode_form)
+    ("t32 lazy", dict(heads_m=False, block_n=32, rescale_slack=8.0)),   # run 23's bf16 default
+    ("t32 eager", dict(heads_m=False, block_n=32, rescale_slack=0.0)),  # run 23's fp8-block default
+    ("t32 s3", dict(heads_m=False, block_n=32, num_stages=3)),
+    ("t64", dict(heads_m=False, block_n=64)),
+    ("t64 lazy", dict(heads_m=False, block_n=64, rescale_slack=8.0)),
+    ("hm", dict(heads_m=True, block_n=32, rescale_slack=8.0)),
+    ("hm eager", dict(heads_m=True, block_n=32, rescale_slack=0.0)),
+    ("hm eager s3", dict(heads_m=True, block_n=32, rescale_slack=0.0, num_stages=3)),
     ("hm eager n16", dict(heads_m=True, rescale_slack=0.0, block_n=16)),
     ("hm eager n16 s4", dict(heads_m=True, rescale_slack=0.0, block_n=16, num_stages=4)),
     ("hm eager n64", dict(heads_m=True, rescale_slack=0.0, block_n=64)),
+    ("hm n64", dict(heads_m=True, block_n=64, rescale_slack=8.0)),
 ]
 
 

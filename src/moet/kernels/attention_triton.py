@@ -54,6 +54,7 @@ fp8_ds_mla: MLA decode at 128 heads is compute-bound, its useful figure is TFLOP
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -64,6 +65,7 @@ from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_sh
 from moet.kernels.grid_sync import COUNTERS, acquired, device_counters, signal
 from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 from moet.kernels.launch_tables import device_name as _device_name
+from moet.kernels.launch_tables import device_shared_memory
 from moet.kernels.pdl import pdl_enter, pdl_launch
 
 _SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
@@ -96,9 +98,17 @@ GQA_TILE_TOKENS = 64
 # current step's math, lost on every setting and was removed. Raw:
 # tools/kernel_lab/run10_h200_2026-12-01/attn.)
 # MLA decode tiling (see _mla_decode_split_kernel): heads per program, tokens per tile, and the
-# launch shape; chosen from sm_90 AOT register / shared-memory counts (tests/kernels/aot_compile.py)
+# launch shape; chosen from sm_90 AOT register / shared-memory counts (tests/kernels/aot_compile.py).
+# MLA_BLOCK_N is the transposed form's step (and the MLA prefill's); the decode's default form
+# (mla_decode_form) is the heads-as-M tile over MLA_HM_BLOCK_N tokens with the eager softmax:
+# H200 run 25 (32K, DeepSeek-V3 heads) +22-25% over the transposed 32-token form on a bf16 cache,
+# +36-39% on fp8_ds_mla, at batch 1 / 8 / 32. It needs ~217 KiB of shared memory (the queries and
+# one 64-token tile), so devices with less (A100 163 KiB, sm_86 / sm_89 99 KiB) and fp32 queries
+# keep the transposed form (~112 KiB at 2 stages); so does the per-tensor fp8 cache, not timed in it.
 MLA_BLOCK_H = 64
 MLA_BLOCK_N = 32
+MLA_HM_BLOCK_N = 64
+MLA_HM_MIN_SHARED = 222 * 1024
 MLA_NUM_WARPS = 8
 MLA_NUM_STAGES = 2
 # lazy online-softmax rescaling (the MLA decode and prefill, the GQA prefill; FlashAttention-4's
@@ -744,6 +754,8 @@ def _mla_decode_split_kernel(
             if SCALE_KIND == 1:                   # the values' per-tensor scale, folded out of P @ V
                 acc = acc * tl.load(ls_ptr)
             tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
+            tl.store(m_ptr + row, m_i, mask=hmask)
+            tl.store(l_ptr + row, l_i, mask=hmask)
         else:                                     # transposed: acc [BLOCK_R, BLOCK_H]
             acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
             if INTERPRET:
@@ -763,8 +775,8 @@ def _mla_decode_split_kernel(
             if SCALE_KIND == 1:
                 acc = acc * tl.load(ls_ptr)
             tl.store(acc_ptr + row[None, :] * R + r[:, None], acc, mask=hmask[None, :] & (r[:, None] < R))
-        tl.store(m_ptr + row, m_i, mask=hmask)
-        tl.store(l_ptr + row, l_i, mask=hmask)
+            tl.store(m_ptr + row, m_i, mask=hmask)
+            tl.store(l_ptr + row, l_i, mask=hmask)
 
 
 @triton.jit
@@ -792,9 +804,22 @@ def _slack(rescale_slack: float | None, default: float = RESCALE_SLACK) -> float
     return v
 
 
-def mla_decode_slack(cache: MLALayerKV) -> float:
-    """The MLA decode's default rescale slack for this cache (see MLA_DECODE_BF16_SLACK)."""
-    return MLA_DECODE_BF16_SLACK if cache.latent.dtype == torch.bfloat16 else RESCALE_SLACK
+class MLADecodeForm(NamedTuple):
+    heads_m: bool         # the heads-as-M tile (else the transposed one)
+    block_n: int          # tokens a loop step
+    slack: float          # the lazy-rescale slack (0: eager)
+
+
+def mla_decode_form(q_latent: torch.Tensor, cache: MLALayerKV) -> MLADecodeForm:
+    """The MLA decode's default form for these queries, this cache and device (see MLA_HM_BLOCK_N):
+    a function of the query dtype, the cache format and the device, never of the batch, so a
+    model's bits do not depend on the batch. The interpreter takes the GPU's form."""
+    fmt = cache.fmt
+    roomy = _INTERPRET or device_shared_memory(q_latent.device) >= MLA_HM_MIN_SHARED
+    if roomy and _bf16_dots(q_latent) and not (fmt.is_fp8 and not fmt.block_scaled):
+        return MLADecodeForm(True, MLA_HM_BLOCK_N, RESCALE_SLACK)
+    bf16_cache = cache.latent.dtype == torch.bfloat16
+    return MLADecodeForm(False, MLA_BLOCK_N, MLA_DECODE_BF16_SLACK if bf16_cache else RESCALE_SLACK)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -945,16 +970,16 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      block_h: int | None = None, out: torch.Tensor | None = None,
-                     rescale_slack: float | None = None, heads_m: bool = False, block_n: int | None = None,
+                     rescale_slack: float | None = None, heads_m: bool | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa).
     block_h: heads per program (default MLA_BLOCK_H, at most the heads rounded up to a power of
     two); like the splits it must be fixed per model (the dot shapes change the last bits).
-    rescale_slack: unless given, MLA_DECODE_BF16_SLACK over a bf16 cache, else RESCALE_SLACK (0: the
-    eager online softmax).
-    heads_m: the heads as the MMAs' M (_mla_decode_tile_hm: both dots on wgmma on Hopper) instead
-    of the transposed tile; other bits, fixed per model. block_n (tokens a step, default
-    MLA_BLOCK_N), num_warps / num_stages (default MLA_NUM_WARPS / MLA_NUM_STAGES): the launch."""
+    heads_m: the heads as the MMAs' M (_mla_decode_tile_hm: both dots on wgmma on Hopper) or the
+    transposed tile; block_n: tokens a step; rescale_slack: the lazy rescale's slack (0: the eager
+    online softmax). Each defaults to mla_decode_form (heads_m, 64 tokens, eager where the device
+    has the shared memory); like block_h they change the last bits and are fixed per model.
+    num_warps / num_stages (default MLA_NUM_WARPS / MLA_NUM_STAGES): the launch."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     b, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -969,11 +994,14 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     if kind == _SCALE_BLOCK and (group & (group - 1) or ng * group != block_r):
         raise ConfigError(f"paged decode mla (triton): an fp8-block cache needs a power-of-two kv_lora_rank and "
                           f"scale group, got {r} and {group}")
+    form = mla_decode_form(q_latent, cache)
+    slack = _slack(rescale_slack, form.slack)
+    heads_m = form.heads_m if heads_m is None else heads_m
     pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits)
     block_h = min(block_h or MLA_BLOCK_H, _pow2(h))
     if block_h < 16 or block_h & (block_h - 1):
         raise ConfigError(f"paged decode mla (triton): block_h must be a power of two >= 16, got {block_h}")
-    block_n = block_n or MLA_BLOCK_N
+    block_n = block_n or (form.block_n if heads_m == form.heads_m else MLA_HM_BLOCK_N if heads_m else MLA_BLOCK_N)
     if block_n < 16 or block_n & (block_n - 1):
         raise ConfigError(f"paged decode mla (triton): block_n must be a power of two >= 16, got {block_n}")
     acc = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_latent.device)
@@ -988,7 +1016,7 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=block_n, BLOCK_SIZE=bs,
         MAX_SPLITS=max_splits, SCALE_KIND=kind, GROUP=group, NG=ng, BF16_DOT=_bf16_dots(q_latent),
-        INTERPRET=_INTERPRET, SLACK=_slack(rescale_slack, mla_decode_slack(cache)), HEADS_M=heads_m,
+        INTERPRET=_INTERPRET, SLACK=slack, HEADS_M=heads_m,
         num_warps=num_warps or MLA_NUM_WARPS, num_stages=num_stages or MLA_NUM_STAGES, **pdl_launch(q_latent))
     _merge_splits_kernel[(b, h)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                  HQ=h, DV=r, BLOCK_DV=_pow2(r), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,

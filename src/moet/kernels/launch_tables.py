@@ -19,6 +19,16 @@ def read_table(path: str) -> dict:
 
 
 @lru_cache(maxsize=None)
+def device_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one CUDA block may opt into (H100 / H200: 227 KiB, A100: 163 KiB,
+    sm_86 / sm_89: 99 KiB); 0 for other devices."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+
+
+@lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
     """torch's name of a CUDA device ("NVIDIA H200"), else the device type ("cpu")."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
