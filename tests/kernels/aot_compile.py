@@ -194,6 +194,16 @@ def main() -> None:
                      dict(num_warps=at.MLA_NUM_WARPS, num_stages=at.MLA_NUM_STAGES))
         assert c.metadata.shared <= 227 * 1024, f"mla prefill needs {c.metadata.shared} B of shared memory"
         print("mla prefill", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        if kind != 1:                    # the rows-as-M 64-key form, the default where the decode's is
+            hm = dict(const, BLOCK_N=at.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
+            c = _compile(mp._mla_prefill_kernel, types, hm, dict(num_warps=at.MLA_NUM_WARPS,
+                                                                 num_stages=at.MLA_NUM_STAGES),
+                         div16=("s_qlt", "s_qlh", "s_qrt", "s_qrh", "s_lb", "s_lt", "s_btb", "s_ot", "s_oh"))
+            r = sass_report(c)
+            assert at.MLA_HM_MIN_SHARED >= c.metadata.shared, (c.metadata.shared, at.MLA_HM_MIN_SHARED)
+            assert r["loop_hist"].get("HGMMA.64", 0) > 0 and not any(o.startswith("HMMA") for o in r["loop_hist"]), r
+            print("mla prefill heads-M", lat, "scale kind", kind, "smem", c.metadata.shared, "loop instrs",
+                  r["loop_instrs"], "spill ops", r["spill_ops"])
         # KV write of one part (a GQA head row of 128 / the MLA latent of 512), bf16 source
         dst = "*bf16" if kind == 0 else "*fp8e4nv"
         const = dict(C=128, CHUNK=128, BLOCK=128, KIND=kind, OUT=1 if kind == 0 else 0)

@@ -248,7 +248,7 @@ def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split, block_h,
     if fmt.is_fp8 and not fmt.block_scaled:
         cpu.latent_scale.copy_(cache.latent_scale.cpu())
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), cpu, table.cpu(), seq_lens.cpu(), 0.2)
-    kw = dict(split_tokens=split, block_h=block_h, heads_m=heads_m)
+    kw = dict(split_tokens=split, block_h=block_h, heads_m=heads_m, block_n=16 if heads_m else None)
     got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
     assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw))

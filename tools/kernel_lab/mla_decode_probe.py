@@ -77,6 +77,57 @@ def make_cache(fmt, nb: int, seed: int):
     return cache
 
 
+PREFILL_VARIANTS = [
+    ("prefill t32", {}),                                     # the launcher's default: transposed, 32 keys a step
+    ("prefill hm n64", dict(heads_m=True)),
+    ("prefill hm n32", dict(heads_m=True, block_n=32)),
+]
+
+
+def prefill(args, fmts, scale, t0) -> list[dict]:
+    """paged_prefill_mla over one causal prompt of args.prefill tokens (no cached context):
+    TFLOP/s of the absorbed form, 2 * H * (2R + P) per (query, key <= query) pair."""
+    from moet.kernels import mla_prefill_triton as mp
+    from moet.kernels.attention_reference import paged_decode_mla as ref_decode
+    n = args.prefill
+    pages = -(-n // BS)
+    table = torch.randperm(pages, device="cuda").view(1, pages).to(torch.int32)
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    flop = 2.0 * H * (2 * R + P) * n * (n + 1) / 2
+    recs = []
+    for fname, fmt in fmts:
+        cache = make_cache(fmt, pages, 4321)
+        ql = torch.randn(n, H, R, device="cuda", dtype=torch.bfloat16)
+        qr = torch.randn(n, H, P, device="cuda", dtype=torch.bfloat16)
+        rows = torch.randperm(n, device="cuda")[:64]            # the reference on 64 query rows
+        want = None
+        for name, kw in PREFILL_VARIANTS:
+            run = lambda: mp.paged_prefill_mla(ql, qr, cache, table, cu, lens, scale, max_seqlen_q=n, **kw)
+            try:
+                got = run()
+                torch.cuda.synchronize()
+                ms = time_ms(run)
+            except Exception as exc:
+                print(f"{fname} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                recs.append(dict(kv=fname, variant=name, kwargs=kw, error=str(exc)[:500]))
+                continue
+            if want is None:                # row t of the prompt = a decode over its first t + 1 keys
+                want = torch.cat([ref_decode(ql[t:t + 1].float(), qr[t:t + 1].float(), cache, table,
+                                             torch.tensor([t + 1], dtype=torch.int32, device="cuda"), scale)
+                                  for t in rows.tolist()]).float()
+            err = float((got[rows].float() - want).norm() / want.norm()) if want is not None else None
+            same = bool(torch.equal(run(), got))
+            r = dict(kv=fname, variant=name, kwargs=kw, tokens=n, ms=ms, tflops=flop / ms / 1e9,
+                     rel_err_vs_reference=err, rerun_identical=same)
+            recs.append(r)
+            print(f"[{time.time() - t0:5.0f}s] prefill {n} {fname} {name}: {ms:.2f} ms, {r['tflops']:.1f} TFLOP/s"
+                  + (f", relerr {err:.1e}" if err is not None else "") + f", rerun identical {same}", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    return recs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -84,6 +135,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--kv", default="bf16,fp8-block")
     ap.add_argument("--only", default="", help="comma-separated variant names")
+    ap.add_argument("--prefill", type=int, default=0, help="also time paged_prefill_mla on one prompt of this "
+                                                           "many tokens, PREFILL_VARIANTS")
     args = ap.parse_args()
     from moet.kernels import attention_triton as at
     from moet.kernels.attention_reference import paged_decode_mla as ref_decode
@@ -95,7 +148,7 @@ def main() -> int:
     variants = [v for v in VARIANTS if not args.only or v[0] in args.only.split(",")]
     scale = 1.0 / (R + P) ** 0.5
     recs, t0 = [], time.time()
-    for batch in [int(x) for x in args.batches.split(",")]:
+    for batch in [int(x) for x in args.batches.split(",") if x]:
         pages = args.ctx // BS
         nb = batch * pages + 1
         lens = torch.full((batch,), args.ctx, dtype=torch.int32, device="cuda")
@@ -131,13 +184,15 @@ def main() -> int:
                       + f", rerun identical {same}", flush=True)
             del cache
             torch.cuda.empty_cache()
+    if args.prefill:
+        recs += prefill(args, fmts, scale, t0)
     with open(os.path.join(args.out, "mla_decode_probe.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, ctx=args.ctx,
                        date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), records=recs), f, indent=1)
-    keys = sorted({(r["batch"], r["kv"]) for r in recs})
+    keys = sorted({(r["batch"], r["kv"]) for r in recs if "batch" in r})
     lines = ["| variant | " + " | ".join(f"b{b} {k}" for b, k in keys) + " |", "|---|" + "---|" * len(keys)]
     for name, _ in variants:
-        row = {(r["batch"], r["kv"]): r.get("tflops", 0) for r in recs if r["variant"] == name}
+        row = {(r["batch"], r["kv"]): r.get("tflops", 0) for r in recs if r["variant"] == name and "batch" in r}
         lines.append(f"| {name} | " + " | ".join(f"{row.get(k, 0):.1f}" for k in keys) + " |")
     md = "TFLOP/s\n" + "\n".join(lines)
     print(md)

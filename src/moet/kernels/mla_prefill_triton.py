@@ -10,11 +10,13 @@ BLOCK_H heads (default 64, attention_triton.MLA_BLOCK_H) and a tile of BLOCK_M q
 (default 1), packed as BLOCK_M * BLOCK_H rows (row r = token r // BLOCK_H, head r % BLOCK_H), so
 every latent tile is read once per program for all of them; the head blocks of one query tile are
 adjacent in launch order (the second reads from L2). The program walks the keys from 0 to its
-tile's last query position in tiles of MLA_BLOCK_N keys across pages (causal per row;
+tile's last query position in tiles of 32 or 64 keys (the tile form's) across pages (causal per row;
 DeepSeek-V3 and Kimi-K2 have no sliding window), online softmax in fp32, and writes the normalised
-output once: no split-K, no atomics, a fixed tile order -> bit-identical run to run. Computed
-transposed, as the decode kernel (scores^T = tile @ q^T, out^T += tile^T @ P^T: the queries are
-the dots' shared-memory operand; sm_90 AOT at 64 heads, 8 warps: bf16 248 registers, no spills).
+output once: no split-K, no atomics, a fixed tile order -> bit-identical run to run. Two tile
+forms, as the decode's: the rows as the MMAs' M over 64 keys a step (_mla_prefill_tile_hm, both
+dots on wgmma; the default where attention_triton.mla_decode_form takes it), or transposed
+(scores^T = tile @ q^T, out^T += tile^T @ P^T over 32 keys: the queries are the dots'
+shared-memory operand; sm_90 AOT at 64 heads, 8 warps: bf16 219 registers, no spills).
 Scores are the sum of two dots (latent, rope), so the 576-wide row is never padded to 1024.
 Formats: auto, fp8 per-tensor (one scale for latent and rope, folded into the softmax scale and
 the output), fp8 block (fp8_ds_mla: group scales loaded once per tile, rope in the model dtype).
@@ -34,9 +36,9 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS, RESCALE_SLACK,
-                                           _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mla_load_tile,
-                                           _mla_softmax_pv, _mma, _pow2, _slack)
+from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_HM_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS,
+                                           RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots,
+                                           _mla_load_tile, _mla_softmax_pv, _mma, _pow2, _slack, mla_decode_form)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -65,13 +67,39 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
 
 
 @triton.jit
+def _mla_prefill_tile_hm(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row_ptr, r, p_, j,
+                         s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                         R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
+                         NG: tl.constexpr, BF16_DOT: tl.constexpr):
+    """_mla_prefill_tile with the rows as the MMAs' M (HEADS_M; the decode's _mla_decode_tile_hm):
+    scores [rows, keys] = q @ tile^T, out [rows, R] += P @ tile; causal per row, eager softmax, rows
+    that have seen no key yet (padding) take their exps against 0."""
+    kpos = k0 + j
+    tmask = kpos <= last
+    blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    off = (kpos % BLOCK_SIZE).to(tl.int64)
+    lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
+                               R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
+    s = (_mma(ql, tl.trans(lat), BF16_DOT) + _mma(qr, tl.trans(rope), BF16_DOT)) * qk_scale   # [rows, BLOCK_N]
+    s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pr = tl.exp(s - m_ref[:, None])
+    alpha = tl.exp(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + _mma(pr.to(lat.dtype), lat, BF16_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_prefill_kernel(
         ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
         s_qlt, s_qlh, s_qrt, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, s_ot, s_oh, scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, INTERPRET: tl.constexpr,
-        BF16_DOT: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK):
+        BF16_DOT: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK, HEADS_M: tl.constexpr = False):
     # grid (head blocks, B, query tiles): the head blocks of one query tile are adjacent in launch
     # order, so all but the first read the latent tiles from L2
     hb = tl.program_id(0)
@@ -102,40 +130,68 @@ def _mla_prefill_kernel(
             qk_scale = scale * tl.load(ls_ptr)
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_M * BLOCK_H], tl.float32)
         last = tl.minimum(ctx + t0 + BLOCK_M, n) - 1          # the tile's last query position = its last key
         bt_row = bt_ptr + b * s_btb
-        if INTERPRET:
-            k0 = 0
-            while k0 <= last:
-                m_i, l_i, acc = _mla_prefill_tile(
-                    ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-                k0 += BLOCK_N
-        else:
-            for k0 in range(0, last + 1, BLOCK_N):
-                m_i, l_i, acc = _mla_prefill_tile(
-                    ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
-                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-        if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
-            acc = acc * tl.load(ls_ptr)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-        tl.store(out_ptr + q_row[None, :] * s_ot + hh[None, :] * s_oh + r[:, None],
-                 out.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (r[:, None] < R))
+        if HEADS_M:                               # rows as the MMAs' M: acc [rows, BLOCK_R]
+            acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_R], tl.float32)
+            if INTERPRET:
+                k0 = 0
+                while k0 <= last:
+                    m_i, l_i, acc = _mla_prefill_tile_hm(
+                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+                    k0 += BLOCK_N
+            else:
+                for k0 in range(0, last + 1, BLOCK_N):
+                    m_i, l_i, acc = _mla_prefill_tile_hm(
+                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
+            if SCALE_KIND == 1:                   # the values' per-tensor scale, folded out of P @ V
+                acc = acc * tl.load(ls_ptr)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + q_row[:, None] * s_ot + hh[:, None] * s_oh + r[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (r[None, :] < R))
+        else:                                     # transposed: acc [BLOCK_R, rows]
+            acc = tl.zeros([BLOCK_R, BLOCK_M * BLOCK_H], tl.float32)
+            if INTERPRET:
+                k0 = 0
+                while k0 <= last:
+                    m_i, l_i, acc = _mla_prefill_tile(
+                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
+                    k0 += BLOCK_N
+            else:
+                for k0 in range(0, last + 1, BLOCK_N):
+                    m_i, l_i, acc = _mla_prefill_tile(
+                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
+            if SCALE_KIND == 1:
+                acc = acc * tl.load(ls_ptr)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+            tl.store(out_ptr + q_row[None, :] * s_ot + hh[None, :] * s_oh + r[:, None],
+                     out.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (r[:, None] < R))
 
 
 def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                       max_seqlen_q: int | None = None, block_h: int | None = None, block_m: int = 1,
-                      out: torch.Tensor | None = None, rescale_slack: float | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, rescale_slack: float | None = None,
+                      heads_m: bool | None = None, block_n: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_prefill_mla: q_latent [Tq, H, R], q_rope [Tq, H, P] ->
     [Tq, H, R] in q_latent.dtype. max_seqlen_q: an upper bound on any sequence's query count (grid
     size; a host sync computes it when None). block_h, block_m: heads and query tokens per program
     (powers of two, block_h * block_m >= 16 for tl.dot; default MLA_BLOCK_H heads, clipped to the
     heads rounded up to a power of two, x 1 token). out: optional [Tq, H, R] tensor to write into.
-    rescale_slack: attention_triton.RESCALE_SLACK unless given (0: the eager online softmax)."""
+    rescale_slack: attention_triton.RESCALE_SLACK unless given (0: the eager online softmax).
+    heads_m: the rows as the MMAs' M (the decode's heads-as-M tile; eager only, a rescale_slack > 0
+    is refused with it; ~216 KiB of shared memory at 64 keys a step) or the transposed tile. By
+    default the decode's choice (attention_triton.mla_decode_form) unless a rescale_slack > 0 is
+    given: H200 run 25d, one 8K prompt, +34% bf16 / +49% fp8_ds_mla over the transposed tile.
+    block_n: keys a step (default MLA_HM_BLOCK_N with heads_m, else MLA_BLOCK_N)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     tq, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -163,6 +219,11 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     if max_seqlen_q <= 0:
         return out.zero_()
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    slack = _slack(rescale_slack)
+    heads_m = (mla_decode_form(q_latent, cache).heads_m and slack == 0) if heads_m is None else heads_m
+    block_n = block_n or (MLA_HM_BLOCK_N if heads_m else MLA_BLOCK_N)
+    if heads_m and slack > 0:
+        raise ConfigError("paged MLA prefill (triton): heads_m runs the eager softmax; rescale_slack must be 0")
     ls = cache.latent_scale if cache.latent_scale is not None else out     # any pointer; never read
     ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
     _mla_prefill_kernel[(triton.cdiv(h, block_h), b, triton.cdiv(max_seqlen_q, block_m))](
@@ -170,8 +231,8 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale),
-        H=h, BLOCK_H=block_h, BLOCK_M=block_m, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_N=MLA_BLOCK_N,
+        H=h, BLOCK_H=block_h, BLOCK_M=block_m, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_N=block_n,
         BLOCK_SIZE=bs, SCALE_KIND=kind, GROUP=group, NG=r // group, INTERPRET=_INTERPRET,
-        BF16_DOT=_bf16_dots(q_latent), SLACK=_slack(rescale_slack), num_warps=MLA_NUM_WARPS,
+        BF16_DOT=_bf16_dots(q_latent), SLACK=slack, HEADS_M=heads_m, num_warps=MLA_NUM_WARPS,
         num_stages=MLA_NUM_STAGES)
     return out
