@@ -63,6 +63,60 @@ def make_cache(fmt, nb: int, bs: int, hkv: int, d: int, hnd: bool, gen_seed: int
     return GQALayerKV(fmt, one(), one(), ks, vs)
 
 
+PREFILL_VARIANTS = [
+    ("prefill base", {}),                                          # 128 rows x 64 keys, 8 warps, Triton's stages
+    ("prefill s2", dict(num_stages=2)),
+    ("prefill s4", dict(num_stages=4)),
+    ("prefill n128", dict(block_n=128)),
+    ("prefill n128 s2", dict(block_n=128, num_stages=2)),
+    ("prefill m32 (256 rows)", dict(block_m=32)),
+    ("prefill m8 (64 rows) w4", dict(block_m=8, num_warps=4)),
+]
+
+
+def prefill(args) -> int:
+    """paged_prefill_gqa on one causal prompt of args.prefill tokens (Qwen3-30B-A3B heads, bf16):
+    TFLOP/s = 4 * Hq * D * n (n + 1) / 2 / time; 64 query rows checked against the reference."""
+    from moet.kernels import prefill_triton as pt
+    from moet.kernels.attention_reference import paged_decode_gqa as ref_decode
+    from moet.kernels.kv_cache import KVFormat
+    hq, hkv, d, bs, n = 32, 4, 128, 16, args.prefill
+    os.makedirs(args.out, exist_ok=True)
+    scale = d ** -0.5
+    pages = -(-n // bs)
+    recs = []
+    for fname, fmt in (("bf16", KVFormat("auto", dtype=torch.bfloat16)),):
+        cache = make_cache(fmt, pages, bs, hkv, d, False, gen_seed=77)
+        table = torch.randperm(pages, device="cuda").view(1, pages).to(torch.int32)
+        q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+        rows = torch.randperm(n, device="cuda")[:64].tolist()
+        want = torch.cat([ref_decode(q[t:t + 1].float(), cache, table, torch.tensor([t + 1], dtype=torch.int32,
+                                                                                     device="cuda"), scale)
+                          for t in rows]).float()
+        flop = 4.0 * hq * d * n * (n + 1) / 2
+        for name, kw in PREFILL_VARIANTS:
+            run = lambda: pt.paged_prefill_gqa(q, cache, table, cu, lens, scale, max_seqlen_q=n, **kw)
+            try:
+                got = run()
+                torch.cuda.synchronize()
+                ms = time_ms(run)
+            except Exception as exc:
+                print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                recs.append(dict(kv=fname, variant=name, kwargs=kw, error=str(exc)[:500]))
+                continue
+            err = float((got[rows].float() - want).norm() / want.norm())
+            same = bool(torch.equal(run(), got))
+            recs.append(dict(kv=fname, variant=name, kwargs=kw, tokens=n, ms=ms, tflops=flop / ms / 1e9,
+                             rel_err_vs_reference=err, rerun_identical=same))
+            print(f"prefill {n} {fname} {name}: {ms:.3f} ms, {flop / ms / 1e9:.1f} TFLOP/s, relerr {err:.1e}, "
+                  f"rerun identical {same}", flush=True)
+    with open(os.path.join(args.out, "gqa_prefill_probe.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, records=recs), f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -76,7 +130,11 @@ def main() -> int:
                     help="also time one CUDA graph of N calls over N distinct caches (per-call time = total / N): "
                          "the graph launch's fixed cost, which a one-call graph pays per call and the engine's "
                          "decode-step graph pays once for all its layers, spread over N calls")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="only time paged_prefill_gqa on one causal prompt of this many tokens (PREFILL_VARIANTS)")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill(args)
     os.makedirs(args.out, exist_ok=True)
     from moet.kernels import attention_triton, pdl
     from moet.kernels.kv_cache import KVFormat, gqa_bytes_per_token

@@ -46,6 +46,10 @@ VARIANTS = [
     ("hm eager n16 s4", dict(heads_m=True, rescale_slack=0.0, block_n=16, num_stages=4)),
     ("hm eager n64", dict(heads_m=True, rescale_slack=0.0, block_n=64)),
     ("hm n64", dict(heads_m=True, block_n=64, rescale_slack=8.0)),
+    # more splits per sequence (the default form): at batch 1, 32 splits x 2 head blocks = 64
+    # programs on 132 SMs
+    ("splits64", dict(max_splits=64)),
+    ("splits128", dict(max_splits=128)),
 ]
 
 

@@ -170,13 +170,16 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       sliding_window: int | None = None, *, max_seqlen_q: int | None = None,
                       block_m: int | None = None, out: torch.Tensor | None = None,
-                      rescale_slack: float | None = None) -> torch.Tensor:
+                      rescale_slack: float | None = None, block_n: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype.
     max_seqlen_q: an upper bound on any sequence's query count (grid size; computed from
     cu_seqlens_q with a host sync when None). block_m: query tokens per program (a power of two;
     default: PREFILL_ROWS rows of (token, head) per program, at least one token). out: optional
     [Tq, Hq, Dv] tensor to write into. rescale_slack: attention_triton.RESCALE_SLACK unless given
-    (0: the eager online softmax)."""
+    (0: the eager online softmax). block_n (keys a step, default PREFILL_BLOCK_N), num_warps
+    (PREFILL_NUM_WARPS), num_stages (Triton's default): the launch (block_n and num_warps change
+    the last bits)."""
     q = q.contiguous()
     tq, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
@@ -211,7 +214,8 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
         *sk[:3], *sv[:3], block_tables.stride(0), out.stride(0), out.stride(1), float(scale),
         G=g, BLOCK_G=block_g, BLOCK_M=block_m, D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv),
-        BLOCK_SIZE=bs, BLOCK_N=PREFILL_BLOCK_N, WINDOW=sliding_window or 0, SCALE_KIND=kind,
+        BLOCK_SIZE=bs, BLOCK_N=block_n or PREFILL_BLOCK_N, WINDOW=sliding_window or 0, SCALE_KIND=kind,
         GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q),
-        SLACK=_slack(rescale_slack), num_warps=PREFILL_NUM_WARPS)
+        SLACK=_slack(rescale_slack), num_warps=num_warps or PREFILL_NUM_WARPS,
+        **({"num_stages": num_stages} if num_stages else {}))
     return out
