@@ -67,10 +67,11 @@ CASES = [
 ]
 
 
-# rescale_slack (attention_triton), and the rows-as-M tile (heads_m: eager only)
+# rescale_slack (attention_triton), and the rows-as-M tile (heads_m)
 # (16 keys a step, so the short test sequences cross steps; and the default 64)
-FORMS = [dict(rescale_slack=None), dict(rescale_slack=0.25), dict(heads_m=True, block_n=16), dict(heads_m=True)]
-FORM_IDS = ["eager", "lazy", "heads-M", "heads-M-64"]
+FORMS = [dict(rescale_slack=None), dict(rescale_slack=0.25), dict(heads_m=True, block_n=16),
+         dict(heads_m=True, block_n=16, rescale_slack=0.25), dict(heads_m=True)]
+FORM_IDS = ["eager", "lazy", "heads-M", "heads-M-lazy", "heads-M-64"]
 
 
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
@@ -109,9 +110,7 @@ def test_chunked_equals_one_shot_and_last_row_equals_decode(form):
     torch.testing.assert_close(whole[-1:], dec, rtol=2e-5, atol=2e-5)
     with pytest.raises(ConfigError, match="block_h"):
         tri.paged_prefill_mla(ql, qr, cache, table, torch.tensor([0, n], **i32), lens, 0.2, block_h=3)
-    with pytest.raises(ConfigError, match="heads_m"):
-        tri.paged_prefill_mla(ql, qr, cache, table, torch.tensor([0, n], **i32), lens, 0.2, heads_m=True,
-                              rescale_slack=0.25)
+
 
 
 @pytest.mark.parametrize("qdtype,heads_m", [(torch.bfloat16, True), (torch.float32, False)], ids=["bf16-q", "fp32-q"])

@@ -622,79 +622,66 @@ def _mla_decode_tile(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_
                      s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
                      R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
-                     NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr):
+                     NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr, HEADS_M: tl.constexpr):
     """BLOCK_N consecutive tokens (t0 .. t0 + BLOCK_N, masked at t_end; they may span several
     pages: the page of each token is gathered from the block table) for all BLOCK_H heads of the
     program: scores = q_latent . latent + q_rope . rope, the online-softmax update, P @ latent.
-    The tile is loaded and dequantized once and feeds every head of the program."""
+    The tile is loaded and dequantized once and feeds every head of the program.
+    HEADS_M (FlashMLA's form): scores [BLOCK_H, BLOCK_N] = q_latent @ latent^T + q_rope @ rope^T,
+    acc [BLOCK_H, BLOCK_R] += P @ latent; both dots can run on Hopper's wgmma with the tile read
+    from shared memory and P from registers; 8 warps = two warp groups, each holding half of acc's
+    latent columns. Else transposed: tokens are M and heads N (scores [BLOCK_N, BLOCK_H], acc
+    [BLOCK_R, BLOCK_H]) with the queries as the shared-memory operand; at 32 tokens the score dot
+    is too short for wgmma."""
     pos = t0 + j
     tmask = pos < t_end
     blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     off = (pos % BLOCK_SIZE).to(tl.int64)
     lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
                                R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
-    # transposed: tokens are the M dimension, heads N; queries are the B operand (shared memory)
-    s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, BLOCK_H]
-    s = tl.where(tmask[:, None], s, float("-inf"))
-    return _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK, False, BF16_DOT)
-
-
-@triton.jit
-def _mla_decode_tile_hm(ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                        R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
-                        NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr):
-    """_mla_decode_tile with the heads as the MMAs' M (FlashMLA's form, HEADS_M): scores
-    [BLOCK_H, BLOCK_N] = q_latent @ latent^T + q_rope @ rope^T, acc [BLOCK_H, BLOCK_R] += P @ latent.
-    Both dots can run on Hopper's wgmma with the tile read from shared memory and P from registers
-    (the transposed form's score dot has M = BLOCK_N tokens, too few for wgmma at 32); 8 warps =
-    two warp groups, each holding half of acc's latent columns."""
-    pos = t0 + j
-    tmask = pos < t_end
-    blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-    off = (pos % BLOCK_SIZE).to(tl.int64)
-    lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
-                               R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
-    s = (_mma(ql, tl.trans(lat), BF16_DOT) + _mma(qr, tl.trans(rope), BF16_DOT)) * qk_scale   # [BLOCK_H, BLOCK_N]
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    if SLACK > 0:
-        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=1), SLACK, False)
-        pr = tl.exp(s - m_new[:, None])
-        l_i = l_i + tl.sum(pr, axis=1)
-        acc = acc + _mma(pr.to(lat.dtype), lat, BF16_DOT)
+    if HEADS_M:
+        s = (_mma(ql, tl.trans(lat), BF16_DOT) + _mma(qr, tl.trans(rope), BF16_DOT)) * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
     else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        pr = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + _mma(pr.to(lat.dtype), lat, BF16_DOT)
-    return m_new, l_i, acc
+        s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale
+        s = tl.where(tmask[:, None], s, float("-inf"))
+    return _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK, False, BF16_DOT, not HEADS_M)
 
 
 @triton.jit
 def _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK: tl.constexpr, EMPTY_ROWS: tl.constexpr,
-                    BF16_DOT: tl.constexpr):
-    """The online-softmax step of the transposed MLA tiles (decode and prefill): scores s [keys, rows]
-    (masked keys -inf), acc [R, rows] += lat^T @ P, lazily (SLACK > 0: _lazy_rescale) or eagerly.
+                    BF16_DOT: tl.constexpr, ROWS_LAST: tl.constexpr = True):
+    """The online-softmax step of the MLA tiles (decode and prefill): scores s [keys, rows] and acc
+    [R, rows] += lat^T @ P (ROWS_LAST, the transposed tiles), or s [rows, keys] and acc [rows, R] +=
+    P @ lat (the rows-as-M tiles); masked keys -inf; lazily (SLACK > 0: _lazy_rescale) or eagerly.
     EMPTY_ROWS: some rows may have seen no key yet (prefill padding rows): their exps are taken
     against 0 instead of -inf, which gives 0 rather than NaN. -> (m, l, acc)."""
+    KEYS: tl.constexpr = 0 if ROWS_LAST else 1          # the keys' axis of s
     if SLACK > 0:                           # lazy: the accumulator rescaled in few tiles
-        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=0), SLACK, True)
+        m_new, l_i, acc = _lazy_rescale(m_i, l_i, acc, tl.max(s, axis=KEYS), SLACK, ROWS_LAST)
     else:                                   # eager: rescale at every tile (by 1 where the max stays)
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_new = tl.maximum(m_i, tl.max(s, axis=KEYS))
     if EMPTY_ROWS:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
-    pr = tl.exp(s - m_ref[None, :])
+    if ROWS_LAST:
+        pr = tl.exp(s - m_ref[None, :])
+    else:
+        pr = tl.exp(s - m_ref[:, None])
     if SLACK > 0:
-        l_i = l_i + tl.sum(pr, axis=0)
-        acc = acc + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
+        l_i = l_i + tl.sum(pr, axis=KEYS)
     else:
         alpha = tl.exp(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(pr, axis=0)
-        acc = acc * alpha[None, :] + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
+        l_i = l_i * alpha + tl.sum(pr, axis=KEYS)
+        if ROWS_LAST:
+            acc = acc * alpha[None, :]
+        else:
+            acc = acc * alpha[:, None]
+    if ROWS_LAST:
+        acc = acc + _mma(tl.trans(lat), pr.to(lat.dtype), BF16_DOT)
+    else:
+        acc = acc + _mma(pr.to(lat.dtype), lat, BF16_DOT)
     return m_new, l_i, acc
 
 
@@ -735,48 +722,32 @@ def _mla_decode_split_kernel(
         t_lo = sp * pps * BLOCK_SIZE
         t_end = tl.minimum(t_lo + pps * BLOCK_SIZE, n)
         row = (b * H + hh) * tl.num_programs(2) + sp
-        if HEADS_M:                               # heads as the MMAs' M: acc [BLOCK_H, BLOCK_R]
+        if HEADS_M:                               # heads as the MMAs' M
             acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-            if INTERPRET:                         # loaded-scalar loop bounds: see prefill_triton.py
-                t0 = t_lo
-                while t0 < t_end:
-                    m_i, l_i, acc = _mla_decode_tile_hm(
-                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-                    t0 += BLOCK_N
-            else:
-                for t0 in range(t_lo, t_end, BLOCK_N):
-                    m_i, l_i, acc = _mla_decode_tile_hm(
-                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-            if SCALE_KIND == 1:                   # the values' per-tensor scale, folded out of P @ V
-                acc = acc * tl.load(ls_ptr)
-            tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
-            tl.store(m_ptr + row, m_i, mask=hmask)
-            tl.store(l_ptr + row, l_i, mask=hmask)
-        else:                                     # transposed: acc [BLOCK_R, BLOCK_H]
+        else:                                     # transposed
             acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
-            if INTERPRET:
-                t0 = t_lo
-                while t0 < t_end:
-                    m_i, l_i, acc = _mla_decode_tile(
-                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-                    t0 += BLOCK_N
-            else:
-                for t0 in range(t_lo, t_end, BLOCK_N):
-                    m_i, l_i, acc = _mla_decode_tile(
-                        ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-            if SCALE_KIND == 1:
-                acc = acc * tl.load(ls_ptr)
+        if INTERPRET:                             # loaded-scalar loop bounds: see prefill_triton.py
+            t0 = t_lo
+            while t0 < t_end:
+                m_i, l_i, acc = _mla_decode_tile(
+                    ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK, HEADS_M)
+                t0 += BLOCK_N
+        else:
+            for t0 in range(t_lo, t_end, BLOCK_N):
+                m_i, l_i, acc = _mla_decode_tile(
+                    ql, qr, m_i, l_i, acc, t0, t_end, b, lat_ptr, rope_ptr, ls_ptr, bt_ptr, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK, HEADS_M)
+        if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
+            acc = acc * tl.load(ls_ptr)
+        if HEADS_M:
+            tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
+        else:
             tl.store(acc_ptr + row[None, :] * R + r[:, None], acc, mask=hmask[None, :] & (r[:, None] < R))
-            tl.store(m_ptr + row, m_i, mask=hmask)
-            tl.store(l_ptr + row, l_i, mask=hmask)
+        tl.store(m_ptr + row, m_i, mask=hmask)
+        tl.store(l_ptr + row, l_i, mask=hmask)
 
 
 @triton.jit
@@ -975,7 +946,7 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa).
     block_h: heads per program (default MLA_BLOCK_H, at most the heads rounded up to a power of
     two); like the splits it must be fixed per model (the dot shapes change the last bits).
-    heads_m: the heads as the MMAs' M (_mla_decode_tile_hm: both dots on wgmma on Hopper) or the
+    heads_m: the heads as the MMAs' M (_mla_decode_tile: both dots on wgmma on Hopper) or the
     transposed tile; block_n: tokens a step; rescale_slack: the lazy rescale's slack (0: the eager
     online softmax). Each defaults to mla_decode_form (heads_m, 64 tokens, eager where the device
     has the shared memory); like block_h they change the last bits and are fixed per model.

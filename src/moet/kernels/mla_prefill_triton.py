@@ -13,7 +13,7 @@ adjacent in launch order (the second reads from L2). The program walks the keys 
 tile's last query position in tiles of 32 or 64 keys (the tile form's) across pages (causal per row;
 DeepSeek-V3 and Kimi-K2 have no sliding window), online softmax in fp32, and writes the normalised
 output once: no split-K, no atomics, a fixed tile order -> bit-identical run to run. Two tile
-forms, as the decode's: the rows as the MMAs' M over 64 keys a step (_mla_prefill_tile_hm, both
+forms, as the decode's: the rows as the MMAs' M over 64 keys a step (_mla_prefill_tile, both
 dots on wgmma; the default where attention_triton.mla_decode_form takes it), or transposed
 (scores^T = tile @ q^T, out^T += tile^T @ P^T over 32 keys: the queries are the dots'
 shared-memory operand; sm_90 AOT at 64 heads, 8 warps: bf16 219 registers, no spills).
@@ -49,47 +49,26 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
                       s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
                       R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
-                      NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr):
+                      NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr, HEADS_M: tl.constexpr):
     """Keys k0 .. k0 + BLOCK_N (several pages; masked past `last`, the tile's last query position)
-    for all rows of the program, transposed as the decode kernel (attention_triton._mla_decode_tile):
-    scores^T [keys, rows] = tile @ q^T, out^T [R, rows] += tile^T @ P^T; causal per row."""
+    for all rows of the program, in the decode kernel's two forms (attention_triton._mla_decode_tile):
+    HEADS_M scores [rows, keys] = q @ tile^T, out [rows, R] += P @ tile; else transposed, scores^T
+    [keys, rows] = tile @ q^T, out^T [R, rows] += tile^T @ P^T; causal per row."""
     kpos = k0 + j
     tmask = kpos <= last
     blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     off = (kpos % BLOCK_SIZE).to(tl.int64)
     lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
                                R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
-    s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
-    s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
+    if HEADS_M:
+        s = (_mma(ql, tl.trans(lat), BF16_DOT) + _mma(qr, tl.trans(rope), BF16_DOT)) * qk_scale   # [rows, BLOCK_N]
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+    else:
+        s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
+        s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
     # lazy or eager (attention_triton._mla_softmax_pv; lazily, chunked prompts still sum the same);
     # padding rows see no key
-    return _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK, True, BF16_DOT)
-
-
-@triton.jit
-def _mla_prefill_tile_hm(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row_ptr, r, p_, j,
-                         s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                         R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
-                         NG: tl.constexpr, BF16_DOT: tl.constexpr):
-    """_mla_prefill_tile with the rows as the MMAs' M (HEADS_M; the decode's _mla_decode_tile_hm):
-    scores [rows, keys] = q @ tile^T, out [rows, R] += P @ tile; causal per row, eager softmax, rows
-    that have seen no key yet (padding) take their exps against 0."""
-    kpos = k0 + j
-    tmask = kpos <= last
-    blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-    off = (kpos % BLOCK_SIZE).to(tl.int64)
-    lat, rope = _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t,
-                               R, BLOCK_R, P, BLOCK_N, SCALE_KIND, GROUP, NG, BF16_DOT)
-    s = (_mma(ql, tl.trans(lat), BF16_DOT) + _mma(qr, tl.trans(rope), BF16_DOT)) * qk_scale   # [rows, BLOCK_N]
-    s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    pr = tl.exp(s - m_ref[:, None])
-    alpha = tl.exp(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
-    acc = acc * alpha[:, None] + _mma(pr.to(lat.dtype), lat, BF16_DOT)
-    return m_new, l_i, acc
+    return _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK, True, BF16_DOT, not HEADS_M)
 
 
 @triton.jit
@@ -132,45 +111,31 @@ def _mla_prefill_kernel(
         l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
         last = tl.minimum(ctx + t0 + BLOCK_M, n) - 1          # the tile's last query position = its last key
         bt_row = bt_ptr + b * s_btb
-        if HEADS_M:                               # rows as the MMAs' M: acc [rows, BLOCK_R]
+        if HEADS_M:                               # rows as the MMAs' M
             acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_R], tl.float32)
-            if INTERPRET:
-                k0 = 0
-                while k0 <= last:
-                    m_i, l_i, acc = _mla_prefill_tile_hm(
-                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
-                    k0 += BLOCK_N
-            else:
-                for k0 in range(0, last + 1, BLOCK_N):
-                    m_i, l_i, acc = _mla_prefill_tile_hm(
-                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT)
-            if SCALE_KIND == 1:                   # the values' per-tensor scale, folded out of P @ V
-                acc = acc * tl.load(ls_ptr)
+        else:                                     # transposed
+            acc = tl.zeros([BLOCK_R, BLOCK_M * BLOCK_H], tl.float32)
+        if INTERPRET:
+            k0 = 0
+            while k0 <= last:
+                m_i, l_i, acc = _mla_prefill_tile(
+                    ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK, HEADS_M)
+                k0 += BLOCK_N
+        else:
+            for k0 in range(0, last + 1, BLOCK_N):
+                m_i, l_i, acc = _mla_prefill_tile(
+                    ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
+                    s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
+                    R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK, HEADS_M)
+        if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
+            acc = acc * tl.load(ls_ptr)
+        if HEADS_M:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + q_row[:, None] * s_ot + hh[:, None] * s_oh + r[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (r[None, :] < R))
-        else:                                     # transposed: acc [BLOCK_R, rows]
-            acc = tl.zeros([BLOCK_R, BLOCK_M * BLOCK_H], tl.float32)
-            if INTERPRET:
-                k0 = 0
-                while k0 <= last:
-                    m_i, l_i, acc = _mla_prefill_tile(
-                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-                    k0 += BLOCK_N
-            else:
-                for k0 in range(0, last + 1, BLOCK_N):
-                    m_i, l_i, acc = _mla_prefill_tile(
-                        ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, ls_ptr, bt_row, r, p_, j,
-                        s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, qk_scale,
-                        R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK)
-            if SCALE_KIND == 1:
-                acc = acc * tl.load(ls_ptr)
+        else:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
             tl.store(out_ptr + q_row[None, :] * s_ot + hh[None, :] * s_oh + r[:, None],
                      out.to(out_ptr.dtype.element_ty), mask=rmask[None, :] & (r[:, None] < R))
@@ -187,8 +152,8 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     (powers of two, block_h * block_m >= 16 for tl.dot; default MLA_BLOCK_H heads, clipped to the
     heads rounded up to a power of two, x 1 token). out: optional [Tq, H, R] tensor to write into.
     rescale_slack: attention_triton.RESCALE_SLACK unless given (0: the eager online softmax).
-    heads_m: the rows as the MMAs' M (the decode's heads-as-M tile; eager only, a rescale_slack > 0
-    is refused with it; ~216 KiB of shared memory at 64 keys a step) or the transposed tile. By
+    heads_m: the rows as the MMAs' M (the decode's heads-as-M tile; ~216 KiB of shared memory at
+    64 keys a step) or the transposed tile. By
     default the decode's choice (attention_triton.mla_decode_form) unless a rescale_slack > 0 is
     given: H200 run 25d, one 8K prompt, +34% bf16 / +49% fp8_ds_mla over the transposed tile.
     block_n: keys a step (default MLA_HM_BLOCK_N with heads_m, else MLA_BLOCK_N)."""
@@ -222,8 +187,6 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     slack = _slack(rescale_slack)
     heads_m = (mla_decode_form(q_latent, cache).heads_m and slack == 0) if heads_m is None else heads_m
     block_n = block_n or (MLA_HM_BLOCK_N if heads_m else MLA_BLOCK_N)
-    if heads_m and slack > 0:
-        raise ConfigError("paged MLA prefill (triton): heads_m runs the eager softmax; rescale_slack must be 0")
     ls = cache.latent_scale if cache.latent_scale is not None else out     # any pointer; never read
     ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
     _mla_prefill_kernel[(triton.cdiv(h, block_h), b, triton.cdiv(max_seqlen_q, block_m))](
