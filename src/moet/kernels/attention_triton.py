@@ -118,9 +118,11 @@ MLA_NUM_STAGES = 2
 # tools/kernel_lab/rescale_probe.py, docs/perf.md): lazy (slack 8) won only in the MLA decode over a
 # bf16 cache (+1.8-2.0% at batch 1 / 8 / 32, 32K); it lost over an fp8-block cache (-5%: the
 # dequantising step, not the rescale, is that loop's cost) and in the GQA prefill (-3%), and tied in
-# the MLA prefill (+0.2%). So the launchers default to RESCALE_SLACK (eager) except the bf16 MLA
-# decode (MLA_DECODE_BF16_SLACK); rescale_slack overrides both. Like the splits it must be fixed per
-# model (it changes the last bits), and it is: a function of the cache format alone
+# the MLA prefill (+0.2%). So the launchers default to RESCALE_SLACK (eager) except the transposed
+# bf16 MLA decode (MLA_DECODE_BF16_SLACK; since run 25 only where mla_decode_form takes the
+# transposed tile: the heads-as-M tile spills with it and measured slower lazy); rescale_slack
+# overrides both. Like the splits it must be fixed per model (it changes the last bits), and it is:
+# a function of the query dtype, the cache format and the device
 RESCALE_SLACK = 0.0
 MLA_DECODE_BF16_SLACK = 8.0
 
