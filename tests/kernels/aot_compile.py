@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 
 from moet.kernels import attention_configs as ac
 from moet.kernels import attention_triton as at
+from moet.kernels import mla_decode_triton as md
 from moet.kernels import kv_write_triton as kw
 from moet.kernels import mla_prefill_triton as mp
 from moet.kernels import prefill_triton as pt
@@ -162,45 +163,45 @@ def main() -> None:
         # DeepSeek-V3: R 512, P 64, MLA_BLOCK_H heads per program
         lat = "*bf16" if kind == 0 else "*fp8e4nv"
         rope = "*fp8e4nv" if kind == 1 else "*bf16"
-        const = dict(H=128, BLOCK_H=at.MLA_BLOCK_H, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_N=at.MLA_BLOCK_N,
+        const = dict(H=128, BLOCK_H=md.MLA_BLOCK_H, R=512, BLOCK_R=512, P=64, BLOCK_P=64, BLOCK_N=md.MLA_BLOCK_N,
                      BLOCK_SIZE=16, MAX_SPLITS=32, SCALE_KIND=kind, GROUP=128, NG=4, BF16_DOT=True, INTERPRET=False)
         types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
                      bt_ptr="*i32", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         # the launch options paged_decode_mla uses (warps, stages: shared memory and registers): the
         # transposed tile (devices with less shared memory, fp8 per tensor) and, for the bf16 and
         # fp8-block caches, the heads-as-M 64-token form (mla_decode_form), all wgmma
-        c = _compile(at._mla_decode_split_kernel, types, const,
-                     dict(num_warps=at.MLA_NUM_WARPS, num_stages=at.MLA_NUM_STAGES))
+        c = _compile(md._mla_decode_split_kernel, types, const,
+                     dict(num_warps=md.MLA_NUM_WARPS, num_stages=md.MLA_NUM_STAGES))
         # the H200's 227 KB of shared memory per block: over it the launch fails on the GPU only
         assert c.metadata.shared <= 227 * 1024, f"mla decode needs {c.metadata.shared} B of shared memory"
         print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]), "smem", c.metadata.shared)
         if kind != 1:
-            hm = dict(const, BLOCK_N=at.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
-            c = _compile(at._mla_decode_split_kernel, types, hm, dict(num_warps=at.MLA_NUM_WARPS,
-                                                                      num_stages=at.MLA_NUM_STAGES),
+            hm = dict(const, BLOCK_N=md.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
+            c = _compile(md._mla_decode_split_kernel, types, hm, dict(num_warps=md.MLA_NUM_WARPS,
+                                                                      num_stages=md.MLA_NUM_STAGES),
                          div16=("s_qlb", "s_qlh", "s_qrb", "s_qrh", "s_lb", "s_lt", "s_btb", "pages_min"))
             r = sass_report(c)
-            assert at.MLA_HM_MIN_SHARED >= c.metadata.shared, (c.metadata.shared, at.MLA_HM_MIN_SHARED)
+            assert md.MLA_HM_MIN_SHARED >= c.metadata.shared, (c.metadata.shared, md.MLA_HM_MIN_SHARED)
             assert r["loop_hist"].get("HGMMA.64", 0) > 0 and not any(o.startswith("HMMA") for o in r["loop_hist"]), r
             print("mla heads-M", lat, "scale kind", kind, "smem", c.metadata.shared, "loop instrs", r["loop_instrs"],
                   "HGMMA", r["loop_hist"].get("HGMMA.64"), "spill ops", r["spill_ops"])
         # MLA prefill/extend, same shapes: 64 heads x 1 query token per program, the decode's launch
-        const = dict(H=128, BLOCK_H=at.MLA_BLOCK_H, BLOCK_M=1, R=512, BLOCK_R=512, P=64, BLOCK_P=64,
-                     BLOCK_N=at.MLA_BLOCK_N, BLOCK_SIZE=16, SCALE_KIND=kind, GROUP=128, NG=4, INTERPRET=False,
+        const = dict(H=128, BLOCK_H=md.MLA_BLOCK_H, BLOCK_M=1, R=512, BLOCK_R=512, P=64, BLOCK_P=64,
+                     BLOCK_N=md.MLA_BLOCK_N, BLOCK_SIZE=16, SCALE_KIND=kind, GROUP=128, NG=4, INTERPRET=False,
                      BF16_DOT=True)
         types = dict(i64, ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr=lat, rope_ptr=rope, ls_ptr="*fp32",
                      bt_ptr="*i32", cu_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", scale="fp32")
         c = _compile(mp._mla_prefill_kernel, types, const,
-                     dict(num_warps=at.MLA_NUM_WARPS, num_stages=at.MLA_NUM_STAGES))
+                     dict(num_warps=md.MLA_NUM_WARPS, num_stages=md.MLA_NUM_STAGES))
         assert c.metadata.shared <= 227 * 1024, f"mla prefill needs {c.metadata.shared} B of shared memory"
         print("mla prefill", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
         if kind != 1:                    # the rows-as-M 64-key form, the default where the decode's is
-            hm = dict(const, BLOCK_N=at.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
-            c = _compile(mp._mla_prefill_kernel, types, hm, dict(num_warps=at.MLA_NUM_WARPS,
-                                                                 num_stages=at.MLA_NUM_STAGES),
+            hm = dict(const, BLOCK_N=md.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
+            c = _compile(mp._mla_prefill_kernel, types, hm, dict(num_warps=md.MLA_NUM_WARPS,
+                                                                 num_stages=md.MLA_NUM_STAGES),
                          div16=("s_qlt", "s_qlh", "s_qrt", "s_qrh", "s_lb", "s_lt", "s_btb", "s_ot", "s_oh"))
             r = sass_report(c)
-            assert at.MLA_HM_MIN_SHARED >= c.metadata.shared, (c.metadata.shared, at.MLA_HM_MIN_SHARED)
+            assert md.MLA_HM_MIN_SHARED >= c.metadata.shared, (c.metadata.shared, md.MLA_HM_MIN_SHARED)
             assert r["loop_hist"].get("HGMMA.64", 0) > 0 and not any(o.startswith("HMMA") for o in r["loop_hist"]), r
             print("mla prefill heads-M", lat, "scale kind", kind, "smem", c.metadata.shared, "loop instrs",
                   r["loop_instrs"], "spill ops", r["spill_ops"])

@@ -98,7 +98,7 @@ def test_gqa_decode_pipeline_depth_changes_no_bits(fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.scale}")
 def test_mla_decode_and_prefill_at_deepseek_shape(fmt):
     from moet.kernels import attention_reference as ref
-    from moet.kernels import attention_triton, mla_prefill_triton
+    from moet.kernels import mla_decode_triton, mla_prefill_triton
     g = _gen()
     lens = [1, 17, 700]
     cache, table = _mla(fmt, lens, g)
@@ -107,7 +107,7 @@ def test_mla_decode_and_prefill_at_deepseek_shape(fmt):
     ql = torch.randn(len(lens), 128, 512, generator=g).to(DEV, torch.bfloat16)
     qr = torch.randn(len(lens), 128, 64, generator=g).to(DEV, torch.bfloat16)
     want = ref.paged_decode_mla(ql, qr, cache, table, seq_lens, scale)
-    got = attention_triton.paged_decode_mla(ql, qr, cache, table, seq_lens, scale, split_tokens=256)
+    got = mla_decode_triton.paged_decode_mla(ql, qr, cache, table, seq_lens, scale, split_tokens=256)
     assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
     qlens = [1, 17, 200]
     cu = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEV)

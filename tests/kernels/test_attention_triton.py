@@ -27,6 +27,11 @@ def _tri():
     return attention_triton
 
 
+def _mla():
+    from moet.kernels import mla_decode_triton
+    return mla_decode_triton
+
+
 def _setup(fmt: KVFormat, lens: list[int], hq: int, hkv: int, d: int, g: torch.Generator):
     cache = new_gqa_layer(NUM_BLOCKS, BS, hkv, d, d, fmt, device=DEVICE)
     if fmt.is_fp8 and not fmt.block_scaled:
@@ -249,9 +254,9 @@ def test_triton_paged_mla_decode_matches_reference(fmt, lens, h, split, block_h,
         cpu.latent_scale.copy_(cache.latent_scale.cpu())
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), cpu, table.cpu(), seq_lens.cpu(), 0.2)
     kw = dict(split_tokens=split, block_h=block_h, heads_m=heads_m, block_n=16 if heads_m else None)
-    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw)
+    got = _mla().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
-    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw))
+    assert torch.equal(got, _mla().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, **kw))
 
 
 
@@ -282,11 +287,11 @@ def test_triton_paged_mla_decode_late_max_rescales_some_heads(heads_m):
     cpu.buffer.copy_(cache.buffer.cpu())
     want = ref.paged_decode_mla(ql, qr, cpu, table.cpu(), seq_lens.cpu(), 0.2)
     for slack in (8.0, 1.0, None):
-        got = _tri().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, split_tokens=n + 7,
+        got = _mla().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, split_tokens=n + 7,
                                       rescale_slack=slack, heads_m=heads_m)
         torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
     with pytest.raises(ConfigError, match="rescale_slack"):
-        _tri().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, rescale_slack=-1.0)
+        _mla().paged_decode_mla(ql.to(DEVICE), qr.to(DEVICE), cache, table, seq_lens, 0.2, rescale_slack=-1.0)
 
 
 @pytest.mark.parametrize("fmt", [KVFormat("auto", dtype=torch.bfloat16),
@@ -307,7 +312,7 @@ def test_triton_paged_mla_decode_bf16_queries(fmt, heads_m):
     qr = torch.randn(len(lens), h, p, generator=g).to(DEVICE, torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(cache), table.cpu(), seq_lens.cpu(), 0.2).float()
-    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32, heads_m=heads_m).float().cpu()
+    got = _mla().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32, heads_m=heads_m).float().cpu()
     assert got.dtype == want.dtype and float((got - want).norm() / want.norm()) < 1e-2
 
 @pytest.mark.parametrize("fmt,qdtype,form", [
@@ -323,7 +328,6 @@ def test_mla_decode_default_form_follows_queries_and_cache_format(fmt, qdtype, f
     32-token tile otherwise (lazy over a bf16 cache, run 23); a function of the query dtype, cache
     format and device only (batch invariance); the default launch is bit-identical to that form
     given explicitly, and another form changes the bits no more than rounding."""
-    from moet.kernels import attention_triton
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     r, p, h, lens = 32, 16, 4, [5 * BS + 3]
     cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
@@ -334,13 +338,13 @@ def test_mla_decode_default_form_follows_queries_and_cache_format(fmt, qdtype, f
     ql = torch.randn(1, h, r, generator=g).to(DEVICE, qdtype)
     qr = torch.randn(1, h, p, generator=g).to(DEVICE, qdtype)
     if DEVICE == "cpu" or torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 222 * 1024:
-        assert tuple(attention_triton.mla_decode_form(ql, cache)) == form
-    heads_m, block_n, slack = attention_triton.mla_decode_form(ql, cache)
+        assert tuple(_mla().mla_decode_form(ql, cache)) == form
+    heads_m, block_n, slack = _mla().mla_decode_form(ql, cache)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    got = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2)
-    assert torch.equal(got, _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, heads_m=heads_m,
+    got = _mla().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2)
+    assert torch.equal(got, _mla().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, heads_m=heads_m,
                                                     block_n=block_n, rescale_slack=slack))
-    other = _tri().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, heads_m=not heads_m, block_n=32,
+    other = _mla().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, heads_m=not heads_m, block_n=32,
                                     rescale_slack=0.0)
     tol = 1e-2 if qdtype == torch.bfloat16 else 1e-5
     assert float((other.float() - got.float()).norm() / got.float().norm()) < tol
@@ -362,8 +366,8 @@ def test_padded_table_width_changes_nothing():
         write_mla_kv(mla, torch.randn(n, r, generator=g).to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
                      slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
     ql, qr = torch.randn(2, 4, r, generator=g).to(DEVICE), torch.randn(2, 4, p, generator=g).to(DEVICE)
-    narrow_out = _tri().paged_decode_mla(ql, qr, mla, table, seq_lens, 0.2, split_tokens=BS)
-    assert torch.equal(_tri().paged_decode_mla(ql, qr, mla, wide, seq_lens, 0.2, split_tokens=BS), narrow_out)
+    narrow_out = _mla().paged_decode_mla(ql, qr, mla, table, seq_lens, 0.2, split_tokens=BS)
+    assert torch.equal(_mla().paged_decode_mla(ql, qr, mla, wide, seq_lens, 0.2, split_tokens=BS), narrow_out)
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(mla), table.cpu(), seq_lens.cpu(), 0.2)
     torch.testing.assert_close(narrow_out.cpu(), want, rtol=2e-5, atol=2e-5)
 
@@ -390,7 +394,7 @@ def test_max_splits_lengthens_splits_of_long_sequences():
         write_mla_kv(mla, torch.randn(n, r, generator=g).to(DEVICE), torch.randn(n, p, generator=g).to(DEVICE),
                      slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
     ql, qr = torch.randn(2, 4, r, generator=g).to(DEVICE), torch.randn(2, 4, p, generator=g).to(DEVICE)
-    got = _tri().paged_decode_mla(ql, qr, mla, table, seq_lens, 0.2, split_tokens=BS, max_splits=2)
+    got = _mla().paged_decode_mla(ql, qr, mla, table, seq_lens, 0.2, split_tokens=BS, max_splits=2)
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(mla), table.cpu(), seq_lens.cpu(), 0.2)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
 

@@ -55,7 +55,7 @@ def test_gqa_bf16_queries(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_mla_bf16_queries(fmt):
-    from moet.kernels import attention_triton, mla_prefill_triton
+    from moet.kernels import mla_decode_triton, mla_prefill_triton
     g = _gen()
     r, p = 32, 16
     seqs = [(BS + 5, 6), (7, 7)]
@@ -68,7 +68,7 @@ def test_mla_bf16_queries(fmt):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     ql, qr = torch.randn(2, 4, r, generator=g).to(DEVICE, BF16), torch.randn(2, 4, p, generator=g).to(DEVICE, BF16)
     want = ref.paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2)
-    got = attention_triton.paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=BS)
+    got = mla_decode_triton.paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=BS)
     # bf16 dots round q, P and the dequantized latent: with an fp8 cache the error reaches ~0.95%
     # on some random draws (25 seeds, 2026-11-29), so 1e-2 was flaky; a layout bug is O(1)
     assert got.dtype == BF16 and _rel(got, want) < 2e-2

@@ -104,8 +104,8 @@ def test_chunked_equals_one_shot_and_last_row_equals_decode(form):
     second = tri.paged_prefill_mla(ql[split:], qr[split:], cache, table, torch.tensor([0, n - split], **i32),
                                    lens, 0.2, **kw)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=2e-5, atol=2e-5)
-    from moet.kernels import attention_triton
-    dec = attention_triton.paged_decode_mla(ql[-1:], qr[-1:], cache, table, lens, 0.2, split_tokens=BS,
+    from moet.kernels import mla_decode_triton
+    dec = mla_decode_triton.paged_decode_mla(ql[-1:], qr[-1:], cache, table, lens, 0.2, split_tokens=BS,
                                             **{k: v for k, v in form.items() if k != "block_n"})
     torch.testing.assert_close(whole[-1:], dec, rtol=2e-5, atol=2e-5)
     with pytest.raises(ConfigError, match="block_h"):
@@ -115,14 +115,14 @@ def test_chunked_equals_one_shot_and_last_row_equals_decode(form):
 
 @pytest.mark.parametrize("qdtype,heads_m", [(torch.bfloat16, True), (torch.float32, False)], ids=["bf16-q", "fp32-q"])
 def test_default_prefill_form_is_the_decodes(qdtype, heads_m):
-    """The prefill's default tile form is the decode's (attention_triton.mla_decode_form): rows as
+    """The prefill's default tile form is the decode's (mla_decode_triton.mla_decode_form): rows as
     M over 64 keys for bf16 queries over a bf16 cache (H200 run 25d: +34% at 8K), transposed for
     fp32 queries; bit-identical to that form given explicitly, and to the reference."""
-    from moet.kernels import attention_triton
+    from moet.kernels import mla_decode_triton
     g = _gen()
     cache, table, cu, lens, ql, qr = _setup(KVFormat("auto", dtype=torch.bfloat16), [(3 * BS + 5, 2 * BS + 1)], 4, g)
     ql, qr = ql.to(qdtype), qr.to(qdtype)
-    assert attention_triton.mla_decode_form(ql, cache).heads_m == heads_m
+    assert mla_decode_triton.mla_decode_form(ql, cache).heads_m == heads_m
     got = _tri().paged_prefill_mla(ql, qr, cache, table, cu, lens, 0.2)
     assert torch.equal(got, _tri().paged_prefill_mla(ql, qr, cache, table, cu, lens, 0.2, heads_m=heads_m,
                                                      block_n=64 if heads_m else 32))

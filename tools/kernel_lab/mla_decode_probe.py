@@ -142,7 +142,7 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="also time paged_prefill_mla on one prompt of this "
                                                            "many tokens, PREFILL_VARIANTS")
     args = ap.parse_args()
-    from moet.kernels import attention_triton as at
+    from moet.kernels import mla_decode_triton as md
     from moet.kernels.attention_reference import paged_decode_mla as ref_decode
     from moet.kernels.kv_cache import KVFormat, mla_bytes_per_token
     os.makedirs(args.out, exist_ok=True)
@@ -169,7 +169,7 @@ def main() -> int:
                 out = torch.empty(batch, H, R, device="cuda", dtype=torch.bfloat16)
                 split = dict(split_tokens=64)             # the engine's (attention_ops.DEFAULT_SPLIT_TOKENS)
                 try:
-                    run = lambda: at.paged_decode_mla(ql, qr, cache, table, lens, scale, out=out, **split, **kw)
+                    run = lambda: md.paged_decode_mla(ql, qr, cache, table, lens, scale, out=out, **split, **kw)
                     run()
                     torch.cuda.synchronize()
                     got = out.clone()
@@ -198,10 +198,10 @@ def main() -> int:
     for name, _ in variants:
         row = {(r["batch"], r["kv"]): r.get("tflops", 0) for r in recs if r["variant"] == name and "batch" in r}
         lines.append(f"| {name} | " + " | ".join(f"{row.get(k, 0):.1f}" for k in keys) + " |")
-    md = "TFLOP/s\n" + "\n".join(lines)
-    print(md)
+    table_md = "TFLOP/s\n" + "\n".join(lines)
+    print(table_md)
     with open(os.path.join(args.out, "mla_decode_probe.md"), "w") as f:
-        f.write(md + "\n")
+        f.write(table_md + "\n")
     bad = [r for r in recs if "error" not in r and (not r["rerun_identical"]
                                                   or (r["rel_err_vs_reference"] or 0) > 2e-2)]
     return 1 if bad else 0

@@ -91,7 +91,7 @@ def gqa_cache(fmt, lens, hkv, d, dev, gen):
 
 def run(args) -> dict:
     from moet.kernels import attention_reference as ref
-    from moet.kernels import attention_triton as at
+    from moet.kernels import mla_decode_triton as md
     from moet.kernels import mla_prefill_triton as mp
     from moet.kernels import prefill_triton as pt
     from moet.kernels.kv_cache import KVFormat
@@ -119,7 +119,7 @@ def run(args) -> dict:
         ql, qr = torch.randn(1, h, r, generator=gen).to(dev, dt), torch.randn(1, h, p, generator=gen).to(dev, dt)
         lens = torch.tensor(short, dtype=torch.int32, device=dev)
         want = ref.paged_decode_mla(ql.cpu().float(), qr.cpu().float(), _cpu_mla(cache), table.cpu(), lens.cpu(), scale)
-        chk = {s: relerr(at.paged_decode_mla(ql, qr, cache, table, lens, scale, rescale_slack=s).cpu(), want) for s in SLACKS}
+        chk = {s: relerr(md.paged_decode_mla(ql, qr, cache, table, lens, scale, rescale_slack=s).cpu(), want) for s in SLACKS}
         del cache
         for bsz in batches:
             blens = [ctx] * bsz
@@ -127,8 +127,8 @@ def run(args) -> dict:
             ql = torch.randn(bsz, h, r, generator=gen).to(dev, dt)
             qr = torch.randn(bsz, h, p, generator=gen).to(dev, dt)
             lens = torch.tensor(blens, dtype=torch.int32, device=dev)
-            outs = {s: at.paged_decode_mla(ql, qr, cache, table, lens, scale, rescale_slack=s) for s in SLACKS}
-            ms = {s: timer(lambda s=s: at.paged_decode_mla(ql, qr, cache, table, lens, scale, rescale_slack=s))
+            outs = {s: md.paged_decode_mla(ql, qr, cache, table, lens, scale, rescale_slack=s) for s in SLACKS}
+            ms = {s: timer(lambda s=s: md.paged_decode_mla(ql, qr, cache, table, lens, scale, rescale_slack=s))
                   for s in SLACKS}
             kv_bytes = cache.buffer[: sum(-(-n // BS) for n in blens)].numel() * cache.buffer.element_size()
             flop = 2.0 * bsz * h * ctx * (r + p + r)

@@ -224,7 +224,8 @@ class Bench:
 
     def checks(self) -> None:
         from moet.kernels import attention_reference as ref
-        from moet.kernels import attention_triton, kv_cache, kv_write_triton, mla_prefill_triton, prefill_triton
+        from moet.kernels import (attention_triton, kv_cache, kv_write_triton, mla_decode_triton, mla_prefill_triton,
+                                  prefill_triton)
         gen = torch.Generator().manual_seed(int(time.time()) % 2**31)     # fresh inputs every run
         dec_lens = [1, 15, 16, 17, 255, 1000, 3001, 4103] if not self.smoke else [1, 15, 17, 40]
         pre = ([(1000, 1000), (3000, 517), (17, 1), (300, 0), (2053, 2053)] if not self.smoke
@@ -279,8 +280,8 @@ class Bench:
                     for _ in range(2):
                         self.poison_allocator()
                         out = torch.full_like(want, float("nan"))
-                        attention_triton.paged_decode_mla(ql, qr, cache, table, lens, m.scale, split_tokens=split,
-                                                          out=out)
+                        mla_decode_triton.paged_decode_mla(ql, qr, cache, table, lens, m.scale, split_tokens=split,
+                                                           out=out)
                         runs.append(out)
                     self.check(f"mla decode {fname} q {str(qd)[6:]} split {split}", runs[0], want, tol[qd], runs[1])
             # MLA prefill / extend
@@ -422,7 +423,7 @@ class Bench:
 
     def decode(self, bw: dict) -> None:
         """bw: the references of bandwidth(), {"copy": GB/s, "gemv": GB/s}."""
-        from moet.kernels import attention_triton
+        from moet.kernels import attention_triton, mla_decode_triton
         ctxs = (1024, 8192, 32768, 131072) if not self.smoke else (48,)    # whole pages, as the table below
         batches = (1, 32) if not self.smoke else (1, 2)
         splits = ({a: SPLITS for a in ("gqa", "mla")} if not self.smoke else
@@ -465,10 +466,10 @@ class Bench:
                             qr = torch.randn(batch, a.num_heads, a.qk_rope_head_dim, device=self.dev,
                                              dtype=torch.bfloat16)
                             out = torch.empty_like(ql)
-                            run = lambda s: attention_triton.paged_decode_mla(ql, qr, cache, table, lens, a.scale,
-                                                                              split_tokens=s[0], max_splits=s[1],
-                                                                              out=out)
-                            run_on = lambda s, c, o: attention_triton.paged_decode_mla(
+                            run = lambda s: mla_decode_triton.paged_decode_mla(ql, qr, cache, table, lens, a.scale,
+                                                                               split_tokens=s[0], max_splits=s[1],
+                                                                               out=out)
+                            run_on = lambda s, c, o: mla_decode_triton.paged_decode_mla(
                                 ql, qr, c, table, lens, a.scale, split_tokens=s[0], max_splits=s[1], out=o)
                         by_split, setting_of = {}, {}
                         # absorbed MLA decode is compute-bound at 128 heads (~240 FLOP per bf16 KV byte):

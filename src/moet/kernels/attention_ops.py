@@ -11,7 +11,7 @@ fresh tensors per layer. Tests that want the Triton path on CPU call the Triton 
 count changes the last bits of a decode row, and greedy output must not depend on what else
 was scheduled in the same step (the Triton decode splits a sequence by its own length only;
 its cap on splits per sequence -- attention_triton.GQA_DEFAULT_MAX_SPLITS / DEFAULT_MAX_SPLITS
-for MLA -- and MLA's heads per program, MLA_BLOCK_H, are fixed too).
+for MLA -- and MLA's heads per program, mla_decode_triton.MLA_BLOCK_H, are fixed too).
 """
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
                      seq_lens: torch.Tensor, scale: float, *,
                      split_tokens: int = DEFAULT_SPLIT_TOKENS) -> torch.Tensor:
     if _on_gpu(cache.buffer):
-        from moet.kernels import attention_triton
-        return attention_triton.paged_decode_mla(q_latent, q_rope, cache, block_tables, seq_lens, scale,
-                                                 split_tokens=split_tokens)
+        from moet.kernels import mla_decode_triton
+        return mla_decode_triton.paged_decode_mla(q_latent, q_rope, cache, block_tables, seq_lens, scale,
+                                                  split_tokens=split_tokens)
     return ref.paged_decode_mla(q_latent, q_rope, cache, block_tables, seq_lens, scale)
 
 

@@ -6,7 +6,7 @@ Absorbed MLA is MQA over the cached rows: one shared key row [latent (R) | rope 
 values = latent, `score = scale * (q_latent . latent + q_rope . k_rope)`; the output stays in the
 latent space ([Tq, H, R]; mla_output applies W_UV).
 Grid (ceil(H / BLOCK_H), B, ceil(max_q_len / BLOCK_M)): one program = one sequence, a block of
-BLOCK_H heads (default 64, attention_triton.MLA_BLOCK_H) and a tile of BLOCK_M query tokens
+BLOCK_H heads (default 64, mla_decode_triton.MLA_BLOCK_H) and a tile of BLOCK_M query tokens
 (default 1), packed as BLOCK_M * BLOCK_H rows (row r = token r // BLOCK_H, head r % BLOCK_H), so
 every latent tile is read once per program for all of them; the head blocks of one query tile are
 adjacent in launch order (the second reads from L2). The program walks the keys from 0 to its
@@ -14,7 +14,7 @@ tile's last query position in tiles of 32 or 64 keys (the tile form's) across pa
 DeepSeek-V3 and Kimi-K2 have no sliding window), online softmax in fp32, and writes the normalised
 output once: no split-K, no atomics, a fixed tile order -> bit-identical run to run. Two tile
 forms, as the decode's: the rows as the MMAs' M over 64 keys a step (_mla_prefill_tile, both
-dots on wgmma; the default where attention_triton.mla_decode_form takes it), or transposed
+dots on wgmma; the default where mla_decode_triton.mla_decode_form takes it), or transposed
 (scores^T = tile @ q^T, out^T += tile^T @ P^T over 32 keys: the queries are the dots'
 shared-memory operand; sm_90 AOT at 64 heads, 8 warps: bf16 219 registers, no spills).
 Scores are the sum of two dots (latent, rope), so the 576-wide row is never padded to 1024.
@@ -36,9 +36,10 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_HM_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS,
-                                           RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots,
-                                           _mla_load_tile, _mla_softmax_pv, _mma, _pow2, _slack, mla_decode_form)
+from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mma,
+                                           _pow2, _slack)
+from moet.kernels.mla_decode_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_HM_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS,
+                                            _mla_load_tile, _mla_softmax_pv, mla_decode_form)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -51,7 +52,7 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
                       BLOCK_SIZE: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
                       NG: tl.constexpr, BF16_DOT: tl.constexpr, SLACK: tl.constexpr, HEADS_M: tl.constexpr):
     """Keys k0 .. k0 + BLOCK_N (several pages; masked past `last`, the tile's last query position)
-    for all rows of the program, in the decode kernel's two forms (attention_triton._mla_decode_tile):
+    for all rows of the program, in the decode kernel's two forms (mla_decode_triton._mla_decode_tile):
     HEADS_M scores [rows, keys] = q @ tile^T, out [rows, R] += P @ tile; else transposed, scores^T
     [keys, rows] = tile @ q^T, out^T [R, rows] += tile^T @ P^T; causal per row."""
     kpos = k0 + j
@@ -66,7 +67,7 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
     else:
         s = (_mma(lat, tl.trans(ql), BF16_DOT) + _mma(rope, tl.trans(qr), BF16_DOT)) * qk_scale   # [BLOCK_N, rows]
         s = tl.where(kpos[:, None] <= qpos[None, :], s, float("-inf"))
-    # lazy or eager (attention_triton._mla_softmax_pv; lazily, chunked prompts still sum the same);
+    # lazy or eager (mla_decode_triton._mla_softmax_pv; lazily, chunked prompts still sum the same);
     # padding rows see no key
     return _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK, True, BF16_DOT, not HEADS_M)
 
@@ -154,7 +155,7 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     rescale_slack: attention_triton.RESCALE_SLACK unless given (0: the eager online softmax).
     heads_m: the rows as the MMAs' M (the decode's heads-as-M tile; ~216 KiB of shared memory at
     64 keys a step) or the transposed tile. By
-    default the decode's choice (attention_triton.mla_decode_form) unless a rescale_slack > 0 is
+    default the decode's choice (mla_decode_triton.mla_decode_form) unless a rescale_slack > 0 is
     given: H200 run 25d, one 8K prompt, +34% bf16 / +49% fp8_ds_mla over the transposed tile.
     block_n: keys a step (default MLA_HM_BLOCK_N with heads_m, else MLA_BLOCK_N)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
