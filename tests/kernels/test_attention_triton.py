@@ -416,3 +416,34 @@ def test_fused_merge_gives_the_merge_kernels_result(fmt, lens, hq, hkv, d, windo
     assert int(at._merge_counters(q.device, 1).abs().sum()) == 0
     assert torch.equal(one, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split,
                                                 fused_merge=True))
+
+
+def test_device_gates_of_the_default_forms(monkeypatch):
+    """The defaults that need a newer GPU fall back on older ones: fp8_words needs sm_89+ (the
+    paired e4m3 conversion), the heads-as-M MLA tile ~217 KiB of shared memory per block (an A100
+    has 163 KiB, an L40 99 KiB); the interpreter (non-CUDA devices) takes the H200's forms."""
+    from moet.kernels import attention_triton, mla_decode_triton
+    cuda = torch.device("cuda")
+    for cap, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(attention_triton, "device_capability", lambda d, cap=cap: cap)
+        assert attention_triton.fp8_words_device_ok(cuda) is ok
+    for kib, ok in ((99, False), (163, False), (227, True), (228, True)):
+        monkeypatch.setattr(mla_decode_triton, "device_shared_memory", lambda d, kib=kib: kib * 1024)
+        assert mla_decode_triton.mla_heads_m_fits(cuda) is ok
+    assert attention_triton.fp8_words_device_ok(torch.device("cpu"))
+    assert mla_decode_triton.mla_heads_m_fits(torch.device("cpu"))
+
+
+def test_explicit_heads_m_too_big_for_the_device_is_a_clear_error(monkeypatch):
+    """heads_m=True at DeepSeek-V3's shape (64 heads, R 512 + P 64, 64-token steps: ~216 KiB) on a
+    GPU with 163 KiB of shared memory per block is refused up front, naming the flag that fixes it;
+    it passes on 227 KiB, and 32-token steps fit the smaller device."""
+    from moet.kernels import mla_decode_triton as md
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(md, "_INTERPRET", False)
+    monkeypatch.setattr(md, "device_shared_memory", lambda d: 163 * 1024)
+    with pytest.raises(ConfigError, match="heads_m=False"):
+        md.check_heads_m_fits(cuda, 64, 512, 64, 64, "paged decode mla")
+    md.check_heads_m_fits(cuda, 64, 512, 64, 32, "paged decode mla")
+    monkeypatch.setattr(md, "device_shared_memory", lambda d: 227 * 1024)
+    md.check_heads_m_fits(cuda, 64, 512, 64, 64, "paged decode mla")

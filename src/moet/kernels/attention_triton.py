@@ -52,6 +52,7 @@ from moet.errors import ConfigError
 from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_shape_key, lookup_gqa_decode
 from moet.kernels.grid_sync import COUNTERS, acquired, device_counters, signal
 from moet.kernels.kv_cache import GQALayerKV
+from moet.kernels.launch_tables import device_capability
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.pdl import pdl_enter, pdl_launch
 
@@ -632,17 +633,24 @@ def gqa_decode_launch(q: torch.Tensor, cache: GQALayerKV, tile_tokens: int | Non
 F8W_MIN_HEAD_DIM = 64      # a byte slot's dots have K = head_dim / 4, and the GPU's tl.dot needs K >= 16
 
 
+def fp8_words_device_ok(device: torch.device) -> bool:
+    """The words' paired conversion (cvt.rn.f16x2.e4m3x2) needs sm_89 or later; elsewhere (the
+    interpreter) Triton converts byte by byte."""
+    return device.type != "cuda" or device_capability(device) >= (8, 9)
+
+
 def gqa_fp8_words_applies(q: torch.Tensor, cache: GQALayerKV, swap_ab: bool = False) -> bool:
     """Whether paged_decode_gqa can read this cache as int32 words (fp8_words): an fp8 cache whose
     scales are per tensor or per token-head (a group spans the head), bf16 queries, power-of-two
-    head dims of at least F8W_MIN_HEAD_DIM, word-aligned page / token / head strides, not swap_ab."""
+    head dims of at least F8W_MIN_HEAD_DIM, word-aligned page / token / head strides, not swap_ab,
+    a device with the paired e4m3 conversion (fp8_words_device_ok)."""
     fmt = cache.fmt
     d, dv = cache.k.shape[-1], cache.v.shape[-1]
     strides = (*cache.k.stride()[:3], *cache.v.stride()[:3])
     return (fmt.is_fp8 and _bf16_dots(q) and not swap_ab
             and not (fmt.block_scaled and fmt.group < max(d, dv))
             and all(x == _pow2(x) and x >= F8W_MIN_HEAD_DIM for x in (d, dv))
-            and not any(x % 4 for x in strides))
+            and not any(x % 4 for x in strides) and fp8_words_device_ok(q.device))
 
 
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,

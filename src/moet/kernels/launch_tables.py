@@ -29,6 +29,12 @@ def device_shared_memory(device: torch.device) -> int:
 
 
 @lru_cache(maxsize=None)
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability ((9, 0) on an H100 / H200); (0, 0) for other devices."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else (0, 0)
+
+
+@lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
     """torch's name of a CUDA device ("NVIDIA H200"), else the device type ("cpu")."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -223,12 +223,32 @@ class MLADecodeForm(NamedTuple):
     slack: float          # the lazy-rescale slack (0: eager)
 
 
+def mla_heads_m_fits(device: torch.device) -> bool:
+    """Whether the heads-as-M 64-token tile's ~217 KiB of shared memory fits one block of this
+    device (MLA_HM_MIN_SHARED: H100 / H200 227 KiB; not A100's 163 or sm_86 / sm_89's 99). Devices
+    other than CUDA (the interpreter) take the GPU's form."""
+    return device.type != "cuda" or device_shared_memory(device) >= MLA_HM_MIN_SHARED
+
+
+def check_heads_m_fits(device: torch.device, rows: int, r: int, p: int, block_n: int, what: str) -> None:
+    """A clear error instead of Triton's out-of-resources at launch when an explicit heads_m tile
+    does not fit this device's shared memory. Estimate (within ~4% of sm_90 AOT builds): the
+    [rows, R + P] queries and two [block_n, R + P] tiles, all 16-bit."""
+    if device.type != "cuda" or _INTERPRET:
+        return
+    need, have = 2 * (rows + 2 * block_n) * (_pow2(r) + _pow2(p)), device_shared_memory(device)
+    if need > have:
+        raise ConfigError(f"{what} (triton): heads_m with {rows} rows and {block_n}-token steps needs ~{need // 1024} "
+                          f"KiB of shared memory per block, this GPU has {have // 1024} KiB; pass heads_m=False "
+                          "(the transposed tile, the default there) or a smaller block_n")
+
+
 def mla_decode_form(q_latent: torch.Tensor, cache: MLALayerKV) -> MLADecodeForm:
     """The MLA decode's default form for these queries, this cache and device (see MLA_HM_BLOCK_N):
     a function of the query dtype, the cache format and the device, never of the batch, so a
     model's bits do not depend on the batch. The interpreter takes the GPU's form."""
     fmt = cache.fmt
-    roomy = _INTERPRET or device_shared_memory(q_latent.device) >= MLA_HM_MIN_SHARED
+    roomy = _INTERPRET or mla_heads_m_fits(q_latent.device)
     if roomy and _bf16_dots(q_latent) and not (fmt.is_fp8 and not fmt.block_scaled):
         return MLADecodeForm(True, MLA_HM_BLOCK_N, RESCALE_SLACK)
     bf16_cache = cache.latent.dtype == torch.bfloat16
@@ -273,6 +293,8 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     block_n = block_n or (form.block_n if heads_m == form.heads_m else MLA_HM_BLOCK_N if heads_m else MLA_BLOCK_N)
     if block_n < 16 or block_n & (block_n - 1):
         raise ConfigError(f"paged decode mla (triton): block_n must be a power of two >= 16, got {block_n}")
+    if heads_m:
+        check_heads_m_fits(q_latent.device, block_h, r, p, block_n, "paged decode mla")
     acc = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_latent.device)
     m = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_latent.device)
     l_ = torch.empty_like(m)

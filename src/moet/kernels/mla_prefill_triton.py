@@ -39,7 +39,7 @@ from moet.errors import ConfigError
 from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mma,
                                            _pow2, _slack)
 from moet.kernels.mla_decode_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_HM_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS,
-                                            _mla_load_tile, _mla_softmax_pv, mla_decode_form)
+                                            _mla_load_tile, _mla_softmax_pv, check_heads_m_fits, mla_decode_form)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -188,6 +188,8 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     slack = _slack(rescale_slack)
     heads_m = (mla_decode_form(q_latent, cache).heads_m and slack == 0) if heads_m is None else heads_m
     block_n = block_n or (MLA_HM_BLOCK_N if heads_m else MLA_BLOCK_N)
+    if heads_m:
+        check_heads_m_fits(q_latent.device, block_h * block_m, r, p, block_n, "paged MLA prefill")
     ls = cache.latent_scale if cache.latent_scale is not None else out     # any pointer; never read
     ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
     _mla_prefill_kernel[(triton.cdiv(h, block_h), b, triton.cdiv(max_seqlen_q, block_m))](
