@@ -54,13 +54,8 @@ VARIANTS = [
 
 
 def time_ms(fn) -> float:
-    import triton
-
-    from moet.bench.timing import graphed
-    run, err = graphed(fn)
-    if err is not None:
-        raise err
-    return float(triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median"))
+    from moet.bench.timing import graph_time_ms
+    return graph_time_ms(fn)
 
 
 def make_cache(fmt, nb: int, seed: int):

@@ -69,6 +69,17 @@ def graphed(fn):
         return fn, exc
 
 
+def graph_time_ms(fn, *, warmup_ms: int = 10, rep_ms: int = 40) -> float:
+    """Median ms of one replay of fn captured in a CUDA graph (graphed; a capture failure is
+    raised, not timed eagerly), under triton.testing.do_bench (L2 flushed before every run): the
+    kernel-lab probes' timer."""
+    import triton.testing
+    run, err = graphed(fn)
+    if err is not None:
+        raise err
+    return float(triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
 def bf16_gemv_bandwidth(device: torch.device, n: int = 32768, k: int = 7168) -> dict:
     """A bf16 GEMV (one token, W [n, k]) as the memory reference: GB/s counted on W's bytes."""
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
