@@ -77,8 +77,8 @@ def _natural_order(w: torch.Tensor) -> torch.Tensor:
 def to_e4w(codes_v1: torch.Tensor) -> torch.Tensor:
     n, k = codes_v1.shape[0], codes_v1.shape[1] * 4
     c = _words_order(unpack_v1(codes_v1))                        # [N, J, p, i]
-    p = torch.arange(4).view(1, 1, 4, 1)
-    i = torch.arange(4).view(1, 1, 1, 4)
+    p = torch.arange(4, device=c.device).view(1, 1, 4, 1)
+    i = torch.arange(4, device=c.device).view(1, 1, 1, 4)
     shift = 16 * (p >> 1) + 4 * i + 2 * (p & 1)
     words = (c << shift).sum(dim=(2, 3))                         # disjoint bits: sum == or
     b = torch.stack([(words >> (8 * q)) & 0xFF for q in range(4)], dim=-1)
@@ -89,8 +89,8 @@ def from_e4w(e4w: torch.Tensor) -> torch.Tensor:
     n, kb = e4w.shape
     b = e4w.to(torch.int64).reshape(n, kb // 4, 4)
     words = sum(b[..., q] << (8 * q) for q in range(4))          # [N, J]
-    p = torch.arange(4).view(1, 1, 4, 1)
-    i = torch.arange(4).view(1, 1, 1, 4)
+    p = torch.arange(4, device=e4w.device).view(1, 1, 4, 1)
+    i = torch.arange(4, device=e4w.device).view(1, 1, 1, 4)
     shift = 16 * (p >> 1) + 4 * i + 2 * (p & 1)
     c = _natural_order((words[:, :, None, None] >> shift) & 3)   # [N, K]
     c = c.reshape(n, kb, 4)
@@ -174,9 +174,41 @@ def _plain_slot(c_ptr, row_off, e, p: tl.constexpr, d):
 
 
 @triton.jit
+def _chunk_part(c_ptr, row_off, x_ptr, xo, tm, s, ref, sel, e, K: tl.constexpr, BN: tl.constexpr,
+                BM: tl.constexpr, USE_ASM: tl.constexpr):
+    """[BN, BM] fp32 = sum over one 256-chunk of level * 2^(s - ref) * x for the groups in sel
+    ([BN, 8]; the others count 0); ref [BN]."""
+    if USE_ASM:
+        c = tl.load(c_ptr + row_off[:, None] + e[None, :])                                      # [BN, 64] u8
+        lut = tl.where(sel, s * 0x08080808 + (0x4838B8C8 - ref * 0x08080808)[:, None], 0)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            E4W_ASM, "=r,=r,=r,=r,r,r,r,r,r", [c.to(tl.int8, bitcast=True), _per_element(lut, BN)],
+            dtype=(tl.float8e4nv,) * 4, is_pure=True, pack=4)
+        x0 = tl.load(x_ptr + xo, mask=tm[:, None], other=0.0)
+        x1 = tl.load(x_ptr + xo + K // 4, mask=tm[:, None], other=0.0)
+        x2 = tl.load(x_ptr + xo + 2 * (K // 4), mask=tm[:, None], other=0.0)
+        x3 = tl.load(x_ptr + xo + 3 * (K // 4), mask=tm[:, None], other=0.0)
+        part = tl.dot(w0, tl.trans(x0))
+        part = tl.dot(w1, tl.trans(x1), part)
+        part = tl.dot(w2, tl.trans(x2), part)
+        part = tl.dot(w3, tl.trans(x3), part)
+    else:
+        # exp2(-200) = 0 in fp32: the groups outside sel
+        d = _per_element(tl.where(sel, s - ref[:, None], -200), BN)
+        part = tl.zeros((BN, BM), dtype=tl.float32)
+        for p in tl.static_range(4):
+            xp = tl.load(x_ptr + xo + p * (K // 4), mask=tm[:, None], other=0.0).to(tl.float32)
+            part = tl.dot(_plain_slot(c_ptr, row_off, e, p, d), tl.trans(xp), part, input_precision="ieee")
+    return part
+
+
+@triton.jit
 def _w2e4_gemv_kernel(c_ptr, s_ptr, ref_ptr, flag_ptr, x_ptr, xs_ptr, y_ptr, T,
                       N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                      USE_ASM: tl.constexpr, EXACT_PATH: tl.constexpr):
+                      USE_ASM: tl.constexpr, EXACT_ONLY: tl.constexpr, SPLIT_K: tl.constexpr = 1):
+    """EXACT_ONLY False: y = the fast path over every chunk (the flagged rows' chunks count 0);
+    True: y += the flagged chunks, exactly (a second launch, only for pools that have any: kept
+    out of the first kernel, whose registers, and so occupancy, it would otherwise raise)."""
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     CH: tl.constexpr = K // 256
@@ -185,80 +217,74 @@ def _w2e4_gemv_kernel(c_ptr, s_ptr, ref_ptr, flag_ptr, x_ptr, xs_ptr, y_ptr, T,
     t = tl.arange(0, BM)
     tm = t < T
     row_c = rows.to(tl.int64) * (K // 4)
+    # split-K: program (pid, ks) takes chunks [ks CH / SPLIT_K, (ks + 1) CH / SPLIT_K) and writes
+    # its own partial y[ks] (summed in split order by the consumer; not with EXACT_ONLY)
+    ks = tl.program_id(1)
+    y_ptr += ks * T * N
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for ch in range(CH):
+    for ch in range(ks * (CH // SPLIT_K), 0 if EXACT_ONLY else (ks + 1) * (CH // SPLIT_K)):
         s = tl.load(s_ptr + rows[:, None] * (K // 32) + ch * 8 + g[None, :]).to(tl.int32)     # [BN, 8]
         ref = tl.load(ref_ptr + rows * CH + ch).to(tl.int32)                                     # [BN]
         xo = t[:, None] * K + ch * 64 + e[None, :]
-        if USE_ASM:
-            c = tl.load(c_ptr + row_c[:, None] + ch * 64 + e[None, :])                            # [BN, 64] u8
-            # scale byte 0 (an all-zero block): table 0, every level +0. ref 0 (an exact-path row)
-            # leaves other finite bytes (multiples of 8 plus at most a carry: never 0x7F / 0xFF,
-            # the NaNs), which f = 0 below zeroes.
-            lut = tl.where(s == 0, 0, s * 0x08080808 + (0x4838B8C8 - ref * 0x08080808)[:, None])
-            w0, w1, w2, w3 = tl.inline_asm_elementwise(
-                E4W_ASM, "=r,=r,=r,=r,r,r,r,r,r", [c.to(tl.int8, bitcast=True), _per_element(lut, BN)],
-                dtype=(tl.float8e4nv,) * 4, is_pure=True, pack=4)
-            x0 = tl.load(x_ptr + xo, mask=tm[:, None], other=0.0)
-            x1 = tl.load(x_ptr + xo + K // 4, mask=tm[:, None], other=0.0)
-            x2 = tl.load(x_ptr + xo + 2 * (K // 4), mask=tm[:, None], other=0.0)
-            x3 = tl.load(x_ptr + xo + 3 * (K // 4), mask=tm[:, None], other=0.0)
-            part = tl.dot(w0, tl.trans(x0))
-            part = tl.dot(w1, tl.trans(x1), part)
-            part = tl.dot(w2, tl.trans(x2), part)
-            part = tl.dot(w3, tl.trans(x3), part)
-        else:
-            # exp2(-200) = 0 in fp32: byte 0, and the exact-path rows (their f is 0 too)
-            d = _per_element(tl.where((s == 0) | (ref == 0)[:, None], -200, s - ref[:, None]), BN)
-            part = tl.zeros((BN, BM), dtype=tl.float32)
-            for p in tl.static_range(4):
-                xp = tl.load(x_ptr + xo + p * (K // 4), mask=tm[:, None], other=0.0).to(tl.float32)
-                part = tl.dot(_plain_slot(c_ptr, row_c + ch * 64, e, p, d), tl.trans(xp), part,
-                              input_precision="ieee")
+        # scale byte 0 (an all-zero block) and the exact-path rows (ref 0; f = 0 too): table 0,
+        # every level +0
+        part = _chunk_part(c_ptr, row_c + ch * 64, x_ptr, xo, tm, s, ref, (s != 0) & (ref != 0)[:, None], e,
+                           K, BN, BM, USE_ASM)
         f = (ref << 23).to(tl.float32, bitcast=True)                  # 2^(ref - 127); ref 0 -> 0
         acc += part * f[:, None]
-    if EXACT_PATH:
+    if EXACT_ONLY:
         # chunks whose nonzero scales span more than 12 octaves (rare: flagged per 64 rows at
-        # conversion), exactly: bf16 weights level * 2^(s - 127), bf16 x (e4m3 is exact in bf16)
+        # conversion): the same decode and fp8 dots once per group, each pass with its own ref
+        # (the group's scale - 6) and every other group's table 0; the same registers as the
+        # main loop, so the occupancy of the common path does not pay for this one.
         for ch in range(CH):
             fl = tl.load(flag_ptr + (pid * BN // 64 + tl.arange(0, BN // 64)) * CH + ch)
             if tl.max(fl, 0) != 0:
                 s = tl.load(s_ptr + rows[:, None] * (K // 32) + ch * 8 + g[None, :]).to(tl.int32)
-                ref = tl.load(ref_ptr + rows * CH + ch).to(tl.int32)
-                d = _per_element(tl.where((s == 0) | (ref != 0)[:, None], -200, s - 127), BN)
+                flagged = tl.load(ref_ptr + rows * CH + ch) == 0
                 xo = t[:, None] * K + ch * 64 + e[None, :]
-                for p in tl.static_range(4):
-                    xp = tl.load(x_ptr + xo + p * (K // 4), mask=tm[:, None], other=0.0)
-                    wp = _plain_slot(c_ptr, row_c + ch * 64, e, p, d)
-                    if USE_ASM:
-                        acc = tl.dot(wp.to(tl.bfloat16), tl.trans(xp.to(tl.bfloat16)), acc)
-                    else:
-                        acc = tl.dot(wp, tl.trans(xp.to(tl.float32)), acc, input_precision="ieee")
+                for gg in range(8):
+                    sg = tl.sum(tl.where(g[None, :] == gg, s, 0), 1)                 # [BN]
+                    refg = tl.maximum(sg - 6, 1)
+                    sel = (g[None, :] == gg) & (s != 0)
+                    part = _chunk_part(c_ptr, row_c + ch * 64, x_ptr, xo, tm, s, refg, sel, e,
+                                       K, BN, BM, USE_ASM)
+                    fg = tl.where(flagged & (sg != 0), (refg << 23).to(tl.float32, bitcast=True), 0.0)
+                    acc += part * fg[:, None]
     xs = tl.load(xs_ptr + t, mask=tm, other=0.0)
-    y = acc * xs[None, :]
-    tl.store(y_ptr + t[None, :] * N + rows[:, None], y, mask=tm[None, :])
+    y_ptrs = y_ptr + t[None, :] * N + rows[:, None]
+    if EXACT_ONLY:
+        tl.store(y_ptrs, tl.load(y_ptrs, mask=tm[None, :]) + acc * xs[None, :], mask=tm[None, :])
+    else:
+        tl.store(y_ptrs, acc * xs[None, :], mask=tm[None, :])
 
 
 def w2e4_gemv(c, s, ref, flags, xperm, xs, *, bn=64, bm=16, num_warps=4, num_stages=4, exact_path=True,
-              use_asm=None, y=None):
+              use_asm=None, y=None, split_k=1):
+    """y [T, N] fp32 (split_k > 1: [split_k, T, N] partials, and no exact path)."""
     t, n, k = xs.shape[0], c.shape[0], c.shape[1] * 4
     if use_asm is None:
         use_asm = c.device.type == "cuda"
-    y = torch.empty(t, n, dtype=torch.float32, device=c.device) if y is None else y
+    if y is None:
+        y = torch.empty(*((split_k,) if split_k > 1 else ()), t, n, dtype=torch.float32, device=c.device)
     x = xperm if use_asm else xperm.float()
-    _w2e4_gemv_kernel[(n // bn,)](c, s, ref, flags, x, xs, y, t, N=n, K=k, BN=bn, BM=bm, USE_ASM=use_asm,
-                                  EXACT_PATH=exact_path, num_warps=num_warps, num_stages=num_stages)
+    _w2e4_gemv_kernel[(n // bn, split_k)](c, s, ref, flags, x, xs, y, t, N=n, K=k, BN=bn, BM=bm, USE_ASM=use_asm,
+                                          EXACT_ONLY=False, SPLIT_K=split_k, num_warps=num_warps,
+                                          num_stages=num_stages)
+    if exact_path:        # the caller's static knowledge (pool conversion): any flagged chunk at all
+        _w2e4_gemv_kernel[(n // 64,)](c, s, ref, flags, x, xs, y, t, N=n, K=k, BN=64, BM=bm, USE_ASM=use_asm,
+                                      EXACT_ONLY=True, num_warps=4, num_stages=1)
     return y
 
 
 # ================================================================================ AOT (CPU)
 
-def aot(bn=64, bm=16, warps=4, stages=4, k=7168, exact_path=True):
+def aot(bn=64, bm=16, warps=4, stages=4, k=7168, exact_only=False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = dict(c_ptr="*u8", s_ptr="*u8", ref_ptr="*u8", flag_ptr="*u8", x_ptr="*fp8e4nv", xs_ptr="*fp32",
                y_ptr="*fp32", T="i32")
-    const = dict(N=32768, K=k, BN=bn, BM=bm, USE_ASM=True, EXACT_PATH=exact_path)
+    const = dict(N=32768, K=k, BN=bn, BM=bm, USE_ASM=True, EXACT_ONLY=exact_only)
     fn = _w2e4_gemv_kernel
     full = {a: ("constexpr" if a in const else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (a, ty) in enumerate(full.items()) if ty.startswith("*")}
@@ -277,7 +303,7 @@ def main() -> int:
     if args.aot:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
         from tests.kernels.aot_compile import sass_report, _cuobjdump
-        for cfg in (dict(), dict(exact_path=False), dict(stages=6), dict(bn=128, warps=8)):
+        for cfg in (dict(), dict(bn=128), dict(bn=128, stages=3), dict(bn=64, stages=3), dict(exact_only=True, stages=1)):
             c = aot(**cfg)
             r = sass_report(c)
             bn = cfg.get("bn", 64)
@@ -299,8 +325,9 @@ def main() -> int:
 
 # ================================================================================ device run
 
-CONFIGS = (  # (BN, warps, stages)
-    (128, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 6), (256, 8, 4), (128, 8, 4), (64, 4, 6), (256, 8, 3))
+CONFIGS = (  # (BN, warps, stages[, split_k])
+    (128, 4, 3), (64, 4, 4), (64, 4, 3), (128, 4, 2), (64, 4, 2), (64, 4, 3, 2), (64, 4, 4, 2), (64, 4, 2, 2),
+    (64, 4, 3, 4), (128, 4, 3, 2))
 SHAPES = (("gate_up stack (DeepSeek-V3 8 x 2I 4096, K 7168)", 32768, 7168),
           ("down stack (DeepSeek-V3 8 x H 7168, K 2048)", 57344, 2048),
           ("one expert gate/up (N 4096, K 7168)", 4096, 7168),
@@ -343,7 +370,7 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
         xq, xs = quantize_x(x)
         xp = slot_major_x(xq)
         r = reference(codes, scales, xq, xs)
-        for bn, warps, stages in CONFIGS[:2] if cpu_dry else CONFIGS[:3] + CONFIGS[4:5]:
+        for bn, warps, stages in (CONFIGS[:2] if cpu_dry else CONFIGS[:4]):
             y = torch.full((t, n), float("nan"), device=dev)
             w2e4_gemv(c, scales, ref, flags, xp, xs, bn=bn, num_warps=warps, num_stages=stages, y=y)
             y2 = torch.full((t, n), float("nan"), device=dev)
@@ -355,6 +382,23 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
             good = err < 2e-3 and not rec["nan"] and rec["rerun_identical"] and rec["flagged_row70"] < 1e-3
             rec["ok"] = good
             ok &= good
+            rep["checks"].append(rec)
+            print(f"[{time.time() - t0:4.0f}s] check {rec}", flush=True)
+        # split-K partials (no exact path: scales without the injected wide-span chunk)
+        scales[70, 9] = scales[70, 8]
+        ref, flags = refs_and_flags(scales)
+        assert not bool(flags.any())
+        r = reference(codes, scales, xq, xs)
+        for split in (2, 4):
+            yp = torch.full((split, t, n), float("nan"), device=dev)
+            w2e4_gemv(c, scales, ref, flags, xp, xs, bn=64, num_stages=3, y=yp, split_k=split, exact_path=False)
+            y = yp[0].clone()
+            for j in range(1, split):
+                y += yp[j]
+            err = float((y.double() - r).norm() / r.norm())
+            rec = dict(n=n, k=k, t=t, bn=64, split_k=split, relerr=err, nan=bool(torch.isnan(y).any()))
+            rec["ok"] = err < 2e-3 and not rec["nan"]
+            ok &= rec["ok"]
             rep["checks"].append(rec)
             print(f"[{time.time() - t0:4.0f}s] check {rec}", flush=True)
         del r
@@ -370,6 +414,7 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
         for _ in range(nsets):
             codes, scales = _make(n, k, dev, gen)
             ref, flags = refs_and_flags(scales)
+            assert not bool(flags.any())           # scales 115..125: no chunk spans > 12
             sets.append((codes, scales, ref, flags))
         kb = nbytes // 2 // k
         ws = [torch.randn(kb, k, device=dev, dtype=torch.bfloat16) for _ in range(nsets)]
@@ -380,24 +425,29 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
             gemv = nbytes / gemv_ms / 1e6
             xq, xs = quantize_x(torch.randn(t, k, device=dev, generator=gen))
             xp = slot_major_x(xq)
-            ys = [torch.empty(t, n, device=dev) for _ in range(nsets)]
-            for bn, warps, stages in CONFIGS:
+            ys = [torch.empty(4, t, n, device=dev) for _ in range(nsets)]
+            for bn, warps, stages, *sk in CONFIGS:
+                split = sk[0] if sk else 1
                 if time.time() - t0 > budget_s:
                     print("budget: stop", flush=True)
                     save()
                     return 0 if ok else 1
                 try:
                     ms = graph_time_ms([lambda i=i: w2e4_gemv(*sets[i], xp, xs, bn=bn, num_warps=warps,
-                                                              num_stages=stages, y=ys[i])
+                                                              num_stages=stages, y=ys[i][:split], exact_path=False,
+                                                              split_k=split)
                                         for i in range(nsets)] * 2)
                 except Exception as exc:          # out of resources etc.: recorded, the rest goes on
-                    rep["timing"].append(dict(shape=name, t=t, bn=bn, warps=warps, stages=stages, error=repr(exc)[:300]))
+                    rep["timing"].append(dict(shape=name, t=t, bn=bn, warps=warps, stages=stages, split_k=split,
+                                              error=repr(exc)[:300]))
+                    print(f"{name} T {t} {bn} {warps} {stages} {split}: {exc!r}"[:300], flush=True)
                     continue
                 gbps = nbytes / ms / 1e6
-                rec = dict(shape=name, n=n, k=k, t=t, bn=bn, warps=warps, stages=stages, us=ms * 1e3, GBps=gbps,
+                rec = dict(shape=name, n=n, k=k, t=t, bn=bn, warps=warps, stages=stages, split_k=split, us=ms * 1e3,
+                           GBps=gbps,
                            bf16_gemv_equal_bytes_GBps=gemv, pct_of_gemv=100 * gbps / gemv)
                 rep["timing"].append(rec)
-                print(f"[{time.time() - t0:4.0f}s] {name} T {t} bn {bn} w {warps} s {stages}: {ms * 1e3:7.1f} us "
+                print(f"[{time.time() - t0:4.0f}s] {name} T {t} bn {bn} w {warps} s {stages} split {split}: {ms * 1e3:7.1f} us "
                       f"{gbps:6.0f} GB/s = {100 * gbps / gemv:5.1f}% of the bf16 GEMV ({gemv:.0f})", flush=True)
             save()
         del sets, ws
