@@ -222,16 +222,18 @@ def _w2e4_gemv_kernel(c_ptr, s_ptr, ref_ptr, flag_ptr, x_ptr, xs_ptr, y_ptr, T,
     ks = tl.program_id(1)
     y_ptr += ks * T * N
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for ch in range(ks * (CH // SPLIT_K), 0 if EXACT_ONLY else (ks + 1) * (CH // SPLIT_K)):
-        s = tl.load(s_ptr + rows[:, None] * (K // 32) + ch * 8 + g[None, :]).to(tl.int32)     # [BN, 8]
-        ref = tl.load(ref_ptr + rows * CH + ch).to(tl.int32)                                     # [BN]
-        xo = t[:, None] * K + ch * 64 + e[None, :]
-        # scale byte 0 (an all-zero block) and the exact-path rows (ref 0; f = 0 too): table 0,
-        # every level +0
-        part = _chunk_part(c_ptr, row_c + ch * 64, x_ptr, xo, tm, s, ref, (s != 0) & (ref != 0)[:, None], e,
-                           K, BN, BM, USE_ASM)
-        f = (ref << 23).to(tl.float32, bitcast=True)                  # 2^(ref - 127); ref 0 -> 0
-        acc += part * f[:, None]
+    if not EXACT_ONLY:
+        for i in range(CH // SPLIT_K):
+            ch = ks * (CH // SPLIT_K) + i
+            s = tl.load(s_ptr + rows[:, None] * (K // 32) + ch * 8 + g[None, :]).to(tl.int32)     # [BN, 8]
+            ref = tl.load(ref_ptr + rows * CH + ch).to(tl.int32)                                     # [BN]
+            xo = t[:, None] * K + ch * 64 + e[None, :]
+            # scale byte 0 (an all-zero block) and the exact-path rows (ref 0; f = 0 too): table 0,
+            # every level +0
+            part = _chunk_part(c_ptr, row_c + ch * 64, x_ptr, xo, tm, s, ref, (s != 0) & (ref != 0)[:, None], e,
+                               K, BN, BM, USE_ASM)
+            f = (ref << 23).to(tl.float32, bitcast=True)                  # 2^(ref - 127); ref 0 -> 0
+            acc += part * f[:, None]
     if EXACT_ONLY:
         # chunks whose nonzero scales span more than 12 octaves (rare: flagged per 64 rows at
         # conversion): the same decode and fp8 dots once per group, each pass with its own ref
@@ -263,6 +265,8 @@ def w2e4_gemv(c, s, ref, flags, xperm, xs, *, bn=64, bm=16, num_warps=4, num_sta
               use_asm=None, y=None, split_k=1):
     """y [T, N] fp32 (split_k > 1: [split_k, T, N] partials, and no exact path)."""
     t, n, k = xs.shape[0], c.shape[0], c.shape[1] * 4
+    if (k // CHUNK) % split_k or n % bn or n % FLAG_ROWS or k % CHUNK:
+        raise ValueError(f"w2e4_gemv: K {k} must split into {split_k} x whole 256-chunks, N {n} into BN {bn} / 64")
     if use_asm is None:
         use_asm = c.device.type == "cuda"
     if y is None:
@@ -389,7 +393,7 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
         ref, flags = refs_and_flags(scales)
         assert not bool(flags.any())
         r = reference(codes, scales, xq, xs)
-        for split in (2, 4):
+        for split in [sp for sp in (2, 4) if (k // 256) % sp == 0]:
             yp = torch.full((split, t, n), float("nan"), device=dev)
             w2e4_gemv(c, scales, ref, flags, xp, xs, bn=64, num_stages=3, y=yp, split_k=split, exact_path=False)
             y = yp[0].clone()
