@@ -175,6 +175,14 @@ def main() -> None:
         # the H200's 227 KB of shared memory per block: over it the launch fails on the GPU only
         assert c.metadata.shared <= 227 * 1024, f"mla decode needs {c.metadata.shared} B of shared memory"
         print("mla split", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]), "smem", c.metadata.shared)
+        # fp32 queries (the transposed tile, fp32 dots) at their default heads per program: with
+        # MLA_BLOCK_H (64) the fp32 query tile made this ~256 KB, over the H200's 227 KB
+        f32 = dict(types, ql_ptr="*fp32", qr_ptr="*fp32")
+        c = _compile(md._mla_decode_split_kernel, f32, dict(const, BLOCK_H=md.MLA_BLOCK_H_FP32, BF16_DOT=False),
+                     dict(num_warps=md.MLA_NUM_WARPS, num_stages=md.MLA_NUM_STAGES),
+                     div16=("s_qlb", "s_qlh", "s_qrb", "s_qrh", "s_lb", "s_lt", "s_btb", "pages_min"))
+        assert c.metadata.shared <= 227 * 1024, f"mla decode, fp32 queries, needs {c.metadata.shared} B of shared memory"
+        print("mla split fp32 q", lat, "scale kind", kind, "smem", c.metadata.shared)
         if kind != 1:
             hm = dict(const, BLOCK_N=md.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
             c = _compile(md._mla_decode_split_kernel, types, hm, dict(num_warps=md.MLA_NUM_WARPS,
@@ -195,6 +203,12 @@ def main() -> None:
                      dict(num_warps=md.MLA_NUM_WARPS, num_stages=md.MLA_NUM_STAGES))
         assert c.metadata.shared <= 227 * 1024, f"mla prefill needs {c.metadata.shared} B of shared memory"
         print("mla prefill", lat, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        f32 = dict(types, ql_ptr="*fp32", qr_ptr="*fp32", out_ptr="*fp32")
+        c = _compile(mp._mla_prefill_kernel, f32, dict(const, BLOCK_H=md.MLA_BLOCK_H_FP32, BF16_DOT=False),
+                     dict(num_warps=md.MLA_NUM_WARPS, num_stages=md.MLA_NUM_STAGES),
+                     div16=("s_qlt", "s_qlh", "s_qrt", "s_qrh", "s_lb", "s_lt", "s_btb", "s_ot", "s_oh"))
+        assert c.metadata.shared <= 227 * 1024, f"mla prefill, fp32 queries, needs {c.metadata.shared} B of shared memory"
+        print("mla prefill fp32 q", lat, "scale kind", kind, "smem", c.metadata.shared)
         if kind != 1:                    # the rows-as-M 64-key form, the default where the decode's is
             hm = dict(const, BLOCK_N=md.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
             c = _compile(mp._mla_prefill_kernel, types, hm, dict(num_warps=md.MLA_NUM_WARPS,

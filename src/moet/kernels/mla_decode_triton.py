@@ -50,6 +50,11 @@ from moet.kernels.pdl import pdl_enter, pdl_launch
 # one 64-token tile), so devices with less (A100 163 KiB, sm_86 / sm_89 99 KiB) and fp32 queries
 # keep the transposed form (~112 KiB at 2 stages); so does the per-tensor fp8 cache, not timed in it.
 MLA_BLOCK_H = 64
+# fp32 queries (the dots in fp32) take half the heads a program: their [64, 576] fp32 query tile
+# alone is 147 KB, and with two 32-token stages the transposed decode needs ~256 KB of shared
+# memory (sm_90 AOT), over any GPU's 227 KB (the launch failed on the H200 in the bench's fp32
+# check, 2026-12-02); 32 heads: 164-180 KB. A function of the query dtype only, like the form.
+MLA_BLOCK_H_FP32 = 32
 MLA_BLOCK_N = 32
 MLA_HM_BLOCK_N = 64
 MLA_HM_MIN_SHARED = 222 * 1024
@@ -243,6 +248,12 @@ def check_heads_m_fits(device: torch.device, rows: int, r: int, p: int, block_n:
                           "(the transposed tile, the default there) or a smaller block_n")
 
 
+def mla_block_h(q_latent: torch.Tensor, h: int) -> int:
+    """Heads per program by default (MLA decode and prefill): MLA_BLOCK_H, MLA_BLOCK_H_FP32 for
+    fp32 queries, at most the heads rounded up to a power of two."""
+    return min(MLA_BLOCK_H if _bf16_dots(q_latent) else MLA_BLOCK_H_FP32, _pow2(h))
+
+
 def mla_decode_form(q_latent: torch.Tensor, cache: MLALayerKV) -> MLADecodeForm:
     """The MLA decode's default form for these queries, this cache and device (see MLA_HM_BLOCK_N):
     a function of the query dtype, the cache format and the device, never of the batch, so a
@@ -262,8 +273,9 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
                      rescale_slack: float | None = None, heads_m: bool | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_mla (split_tokens, max_splits, out: as paged_decode_gqa).
-    block_h: heads per program (default MLA_BLOCK_H, at most the heads rounded up to a power of
-    two); like the splits it must be fixed per model (the dot shapes change the last bits).
+    block_h: heads per program (default mla_block_h: MLA_BLOCK_H, MLA_BLOCK_H_FP32 for fp32 queries,
+    at most the heads rounded up to a power of two); like the splits it must be fixed per model
+    (the dot shapes change the last bits).
     heads_m: the heads as the MMAs' M (_mla_decode_tile: both dots on wgmma on Hopper) or the
     transposed tile; block_n: tokens a step; rescale_slack: the lazy rescale's slack (0: the eager
     online softmax). Each defaults to mla_decode_form (heads_m, 64 tokens, eager where the device
@@ -287,7 +299,7 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     slack = _slack(rescale_slack, form.slack)
     heads_m = form.heads_m if heads_m is None else heads_m
     pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits)
-    block_h = min(block_h or MLA_BLOCK_H, _pow2(h))
+    block_h = min(block_h, _pow2(h)) if block_h else mla_block_h(q_latent, h)
     if block_h < 16 or block_h & (block_h - 1):
         raise ConfigError(f"paged decode mla (triton): block_h must be a power of two >= 16, got {block_h}")
     block_n = block_n or (form.block_n if heads_m == form.heads_m else MLA_HM_BLOCK_N if heads_m else MLA_BLOCK_N)

@@ -6,7 +6,7 @@ Absorbed MLA is MQA over the cached rows: one shared key row [latent (R) | rope 
 values = latent, `score = scale * (q_latent . latent + q_rope . k_rope)`; the output stays in the
 latent space ([Tq, H, R]; mla_output applies W_UV).
 Grid (ceil(H / BLOCK_H), B, ceil(max_q_len / BLOCK_M)): one program = one sequence, a block of
-BLOCK_H heads (default 64, mla_decode_triton.MLA_BLOCK_H) and a tile of BLOCK_M query tokens
+BLOCK_H heads (default mla_decode_triton.mla_block_h: 64, 32 for fp32 queries) and a tile of BLOCK_M query tokens
 (default 1), packed as BLOCK_M * BLOCK_H rows (row r = token r // BLOCK_H, head r % BLOCK_H), so
 every latent tile is read once per program for all of them; the head blocks of one query tile are
 adjacent in launch order (the second reads from L2). The program walks the keys from 0 to its
@@ -38,8 +38,9 @@ import triton.language as tl
 from moet.errors import ConfigError
 from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mma,
                                            _pow2, _slack)
-from moet.kernels.mla_decode_triton import (MLA_BLOCK_H, MLA_BLOCK_N, MLA_HM_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS,
-                                            _mla_load_tile, _mla_softmax_pv, check_heads_m_fits, mla_decode_form)
+from moet.kernels.mla_decode_triton import (MLA_BLOCK_N, MLA_HM_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS,
+                                            _mla_load_tile, _mla_softmax_pv, check_heads_m_fits, mla_block_h,
+                                            mla_decode_form)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -150,7 +151,7 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     """As attention_reference.paged_prefill_mla: q_latent [Tq, H, R], q_rope [Tq, H, P] ->
     [Tq, H, R] in q_latent.dtype. max_seqlen_q: an upper bound on any sequence's query count (grid
     size; a host sync computes it when None). block_h, block_m: heads and query tokens per program
-    (powers of two, block_h * block_m >= 16 for tl.dot; default MLA_BLOCK_H heads, clipped to the
+    (powers of two, block_h * block_m >= 16 for tl.dot; default mla_block_h heads, clipped to the
     heads rounded up to a power of two, x 1 token). out: optional [Tq, H, R] tensor to write into.
     rescale_slack: attention_triton.RESCALE_SLACK unless given (0: the eager online softmax).
     heads_m: the rows as the MMAs' M (the decode's heads-as-M tile; ~216 KiB of shared memory at
@@ -164,7 +165,7 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     bs = cache.block_size
     if bs < 16 or bs & (bs - 1):
         raise ConfigError(f"paged prefill (triton): block_size must be a power of two >= 16, got {bs}")
-    block_h = block_h or min(MLA_BLOCK_H, _pow2(h))
+    block_h = block_h or mla_block_h(q_latent, h)
     fmt = cache.fmt
     group = min(fmt.group, r)
     if fmt.block_scaled and (group & (group - 1) or (r // group) * group != _pow2(r)):
