@@ -100,11 +100,11 @@ def from_e4w(e4w: torch.Tensor) -> torch.Tensor:
 def refs_and_flags(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, g = scales.shape
     s = scales.to(torch.int32).reshape(n, g // 8, 8)
-    nz = s > 0                                   # scale byte 0: an all-zero block, decoded as +0
-    mx = torch.where(nz, s, torch.zeros_like(s)).amax(-1)
-    mn = torch.where(nz, s, torch.full_like(s, 255)).amin(-1).clamp(max=mx)
+    mx, mn = s.amax(-1), s.amin(-1)
     ref = torch.clamp(mx - 6, min=1)
-    ref = torch.where(mx - mn > 12, torch.zeros_like(ref), ref)
+    # exact path: a span over 12 octaves, or a zero scale byte (an all-zero block, decoded as +0:
+    # rare in real weights; K padding instead takes an in-range byte over zero activations)
+    ref = torch.where((mx - mn > 12) | (mn == 0), torch.zeros_like(ref), ref)
     flags = (ref == 0).reshape(n // FLAG_ROWS, FLAG_ROWS, g // 8).any(1)
     return ref.to(torch.uint8), flags.to(torch.uint8)
 
@@ -154,6 +154,17 @@ E4W_ASM = tl.constexpr(_e4w_asm())
 
 
 @triton.jit
+def _off(rows, ch, CH: tl.constexpr, W: tl.constexpr, TILED: tl.constexpr):
+    """Offset of (row, chunk)'s W bytes: row-major [N, CH * W], or TILED [N / 64, CH, 64, W] (a
+    64-row tile's chunk one contiguous block, so a program streams its rows as one run)."""
+    r = rows.to(tl.int64)
+    if TILED:
+        return ((r // 64) * CH + ch) * (64 * W) + (r % 64) * W
+    else:
+        return r * (CH * W) + ch * W
+
+
+@triton.jit
 def _per_element(v, BN: tl.constexpr):
     """[BN, 8] per group of a chunk -> [BN, 64] per slot element e = 32 q + 16 h + 4 t + i
     (group 4 q + t)."""
@@ -175,12 +186,15 @@ def _plain_slot(c_ptr, row_off, e, p: tl.constexpr, d):
 
 @triton.jit
 def _chunk_part(c_ptr, row_off, x_ptr, xo, tm, s, ref, sel, e, K: tl.constexpr, BN: tl.constexpr,
-                BM: tl.constexpr, USE_ASM: tl.constexpr):
+                BM: tl.constexpr, USE_ASM: tl.constexpr, SEL_ALL: tl.constexpr = True):
     """[BN, BM] fp32 = sum over one 256-chunk of level * 2^(s - ref) * x for the groups in sel
-    ([BN, 8]; the others count 0); ref [BN]."""
+    ([BN, 8] or [BN, 1]; the others count 0); ref [BN]. SEL_ALL (the main loop): the compiled path
+    skips the select, every group in range or its row's f 0 (the caller's contract)."""
     if USE_ASM:
         c = tl.load(c_ptr + row_off[:, None] + e[None, :])                                      # [BN, 64] u8
-        lut = tl.where(sel, s * 0x08080808 + (0x4838B8C8 - ref * 0x08080808)[:, None], 0)
+        lut = s * 0x08080808 + (0x4838B8C8 - ref * 0x08080808)[:, None]
+        if not SEL_ALL:
+            lut = tl.where(sel, lut, 0)
         w0, w1, w2, w3 = tl.inline_asm_elementwise(
             E4W_ASM, "=r,=r,=r,=r,r,r,r,r,r", [c.to(tl.int8, bitcast=True), _per_element(lut, BN)],
             dtype=(tl.float8e4nv,) * 4, is_pure=True, pack=4)
@@ -205,7 +219,8 @@ def _chunk_part(c_ptr, row_off, x_ptr, xo, tm, s, ref, sel, e, K: tl.constexpr, 
 @triton.jit
 def _w2e4_gemv_kernel(c_ptr, s_ptr, ref_ptr, flag_ptr, x_ptr, xs_ptr, y_ptr, T,
                       N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                      USE_ASM: tl.constexpr, EXACT_ONLY: tl.constexpr, SPLIT_K: tl.constexpr = 1):
+                      USE_ASM: tl.constexpr, EXACT_ONLY: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                      CPS: tl.constexpr = 1, TILED: tl.constexpr = False):
     """EXACT_ONLY False: y = the fast path over every chunk (the flagged rows' chunks count 0);
     True: y += the flagged chunks, exactly (a second launch, only for pools that have any: kept
     out of the first kernel, whose registers, and so occupancy, it would otherwise raise)."""
@@ -216,24 +231,29 @@ def _w2e4_gemv_kernel(c_ptr, s_ptr, ref_ptr, flag_ptr, x_ptr, xs_ptr, y_ptr, T,
     g = tl.arange(0, 8)
     t = tl.arange(0, BM)
     tm = t < T
-    row_c = rows.to(tl.int64) * (K // 4)
+
     # split-K: program (pid, ks) takes chunks [ks CH / SPLIT_K, (ks + 1) CH / SPLIT_K) and writes
     # its own partial y[ks] (summed in split order by the consumer; not with EXACT_ONLY)
     ks = tl.program_id(1)
     y_ptr += ks * T * N
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if not EXACT_ONLY:
-        for i in range(CH // SPLIT_K):
-            ch = ks * (CH // SPLIT_K) + i
-            s = tl.load(s_ptr + rows[:, None] * (K // 32) + ch * 8 + g[None, :]).to(tl.int32)     # [BN, 8]
-            ref = tl.load(ref_ptr + rows * CH + ch).to(tl.int32)                                     # [BN]
-            xo = t[:, None] * K + ch * 64 + e[None, :]
-            # scale byte 0 (an all-zero block) and the exact-path rows (ref 0; f = 0 too): table 0,
-            # every level +0
-            part = _chunk_part(c_ptr, row_c + ch * 64, x_ptr, xo, tm, s, ref, (s != 0) & (ref != 0)[:, None], e,
-                               K, BN, BM, USE_ASM)
-            f = (ref << 23).to(tl.float32, bitcast=True)                  # 2^(ref - 127); ref 0 -> 0
-            acc += part * f[:, None]
+        # CPS chunks a loop step (the loop's fixed cost -- ring indices, cp.async issue, barriers --
+        # spread over more weights)
+        for i in range(CH // SPLIT_K // CPS):
+            for u in tl.static_range(CPS):
+                ch = ks * (CH // SPLIT_K) + i * CPS + u
+                s = tl.load(s_ptr + _off(rows, ch, CH, 8, TILED)[:, None] + g[None, :]).to(tl.int32)     # [BN, 8]
+                ref = tl.load(ref_ptr + _off(rows, ch, CH, 1, TILED)).to(tl.int32)                                     # [BN]
+                xo = t[:, None] * K + ch * 64 + e[None, :]
+                # no select: an unflagged row's chunk has every scale in [ref - 6, ref + 6]; a flagged
+                # row (ref 0: a zero scale byte or a span > 12) gets other finite table bytes (from
+                # s * 0x08080808 + LUT each byte is a multiple of 8 plus at most a carry, never the NaNs
+                # 0x7F / 0xFF), which f = 0 zeroes; the exact launch adds its chunk
+                part = _chunk_part(c_ptr, _off(rows, ch, CH, 64, TILED), x_ptr, xo, tm, s, ref, ref[:, None] != 0, e,
+                                   K, BN, BM, USE_ASM)
+                f = (ref << 23).to(tl.float32, bitcast=True)                  # 2^(ref - 127); ref 0 -> 0
+                acc += part * f[:, None]
     if EXACT_ONLY:
         # chunks whose nonzero scales span more than 12 octaves (rare: flagged per 64 rows at
         # conversion): the same decode and fp8 dots once per group, each pass with its own ref
@@ -242,15 +262,15 @@ def _w2e4_gemv_kernel(c_ptr, s_ptr, ref_ptr, flag_ptr, x_ptr, xs_ptr, y_ptr, T,
         for ch in range(CH):
             fl = tl.load(flag_ptr + (pid * BN // 64 + tl.arange(0, BN // 64)) * CH + ch)
             if tl.max(fl, 0) != 0:
-                s = tl.load(s_ptr + rows[:, None] * (K // 32) + ch * 8 + g[None, :]).to(tl.int32)
-                flagged = tl.load(ref_ptr + rows * CH + ch) == 0
+                s = tl.load(s_ptr + _off(rows, ch, CH, 8, TILED)[:, None] + g[None, :]).to(tl.int32)
+                flagged = tl.load(ref_ptr + _off(rows, ch, CH, 1, TILED)) == 0
                 xo = t[:, None] * K + ch * 64 + e[None, :]
                 for gg in range(8):
                     sg = tl.sum(tl.where(g[None, :] == gg, s, 0), 1)                 # [BN]
                     refg = tl.maximum(sg - 6, 1)
                     sel = (g[None, :] == gg) & (s != 0)
-                    part = _chunk_part(c_ptr, row_c + ch * 64, x_ptr, xo, tm, s, refg, sel, e,
-                                       K, BN, BM, USE_ASM)
+                    part = _chunk_part(c_ptr, _off(rows, ch, CH, 64, TILED), x_ptr, xo, tm, s, refg, sel, e,
+                                       K, BN, BM, USE_ASM, False)
                     fg = tl.where(flagged & (sg != 0), (refg << 23).to(tl.float32, bitcast=True), 0.0)
                     acc += part * fg[:, None]
     xs = tl.load(xs_ptr + t, mask=tm, other=0.0)
@@ -261,11 +281,18 @@ def _w2e4_gemv_kernel(c_ptr, s_ptr, ref_ptr, flag_ptr, x_ptr, xs_ptr, y_ptr, T,
         tl.store(y_ptrs, acc * xs[None, :], mask=tm[None, :])
 
 
+def tile_rows(a: torch.Tensor, ch: int) -> torch.Tensor:
+    """[N, CH * W] row-major -> the TILED layout [N / 64, CH, 64, W] (the same bytes, flat)."""
+    n, wtot = a.shape
+    return a.view(n // 64, 64, ch, wtot // ch).permute(0, 2, 1, 3).contiguous().view(-1)
+
+
 def w2e4_gemv(c, s, ref, flags, xperm, xs, *, bn=64, bm=16, num_warps=4, num_stages=4, exact_path=True,
-              use_asm=None, y=None, split_k=1):
+              use_asm=None, y=None, split_k=1, cps=1, tiled=False):
     """y [T, N] fp32 (split_k > 1: [split_k, T, N] partials, and no exact path)."""
-    t, n, k = xs.shape[0], c.shape[0], c.shape[1] * 4
-    if (k // CHUNK) % split_k or n % bn or n % FLAG_ROWS or k % CHUNK:
+    t, k = xs.shape[0], xperm.shape[2] * 4
+    n = ref.numel() // (k // CHUNK)                          # (tiled: c, s and ref are flat)
+    if (k // CHUNK) % (split_k * cps) or n % bn or n % FLAG_ROWS or k % CHUNK:
         raise ValueError(f"w2e4_gemv: K {k} must split into {split_k} x whole 256-chunks, N {n} into BN {bn} / 64")
     if use_asm is None:
         use_asm = c.device.type == "cuda"
@@ -273,22 +300,22 @@ def w2e4_gemv(c, s, ref, flags, xperm, xs, *, bn=64, bm=16, num_warps=4, num_sta
         y = torch.empty(*((split_k,) if split_k > 1 else ()), t, n, dtype=torch.float32, device=c.device)
     x = xperm if use_asm else xperm.float()
     _w2e4_gemv_kernel[(n // bn, split_k)](c, s, ref, flags, x, xs, y, t, N=n, K=k, BN=bn, BM=bm, USE_ASM=use_asm,
-                                          EXACT_ONLY=False, SPLIT_K=split_k, num_warps=num_warps,
+                                          EXACT_ONLY=False, SPLIT_K=split_k, CPS=cps, TILED=tiled, num_warps=num_warps,
                                           num_stages=num_stages)
     if exact_path:        # the caller's static knowledge (pool conversion): any flagged chunk at all
         _w2e4_gemv_kernel[(n // 64,)](c, s, ref, flags, x, xs, y, t, N=n, K=k, BN=64, BM=bm, USE_ASM=use_asm,
-                                      EXACT_ONLY=True, num_warps=4, num_stages=1)
+                                      EXACT_ONLY=True, TILED=tiled, num_warps=4, num_stages=1)
     return y
 
 
 # ================================================================================ AOT (CPU)
 
-def aot(bn=64, bm=16, warps=4, stages=4, k=7168, exact_only=False):
+def aot(bn=64, bm=16, warps=4, stages=4, k=7168, exact_only=False, cps=1):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = dict(c_ptr="*u8", s_ptr="*u8", ref_ptr="*u8", flag_ptr="*u8", x_ptr="*fp8e4nv", xs_ptr="*fp32",
                y_ptr="*fp32", T="i32")
-    const = dict(N=32768, K=k, BN=bn, BM=bm, USE_ASM=True, EXACT_ONLY=exact_only)
+    const = dict(N=32768, K=k, BN=bn, BM=bm, USE_ASM=True, EXACT_ONLY=exact_only, SPLIT_K=1, CPS=cps)
     fn = _w2e4_gemv_kernel
     full = {a: ("constexpr" if a in const else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (a, ty) in enumerate(full.items()) if ty.startswith("*")}
@@ -307,12 +334,13 @@ def main() -> int:
     if args.aot:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
         from tests.kernels.aot_compile import sass_report, _cuobjdump
-        for cfg in (dict(), dict(bn=128), dict(bn=128, stages=3), dict(bn=64, stages=3), dict(exact_only=True, stages=1)):
+        for cfg in (dict(bn=64, stages=3), dict(bn=128, stages=3), dict(bn=64, stages=3, cps=2),
+                    dict(bn=64, stages=3, cps=4), dict(bn=128, stages=3, cps=2), dict(exact_only=True, stages=1)):
             c = aot(**cfg)
             r = sass_report(c)
             bn = cfg.get("bn", 64)
             thr = 32 * cfg.get("warps", 4)
-            per_w = r["loop_instrs"] * thr / (bn * 256)
+            per_w = r["loop_instrs"] * thr / (bn * 256 * cfg.get("cps", 1))
             hist = sorted(r["loop_hist"].items(), key=lambda kv: -kv[1])[:16]
             print(cfg, f"regs {r['regs']} spills {r['spill_ops']} smem {r['smem']} loop {r['loop_instrs']} "
                   f"-> {per_w:.3f} thread-instr/weight", hist, flush=True)
@@ -329,9 +357,11 @@ def main() -> int:
 
 # ================================================================================ device run
 
-CONFIGS = (  # (BN, warps, stages[, split_k])
-    (128, 4, 3), (64, 4, 4), (64, 4, 3), (128, 4, 2), (64, 4, 2), (64, 4, 3, 2), (64, 4, 4, 2), (64, 4, 2, 2),
-    (64, 4, 3, 4), (128, 4, 3, 2))
+CONFIGS = (  # (BN, warps, stages, split_k, chunks per step, tiled)
+    (64, 4, 3, 1, 1, False), (128, 4, 3, 1, 1, False), (64, 4, 2, 1, 4, False), (64, 4, 3, 2, 1, False),
+    (64, 4, 3, 1, 1, True), (64, 4, 4, 1, 1, True), (64, 4, 2, 1, 1, True), (128, 4, 3, 1, 1, True),
+    (128, 4, 4, 1, 1, True), (64, 4, 3, 1, 2, True), (64, 4, 2, 1, 4, True), (64, 4, 4, 1, 4, True),
+    (64, 4, 3, 2, 1, True), (64, 4, 3, 4, 1, True), (64, 4, 6, 1, 1, True), (128, 4, 2, 1, 2, True))
 SHAPES = (("gate_up stack (DeepSeek-V3 8 x 2I 4096, K 7168)", 32768, 7168),
           ("down stack (DeepSeek-V3 8 x H 7168, K 2048)", 57344, 2048),
           ("one expert gate/up (N 4096, K 7168)", 4096, 7168),
@@ -374,13 +404,16 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
         xq, xs = quantize_x(x)
         xp = slot_major_x(xq)
         r = reference(codes, scales, xq, xs)
-        for bn, warps, stages in (CONFIGS[:2] if cpu_dry else CONFIGS[:4]):
+        ch = k // 256
+        tiled_ops = (tile_rows(c, ch), tile_rows(scales, ch), tile_rows(ref, ch), flags)
+        for bn, warps, stages, _, _, tiled in [cf for cf in CONFIGS if cf[3] == 1 and cf[4] == 1][:6]:
+            ops = tiled_ops if tiled else (c, scales, ref, flags)
             y = torch.full((t, n), float("nan"), device=dev)
-            w2e4_gemv(c, scales, ref, flags, xp, xs, bn=bn, num_warps=warps, num_stages=stages, y=y)
+            w2e4_gemv(*ops, xp, xs, bn=bn, num_warps=warps, num_stages=stages, y=y, tiled=tiled)
             y2 = torch.full((t, n), float("nan"), device=dev)
-            w2e4_gemv(c, scales, ref, flags, xp, xs, bn=bn, num_warps=warps, num_stages=stages, y=y2)
+            w2e4_gemv(*ops, xp, xs, bn=bn, num_warps=warps, num_stages=stages, y=y2, tiled=tiled)
             err = float((y.double() - r).norm() / r.norm())
-            rec = dict(n=n, k=k, t=t, bn=bn, warps=warps, stages=stages, relerr=err,
+            rec = dict(n=n, k=k, t=t, bn=bn, warps=warps, stages=stages, tiled=tiled, relerr=err,
                        nan=bool(torch.isnan(y).any()), rerun_identical=bool(torch.equal(y, y2)),
                        flagged_row70=float((y[:, 70].double() - r[:, 70]).abs().max() / r.abs().max()))
             good = err < 2e-3 and not rec["nan"] and rec["rerun_identical"] and rec["flagged_row70"] < 1e-3
@@ -390,9 +423,20 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
             print(f"[{time.time() - t0:4.0f}s] check {rec}", flush=True)
         # split-K partials (no exact path: scales without the injected wide-span chunk)
         scales[70, 9] = scales[70, 8]
+        scales[5, 3] = scales[5, 2]
+        scales[200, 0:8] = 120
         ref, flags = refs_and_flags(scales)
         assert not bool(flags.any())
         r = reference(codes, scales, xq, xs)
+        for cps in [c for c in (2, 4) if (k // 256) % c == 0]:
+            y = torch.full((t, n), float("nan"), device=dev)
+            w2e4_gemv(c, scales, ref, flags, xp, xs, bn=64, num_stages=3, y=y, cps=cps, exact_path=False)
+            err = float((y.double() - r).norm() / r.norm())
+            rec = dict(n=n, k=k, t=t, bn=64, cps=cps, relerr=err, nan=bool(torch.isnan(y).any()))
+            rec["ok"] = err < 2e-3 and not rec["nan"]
+            ok &= rec["ok"]
+            rep["checks"].append(rec)
+            print(f"[{time.time() - t0:4.0f}s] check {rec}", flush=True)
         for split in [sp for sp in (2, 4) if (k // 256) % sp == 0]:
             yp = torch.full((split, t, n), float("nan"), device=dev)
             w2e4_gemv(c, scales, ref, flags, xp, xs, bn=64, num_stages=3, y=yp, split_k=split, exact_path=False)
@@ -409,6 +453,21 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
     save()
     if cpu_dry:
         return 0 if ok else 1
+    # ---- moet's W2 layer (nb8, bf16 activations, table config) at T = 1 / 8 on the DeepSeek-V3
+    # shape in the same run: what the two GEMVs above would replace
+    from moet.bench.moe_kernel_tune import SHAPES as MOE_SHAPES, expert_bytes, make_pool, time_layer
+    from moet.kernels import moe_triton as mt
+    from moet.kernels.launch_tables import device_name
+    from moet.kernels.moe_configs import lookup
+    h, i_, ne, topk = MOE_SHAPES["deepseek"]
+    pool = make_pool("w2", ne, h, i_, dev, gen)
+    for t in (1, 8):
+        cfg = mt.fit_token_tile(lookup("w2", h, i_, t * topk, device_name(dev)), t * topk, ne)
+        rec = time_layer(mt, pool, h, ne, topk, t, dev, gen, cfg, expert_bytes(pool))
+        rec.update(what="moet W2 layer (nb8, Triton, table config)", t=t)
+        rep["timing"].append(rec)
+        print(f"[{time.time() - t0:4.0f}s] {rec}", flush=True)
+    del pool
     # ---- timing: CUDA graph over weight sets (>= 160 MB in rotation, L2 never warm), GB/s on
     # code + scale + ref bytes; a bf16 GEMV of equal bytes in the same run
     for name, n, k in SHAPES:
@@ -420,6 +479,8 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
             ref, flags = refs_and_flags(scales)
             assert not bool(flags.any())           # scales 115..125: no chunk spans > 12
             sets.append((codes, scales, ref, flags))
+        sets_t = [(tile_rows(cc, k // 256), tile_rows(ss, k // 256), tile_rows(rr, k // 256), ff)
+                  for cc, ss, rr, ff in sets]
         kb = nbytes // 2 // k
         ws = [torch.randn(kb, k, device=dev, dtype=torch.bfloat16) for _ in range(nsets)]
         for t in (1, 8):
@@ -430,16 +491,18 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
             xq, xs = quantize_x(torch.randn(t, k, device=dev, generator=gen))
             xp = slot_major_x(xq)
             ys = [torch.empty(4, t, n, device=dev) for _ in range(nsets)]
-            for bn, warps, stages, *sk in CONFIGS:
-                split = sk[0] if sk else 1
+            for bn, warps, stages, split, cps, tiled in CONFIGS:
+                if (k // 256) % (split * cps):
+                    continue
+                args_i = (lambda i: sets_t[i]) if tiled else (lambda i: sets[i])
                 if time.time() - t0 > budget_s:
                     print("budget: stop", flush=True)
                     save()
                     return 0 if ok else 1
                 try:
-                    ms = graph_time_ms([lambda i=i: w2e4_gemv(*sets[i], xp, xs, bn=bn, num_warps=warps,
+                    ms = graph_time_ms([lambda i=i: w2e4_gemv(*args_i(i), xp, xs, bn=bn, num_warps=warps,
                                                               num_stages=stages, y=ys[i][:split], exact_path=False,
-                                                              split_k=split)
+                                                              split_k=split, cps=cps, tiled=tiled)
                                         for i in range(nsets)] * 2)
                 except Exception as exc:          # out of resources etc.: recorded, the rest goes on
                     rep["timing"].append(dict(shape=name, t=t, bn=bn, warps=warps, stages=stages, split_k=split,
@@ -447,14 +510,15 @@ def device_run(out: str, budget_s: float, cpu_dry: bool = False) -> int:
                     print(f"{name} T {t} {bn} {warps} {stages} {split}: {exc!r}"[:300], flush=True)
                     continue
                 gbps = nbytes / ms / 1e6
-                rec = dict(shape=name, n=n, k=k, t=t, bn=bn, warps=warps, stages=stages, split_k=split, us=ms * 1e3,
+                rec = dict(shape=name, n=n, k=k, t=t, bn=bn, warps=warps, stages=stages, split_k=split, cps=cps, tiled=tiled,
+                           us=ms * 1e3,
                            GBps=gbps,
                            bf16_gemv_equal_bytes_GBps=gemv, pct_of_gemv=100 * gbps / gemv)
                 rep["timing"].append(rec)
-                print(f"[{time.time() - t0:4.0f}s] {name} T {t} bn {bn} w {warps} s {stages} split {split}: {ms * 1e3:7.1f} us "
+                print(f"[{time.time() - t0:4.0f}s] {name} T {t} bn {bn} w {warps} s {stages} split {split} cps {cps} tiled {int(tiled)}: {ms * 1e3:7.1f} us "
                       f"{gbps:6.0f} GB/s = {100 * gbps / gemv:5.1f}% of the bf16 GEMV ({gemv:.0f})", flush=True)
             save()
-        del sets, ws
+        del sets, sets_t, ws
     save()
     return 0 if ok else 1
 
