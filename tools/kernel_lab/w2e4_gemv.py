@@ -310,12 +310,13 @@ def w2e4_gemv(c, s, ref, flags, xperm, xs, *, bn=64, bm=16, num_warps=4, num_sta
 
 # ================================================================================ AOT (CPU)
 
-def aot(bn=64, bm=16, warps=4, stages=4, k=7168, exact_only=False, cps=1):
+def aot(bn=64, bm=16, warps=4, stages=4, k=7168, exact_only=False, cps=1, tiled=False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = dict(c_ptr="*u8", s_ptr="*u8", ref_ptr="*u8", flag_ptr="*u8", x_ptr="*fp8e4nv", xs_ptr="*fp32",
                y_ptr="*fp32", T="i32")
-    const = dict(N=32768, K=k, BN=bn, BM=bm, USE_ASM=True, EXACT_ONLY=exact_only, SPLIT_K=1, CPS=cps)
+    const = dict(N=32768, K=k, BN=bn, BM=bm, USE_ASM=True, EXACT_ONLY=exact_only, SPLIT_K=1, CPS=cps,
+                 TILED=tiled)
     fn = _w2e4_gemv_kernel
     full = {a: ("constexpr" if a in const else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (a, ty) in enumerate(full.items()) if ty.startswith("*")}
@@ -335,7 +336,8 @@ def main() -> int:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
         from tests.kernels.aot_compile import sass_report, _cuobjdump
         for cfg in (dict(bn=64, stages=3), dict(bn=128, stages=3), dict(bn=64, stages=3, cps=2),
-                    dict(bn=64, stages=3, cps=4), dict(bn=128, stages=3, cps=2), dict(exact_only=True, stages=1)):
+                    dict(bn=64, stages=3, cps=4), dict(bn=128, stages=3, cps=2), dict(bn=64, stages=3, cps=2, tiled=True),
+                    dict(exact_only=True, stages=1)):
             c = aot(**cfg)
             r = sass_report(c)
             bn = cfg.get("bn", 64)
