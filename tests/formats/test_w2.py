@@ -217,3 +217,25 @@ def test_mxfp4_code_domain_path_equals_reference_over_the_whole_scale_range(seed
     fast = w2.from_mxfp4(blocks, scales, zero_mode=zero_mode)
     ref = w2.quantize_reference(mxfp4.dequantize(blocks, scales, dtype=torch.float64), zero_mode=zero_mode)
     assert same(fast, ref)
+
+
+@pytest.mark.parametrize("per_weight,cols", [(1 / 4, 64), (1 / 32, 8)])
+def test_nb8t_row_tiles_round_trip_and_follow_the_documented_order(per_weight, cols):
+    """tile_rows puts element (r, c) of [N, W] at ((r // 64) (W / cols) + c // cols) 64 cols +
+    (r % 64) cols + c % cols (docs/formats.md, "Kernel layout nb8t"), batched over leading dims."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 256, (2, 128, 3 * cols), dtype=torch.uint8, generator=g)
+    t = w2.tile_rows(a, per_weight)
+    assert t.shape == a.shape and torch.equal(w2.untile_rows(t, per_weight), a)
+    flat = t.reshape(2, -1)
+    for r, c in ((0, 0), (63, cols - 1), (64, 0), (70, cols + 5), (127, 3 * cols - 1)):
+        off = ((r // 64) * 3 + c // cols) * 64 * cols + (r % 64) * cols + c % cols
+        assert flat[1, off] == a[1, r, c]
+    assert not torch.equal(t, a)
+
+
+def test_nb8t_refuses_partial_tiles():
+    with pytest.raises(FormatError, match="64 rows x 256 weights"):
+        w2.tile_rows(torch.zeros(96, 64, dtype=torch.uint8), 1 / 4)
+    with pytest.raises(FormatError, match="nb8t"):
+        w2.untile_rows(torch.zeros(64, 42, dtype=torch.uint8), 1 / 32)   # 42 scale bytes: not whole 8-byte tile rows

@@ -22,6 +22,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
             const = {flag: False, **const}
     if "UNROLL" in fn.arg_names:                                  # a defaulted constexpr: AOT needs it given
         const = {"UNROLL": 1, **const}
+    if "TILED" in fn.arg_names:                                   # (likewise: the row-major nb8 pool unless asked)
+        const = {"TILED": False, **const}
     for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)
         if flag in fn.arg_names:
             const = {flag: False, **const}

@@ -392,6 +392,78 @@ def test_prefill_path_and_token_chunks(poisoned, monkeypatch):
     assert _relerr(out, ref) <= 2 ** -7
 
 
+
+def _tiled(pool: W2Pool) -> W2Pool:
+    return W2Pool(w2.tile_rows(pool.gate_up_codes, 1 / 4), w2.tile_rows(pool.gate_up_scales, 1 / 32),
+                  w2.tile_rows(pool.down_codes, 1 / 4), w2.tile_rows(pool.down_scales, 1 / 32), layout="nb8t")
+
+
+# wide tiles: the interpreter's time grows with the programs, and nb8t needs K >= 512 to permute
+CFG_WIDE = MoEConfig(16, GemmConfig(64, 32, 1, 4, 2), GemmConfig(64, 32, 2, 4, 2))
+CFG_WIDE_BM1 = MoEConfig(1, GemmConfig(64, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
+
+
+@pytest.mark.parametrize("t,cfg,small_align", [(2, CFG_WIDE_BM1, None), (6, CFG_WIDE, 4)])
+def test_row_tiled_nb8t_pool_gives_the_nb8_bits(poisoned, monkeypatch, t, cfg, small_align):
+    """The nb8t layout (rows tiled 64 x 256 weights, moet.formats.w2.tile_rows) holds the same
+    bytes permuted: the same kernels read it to the same bits as nb8 -- decode and (a lowered
+    small-align limit) the sort-based path -- with the same misses."""
+    mt = _mt()
+    if small_align:
+        monkeypatch.setattr(mt, "SMALL_ALIGN_MAX_PAIRS", small_align)
+    g = torch.Generator().manual_seed(31)
+    pool = _w2_pool(4, 512, 512, g)          # two 256-weight tile columns each way: a real permutation
+    tp = _tiled(pool)
+    for f in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales"):
+        per = 1 / 4 if "codes" in f else 1 / 32
+        assert torch.equal(w2.untile_rows(getattr(tp, f), per), getattr(pool, f))
+        assert not torch.equal(getattr(tp, f), getattr(pool, f))
+    tab = _table([2, -1, 0, 3, 1])
+    x, ids, w = _inputs(t, 2, 512, 5, g)
+    ids[0] = torch.tensor([1, 3])                                   # one miss at least
+    m1, m2 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    a = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, swiglu_limit=3.0, config=cfg)
+    b = mt.moe_experts_w2_triton(x, ids, w, tab, tp, m2, swiglu_limit=3.0, config=cfg)
+    assert torch.equal(a, b) and torch.equal(m1, m2) and int(m1.item()) > 0
+    ref = moe_experts_reference(x, ids, w, tab, W2Pool(*(w2.from_nb8(getattr(pool, f)) if "codes" in f else
+                                                        getattr(pool, f) for f in ("gate_up_codes", "gate_up_scales",
+                                                                                   "down_codes", "down_scales"))),
+                                torch.zeros(1, dtype=torch.int64, device=DEVICE), swiglu_limit=3.0)
+    assert _relerr(b, ref) <= BOUND
+
+
+
+def test_row_tiled_pool_takes_the_gemm_path_where_the_table_says_token_major(poisoned, monkeypatch):
+    """A table config that asks for the token-major (or fused) decode, which reads row-major nb8
+    only, runs an nb8t pool on the tiled GEMM path instead of failing; explicit configs refuse."""
+    mt = _mt()
+    monkeypatch.setattr(mt, "lookup", lambda *a, **k: CFG_TM)
+    g = torch.Generator().manual_seed(33)
+    pool = _w2_pool(2, 512, 256, g)
+    x, ids, w = _inputs(1, 2, 512, 2, g)
+    tab = _table([0, 1])
+    m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    out = mt.moe_experts_w2_triton(x, ids, w, tab, _tiled(pool), m)
+    ref = moe_experts_reference(x, ids, w, tab, _tiled(pool), torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    assert _relerr(out, ref) <= BOUND
+
+def test_row_tiled_pool_refuses_what_it_cannot_serve():
+    mt = _mt()
+    g = torch.Generator().manual_seed(32)
+    with pytest.raises(w2.FormatError, match="nb8t"):
+        w2.tile_rows(torch.zeros(2, 96, 64, dtype=torch.uint8), 1 / 4)          # 96 rows: not whole 64-row tiles
+    pool = _tiled(_w2_pool(2, 256, 256, g))
+    x, ids, w = _inputs(1, 2, 256, 2, g)
+    m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    for cfg in (CFG_TM, CFG_FUSED):
+        with pytest.raises(mt.ConfigError, match="nb8t"):
+            mt.moe_experts_w2_triton(x, ids, w, _table([0, 1]), pool, m, config=cfg)
+    bad = W2Pool(*(getattr(_w2_pool(2, 64, 64, g), f) for f in ("gate_up_codes", "gate_up_scales", "down_codes",
+                                                                 "down_scales")), layout="nb8t")
+    x, ids, w = _inputs(1, 2, 64, 2, g)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        mt.moe_experts_w2_triton(x, ids, w, _table([0, 1]), bad, m, config=CFG)
+
 def test_empty_and_rejected_pools():
     mt = _mt()
     g = torch.Generator().manual_seed(9)

@@ -1,5 +1,5 @@
 """Which routed-expert implementation a MoE layer runs: the Triton grouped kernels
-(moet.kernels.moe_triton) for W2 pools in the nb8 layout and FP4 pools whose tensors live on a
+(moet.kernels.moe_triton) for W2 pools in the nb8 / nb8t layouts and FP4 pools whose tensors live on a
 CUDA device, the torch reference (moet.kernels.reference) for everything else (CPU, bf16
 DensePool, a W2 pool still in the file layout v1). Same signature and semantics either way.
 """
@@ -22,7 +22,7 @@ def _have_triton() -> bool:
 def uses_triton(pool) -> bool:
     """True when moe_experts runs the Triton kernels for this pool."""
     if isinstance(pool, W2Pool):
-        lead = pool.gate_up_codes if pool.layout == "nb8" else None
+        lead = pool.gate_up_codes if pool.layout in ("nb8", "nb8t") else None
     elif isinstance(pool, FP4Pool):
         lead = pool.gate_up_weight
     else:

@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moet.errors import ConfigError
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.moe_align import moe_align_block_size
 from moet.kernels.moe_configs import (FUSED_MAX_PAIRS, SMALL_ALIGN_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS, MoEConfig,
@@ -209,16 +210,39 @@ def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, U
 
 
 @triton.jit
-def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+def _tile_ptrs(base, r64, col, st, COLS: tl.constexpr, STEP: tl.constexpr, TCOLS: tl.constexpr,
+               TILED: tl.constexpr):
+    """[rows, STEP] pointers into one slot's [N, COLS] array at columns col = st * STEP + 0..STEP-1:
+    row-major, or TILED (the nb8t layout, moet.formats.w2.tile_rows: 64-row x TCOLS tiles, each one
+    contiguous block). With STEP a multiple of TCOLS the tile index moves by a scalar a step and the
+    in-tile part is loop-invariant (hoisted); otherwise it is computed per element."""
+    if TILED:
+        rt = (r64[:, None] // 64) * (COLS // TCOLS)
+        rin = (r64[:, None] % 64) * TCOLS
+        if STEP % TCOLS == 0:
+            lc = tl.arange(0, STEP)
+            return base + (rt + st * (STEP // TCOLS) + lc[None, :] // TCOLS) * (64 * TCOLS) + rin + lc[None, :] % TCOLS
+        else:
+            return base + (rt + col[None, :] // TCOLS) * (64 * TCOLS) + rin + col[None, :] % TCOLS
+    else:
+        return base + r64[:, None] * COLS + col[None, :]
+
+
+@triton.jit
+def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-               USE_ASM: tl.constexpr):
+               USE_ASM: tl.constexpr, TILED: tl.constexpr = False):
+    """Step st (u = st * BKH + 0..BKH-1, g likewise in scale bytes) of rows' dots. TILED: an nb8t
+    pool (256-weight tiles: 32 code units, 8 scale bytes a tile row)."""
     r64 = rows.to(tl.int64)
-    c = tl.load(wq + r64[:, None] * UNITS + u[None, :], mask=rmask[:, None] & umask[None, :], other=0)
+    c = tl.load(_tile_ptrs(wq, r64, u, st, UNITS, BKH, 32, TILED), mask=rmask[:, None] & umask[None, :], other=0)
     if FMT == 0:
-        s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=127)
+        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, 8, TILED), mask=rmask[:, None] & gmask[None, :],
+                     other=127)
         acc = _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
     else:
-        s4 = tl.load(sc + r64[:, None] * G + g[None, :], mask=rmask[:, None] & gmask[None, :], other=0x38)
+        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, 8, TILED), mask=rmask[:, None] & gmask[None, :],
+                     other=0x38)
         acc = _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
     return acc
 
@@ -292,7 +316,8 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
-                     FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1):
+                     FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
+                     TILED: tl.constexpr = False):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -345,11 +370,11 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, "")
-            acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                             UNITS, G, FMT, BN, BKH, USE_ASM)
+            acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
+                             UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
             if GATE_UP:
-                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                                  UNITS, G, FMT, BN, BKH, USE_ASM)
+                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
+                                  UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
         if FMT == 1:   # per-tensor scale_2 (gate / up / down) and the 2^8 the decode left out
             if GATE_UP:
                 acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
@@ -567,9 +592,9 @@ def _tm_gate_up_tile(pid_n, p, slot, x_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, s_x
         xm = umask[None, :]
         xp = xb + (u * UPW)[None, :]
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, 1, xm, FMT, True, USE_ASM, "")
-        acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+        acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                          UNITS, G, FMT, BN, BKH, USE_ASM)
-        acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+        acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                           UNITS, G, FMT, BN, BKH, USE_ASM)
     if FMT == 1:
         acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
@@ -603,7 +628,7 @@ def _down_rows(act_row, slot, n, nmask, wq_ptr, sc_ptr, s2_ptr, s_wq_slot, s_sc_
         xm = umask[None, :]
         xp = act_row + u[None, :]
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, CACHE)
-        acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+        acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                          UNITS, G, FMT, BN, BKH, USE_ASM)
     if FMT == 1:
         acc = acc * (tl.load(s2_ptr + slot64) * 256.0)
@@ -685,9 +710,10 @@ def _workspace(shape, dtype, device) -> torch.Tensor:
 
 def _format(pool) -> tuple[int, str]:
     if isinstance(pool, W2Pool):
-        if pool.layout != "nb8":
-            raise ValueError(f"the W2 Triton kernels read the nb8 code layout, this pool is {pool.layout!r}: "
-                             "convert its codes with moet.formats.w2.to_nb8 (moet.model.experts does at fill time)")
+        if pool.layout not in ("nb8", "nb8t"):
+            raise ValueError(f"the W2 Triton kernels read the nb8 (or row-tiled nb8t) code layout, this pool is "
+                             f"{pool.layout!r}: convert its codes with moet.formats.w2.to_nb8 (moet.model.experts "
+                             "does at fill time)")
         return FMT_W2, "w2"
     if isinstance(pool, FP4Pool):
         return FMT_FP4, "fp4"
@@ -761,6 +787,10 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     fmt, fname = _format(pool)
     ops = _operands(pool, fmt)
     h, i = _check_shapes(hidden, fmt, ops)
+    # nb8t (moet.formats.w2.tile_rows): the tiled GEMM path only; 64-row x 256-weight tiles
+    tiled = isinstance(pool, W2Pool) and pool.layout == "nb8t"
+    if tiled and (h % 256 or i % 256):
+        raise ValueError(f"an nb8t pool needs hidden and intermediate sizes that are multiples of 256, got {h} and {i}")
     gu_q, gu_s, gu_s2, dn_q, dn_s, dn_s2 = ops
     t, k = topk_ids.shape
     p = t * k
@@ -768,6 +798,8 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     use_asm = asm_level(dev)
     if config is None:
         config = fit_token_tile(lookup(fname, h, i, p, _device_name(dev)), p, gu_q.shape[0])
+        if tiled:                # the fused / token-major kernels read row-major nb8 only
+            config = replace(config, fused=False, token_major=False)
     # programmatic dependent launch (config.pdl, table-driven): every kernel of the layer starts
     # with griddepcontrol.wait, so the next launch overlaps the kernel before
     pdl = dict(PDL=bool(use_asm) and config.pdl, **({"launch_pdl": config.pdl} if use_asm else {}))
@@ -783,6 +815,9 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     has_limit = swiglu_limit is not None
     tw = topk_weights.reshape(-1).contiguous()
+    if tiled and ((config.fused and p <= FUSED_MAX_PAIRS) or (config.token_major and p <= TOKEN_MAJOR_MAX_PAIRS)):
+        raise ConfigError("MoEConfig.fused / token_major read the row-major nb8 layout; an nb8t pool takes the "
+                          "tiled GEMM path (a config with fused=False, token_major=False)")
     if config.fused and p <= FUSED_MAX_PAIRS:       # one persistent launch (moe_fused_decode)
         from moet.kernels.moe_fused_decode import run_fused_decode
         run_fused_decode(hidden, ids, table, tw, ops, fmt, t, k, h, i, limit, has_limit, config, miss_counter, out,
@@ -831,7 +866,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
-        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, num_warps=cg.num_warps,
+        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, num_warps=cg.num_warps,
         num_stages=cg.num_stages,
         **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
@@ -846,7 +881,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(h, cd.BN), nb, cd.SPLIT_K)](
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
         dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
-        FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, num_warps=cd.num_warps,
+        FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, num_warps=cd.num_warps,
         num_stages=cd.num_stages,
         **common, **pdl)
     if not fuse_combine:

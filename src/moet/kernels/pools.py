@@ -12,8 +12,10 @@ import torch
 @dataclass(slots=True)
 class W2Pool:
     """moet's 2-bit code (moet.formats.w2): 2.25 bits per weight. `layout` names the code
-    byte layout: "v1" (files, moet.formats.w2) or "nb8" (what the Triton kernels read; the
-    model's pools, converted at fill time with moet.formats.w2.to_nb8). Scales are the same."""
+    byte layout: "v1" (files, moet.formats.w2), "nb8" (what the Triton kernels read; the
+    model's pools, converted at fill time with moet.formats.w2.to_nb8; scales as v1) or "nb8t"
+    (nb8 with codes and scales row-tiled, moet.formats.w2.tile_rows: the model's pools where
+    moet.model.experts.w2_pool_layout allows)."""
     gate_up_codes: torch.Tensor    # uint8 [S, 2I, H/4]
     gate_up_scales: torch.Tensor   # uint8 [S, 2I, H/32]  UE8M0
     down_codes: torch.Tensor       # uint8 [S, H, I/4]

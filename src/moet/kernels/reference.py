@@ -84,8 +84,11 @@ def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
         return pool.gate_up[slot], pool.down[slot]
     if isinstance(pool, W2Pool):
         gu, dn = pool.gate_up_codes[slot], pool.down_codes[slot]
-        return (decode_w2(gu, pool.gate_up_scales[slot], pool.layout),
-                decode_w2(dn, pool.down_scales[slot], pool.layout))
+        gs, ds, layout = pool.gate_up_scales[slot], pool.down_scales[slot], pool.layout
+        if layout == "nb8t":         # rows tiled (moet.formats.w2.tile_rows): back to row-major nb8
+            gu, dn = w2.untile_rows(gu, 1 / 4), w2.untile_rows(dn, 1 / 4)
+            gs, ds, layout = w2.untile_rows(gs, 1 / 32), w2.untile_rows(ds, 1 / 32), "nb8"
+        return decode_w2(gu, gs, layout), decode_w2(dn, ds, layout)
     if isinstance(pool, FP4Pool):
         two_i = pool.gate_up_weight.shape[1]
         # gate rows use scale_2[slot, 0], up rows scale_2[slot, 1]: checkpoints quantize gate

@@ -1,0 +1,46 @@
+"""The model's W2 pools take the row-tiled nb8t layout where the expert shapes allow
+(moet.model.experts.w2_pool_layout), and filling one holds the same codes as an nb8 pool, tiled."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moet.formats import w2
+from moet.kernels.pools import W2Pool
+from moet.kernels.reference import moe_experts_reference
+from moet.model import experts
+
+
+@pytest.mark.parametrize("h,i,want", [(7168, 2048, "nb8t"), (2048, 768, "nb8t"), (4096, 1408, "nb8"),
+                                      (384, 256, "nb8"), (256, 256, "nb8t")])
+def test_layout_follows_the_shapes(h, i, want):
+    assert experts.w2_pool_layout(h, i) == want
+    if h * i <= 2048 * 768:               # small enough to allocate here
+        assert experts.new_pool(SimpleNamespace(hidden_size=h, moe_intermediate_size=i), "w2", 1,
+                                torch.float32, "cpu").layout == want
+
+
+def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same():
+    h, i = 512, 256
+    spec = SimpleNamespace(hidden_size=h, moe_intermediate_size=i)
+    tiled = experts.new_pool(spec, "w2", 2, torch.float32, "cpu")
+    assert tiled.layout == "nb8t"
+    plain = W2Pool(*(torch.zeros_like(getattr(tiled, f)) for f in ("gate_up_codes", "gate_up_scales", "down_codes",
+                                                                     "down_scales")), layout="nb8")
+    g = torch.Generator().manual_seed(5)
+    for slot in range(2):
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            parts = {"weight": torch.randn(*shape, generator=g)}
+            for pool in (tiled, plain):
+                experts.convert_into(pool, slot, spec, proj, "float", parts, {}, f"slot {slot} {proj}")
+    for f, per in (("gate_up_codes", 1 / 4), ("gate_up_scales", 1 / 32), ("down_codes", 1 / 4),
+                   ("down_scales", 1 / 32)):
+        assert torch.equal(getattr(tiled, f), w2.tile_rows(getattr(plain, f), per)), f
+    x = torch.randn(3, h, generator=g)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]])
+    wts = torch.rand(3, 2, generator=g)
+    table = torch.tensor([0, 1], dtype=torch.int32)
+    outs = [moe_experts_reference(x, ids, wts, table, p, torch.zeros(1, dtype=torch.int64)) for p in (tiled, plain)]
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().max() > 0

@@ -1,0 +1,97 @@
+"""Does the row-tiled nb8t pool layout speed up moet's W2 MoE layer? (docs/perf.md, "Run 26": in the
+e4m3 lab GEMV, a layout with each 64-row x 256-weight tile contiguous plus >= 8 KB a loop step
+lifted the T = 1 gate/up stack +14%; moet's nb8 decode step reads 64 B per row, as that lab's
+row-major form did.)
+
+Per shape and T: the table config and wider K steps (gate/up / down BKH 64, BN 64) on the nb8 pool
+and on its nb8t copy (moet.formats.w2.tile_rows: the same bytes, permuted). Each nb8t output is
+compared with the nb8 output of the same config (bit-identical expected: the same math in the same
+order); each config's output with the table config's (relerr: wider K steps sum in another order).
+Timing as moe_kernel_tune (CUDA graph of 8 routings, GB/s on the distinct experts' bytes).
+
+    python tools/kernel_lab/nb8_tiled_probe.py --out DIR [--shapes deepseek,qwen] [--tokens 1,8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="deepseek,qwen")
+    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--budget-s", type=float, default=200)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from moet.bench.moe_kernel_tune import SHAPES, bf16_gemv_gbps, expert_bytes, make_pool, routing, time_layer
+    from moet.formats import w2
+    from moet.kernels import moe_triton as mt
+    from moet.kernels.launch_tables import device_name
+    from moet.kernels.moe_configs import lookup
+    from moet.kernels.pools import W2Pool
+    dev = torch.device("cuda")
+    t0 = time.time()
+    gemv = bf16_gemv_gbps(dev)
+    rep = {"device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "bf16_gemv_GBps": gemv, "rows": []}
+    print(f"[{time.time() - t0:4.0f}s] bf16 GEMV {gemv:.0f} GB/s", flush=True)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for sname in args.shapes.split(","):
+        h, i, e, k = SHAPES[sname]
+        pool = make_pool("w2", e, h, i, dev, gen)
+        tiled = W2Pool(w2.tile_rows(pool.gate_up_codes, 1 / 4), w2.tile_rows(pool.gate_up_scales, 1 / 32),
+                       w2.tile_rows(pool.down_codes, 1 / 4), w2.tile_rows(pool.down_scales, 1 / 32), layout="nb8t")
+        eb = expert_bytes(pool)
+        table = torch.arange(e, dtype=torch.int32, device=dev)
+        for t in [int(x) for x in args.tokens.split(",")]:
+            base = mt.fit_token_tile(lookup("w2", h, i, t * k, device_name(dev)), t * k, e)
+            variants = {"table": base,
+                        "gu BKH 64": replace(base, gate_up=replace(base.gate_up, BKH=64)),
+                        "dn BKH 64": replace(base, down=replace(base.down, BKH=64)),
+                        "gu+dn BKH 64": replace(base, gate_up=replace(base.gate_up, BKH=64),
+                                                down=replace(base.down, BKH=64)),
+                        "gu BN 64 BKH 64 w4": replace(base, gate_up=replace(base.gate_up, BN=64, BKH=64, num_warps=4))}
+            x = torch.randn(t, h, device=dev, generator=gen).bfloat16()
+            ids, wts = routing(t, e, k, dev, gen)
+            ref = None
+            for vname, cfg in variants.items():
+                if time.time() - t0 > args.budget_s:
+                    print("budget: stop", flush=True)
+                    break
+                outs = {}
+                for lname, p in (("nb8", pool), ("nb8t", tiled)):
+                    miss = torch.zeros(1, dtype=torch.int64, device=dev)
+                    try:
+                        outs[lname] = mt.moe_experts_triton(x, ids, wts, table, p, miss, config=cfg)
+                        rec = time_layer(mt, p, h, e, k, t, dev, gen, cfg, eb)
+                    except Exception as exc:                      # out of resources etc.: recorded
+                        print(f"{sname} T {t} {vname} {lname}: {exc!r}"[:300], flush=True)
+                        rep["rows"].append(dict(shape=sname, t=t, variant=vname, layout=lname, error=repr(exc)[:300]))
+                        continue
+                    rec.update(shape=sname, t=t, variant=vname, layout=lname, config=repr(cfg),
+                               pct_of_gemv=100 * rec["GBps"] / gemv)
+                    if ref is None:
+                        ref = outs[lname]
+                    rec["relerr_vs_table"] = float((outs[lname].double() - ref.double()).norm() / ref.double().norm())
+                    if lname == "nb8t" and "nb8" in outs:
+                        rec["same_bits_as_nb8"] = bool(torch.equal(outs["nb8"], outs["nb8t"]))
+                    rep["rows"].append(rec)
+                    print(f"[{time.time() - t0:4.0f}s] {sname} T {t} {vname:20s} {lname:5s}: {rec['us']:7.1f} us "
+                          f"{rec['GBps']:6.0f} GB/s {rec['pct_of_gemv']:5.1f}% of the GEMV"
+                          + (f"  same bits as nb8: {rec['same_bits_as_nb8']}" if "same_bits_as_nb8" in rec else "")
+                          + f"  relerr vs table {rec['relerr_vs_table']:.1e}", flush=True)
+                json.dump(rep, open(os.path.join(args.out, "nb8_tiled_probe.json"), "w"), indent=1)
+        del pool, tiled
+    json.dump(rep, open(os.path.join(args.out, "nb8_tiled_probe.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
