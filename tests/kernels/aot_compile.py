@@ -182,7 +182,7 @@ def main() -> None:
                      dict(num_warps=md.MLA_NUM_WARPS, num_stages=md.MLA_NUM_STAGES),
                      div16=("s_qlb", "s_qlh", "s_qrb", "s_qrh", "s_lb", "s_lt", "s_btb", "pages_min"))
         assert c.metadata.shared <= 227 * 1024, f"mla decode, fp32 queries, needs {c.metadata.shared} B of shared memory"
-        print("mla split fp32 q", lat, "scale kind", kind, "smem", c.metadata.shared)
+        print("mla fp32-q split", lat, "scale kind", kind, "smem", c.metadata.shared)
         if kind != 1:
             hm = dict(const, BLOCK_N=md.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
             c = _compile(md._mla_decode_split_kernel, types, hm, dict(num_warps=md.MLA_NUM_WARPS,
@@ -208,7 +208,7 @@ def main() -> None:
                      dict(num_warps=md.MLA_NUM_WARPS, num_stages=md.MLA_NUM_STAGES),
                      div16=("s_qlt", "s_qlh", "s_qrt", "s_qrh", "s_lb", "s_lt", "s_btb", "s_ot", "s_oh"))
         assert c.metadata.shared <= 227 * 1024, f"mla prefill, fp32 queries, needs {c.metadata.shared} B of shared memory"
-        print("mla prefill fp32 q", lat, "scale kind", kind, "smem", c.metadata.shared)
+        print("mla fp32-q prefill", lat, "scale kind", kind, "smem", c.metadata.shared)
         if kind != 1:                    # the rows-as-M 64-key form, the default where the decode's is
             hm = dict(const, BLOCK_N=md.MLA_HM_BLOCK_N, HEADS_M=True, SLACK=0.0)
             c = _compile(mp._mla_prefill_kernel, types, hm, dict(num_warps=md.MLA_NUM_WARPS,

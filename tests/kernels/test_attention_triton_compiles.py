@@ -33,5 +33,6 @@ def test_kernels_compile_for_sm90():
     assert sum(line.startswith("mla prefill *") for line in lines) == 3, r.stdout
     assert sum(line.startswith("mla prefill heads-M") for line in lines) == 2, r.stdout
     assert sum(line.startswith("mla heads-M") for line in lines) == 2, r.stdout
+    assert sum(line.startswith(("mla fp32-q split", "mla fp32-q prefill")) for line in lines) == 6, r.stdout
     assert sum(line.startswith("kv write") for line in lines) == 3, r.stdout
     assert sum(line.startswith("gqa form") for line in lines) == 3, r.stdout       # fp8_words x 2, swap_ab
