@@ -48,9 +48,11 @@ ROTATIONS = 8
 # ---------------------------------------------------------------- pools and inputs
 
 def make_pools(h: int, i: int, e: int, device, gen) -> dict:
-    """Random W2 (nb8 layout, what the kernels read), FP4 (NVFP4 bytes) and bf16 pools of e slots."""
+    """Random W2 (the layout the model's pools take for these shapes: nb8 or row-tiled nb8t), FP4
+    (NVFP4 bytes) and bf16 pools of e slots."""
+    from moet.model.experts import w2_pool_layout
     u8 = dict(dtype=torch.uint8, device=device, generator=gen)
-    w2_layout = {"layout": "nb8"} if "layout" in W2Pool.__slots__ else {}
+    w2_layout = {"layout": w2_pool_layout(h, i)} if "layout" in W2Pool.__slots__ else {}
     # UE8M0 bytes 118..124: 2^-9 .. 2^-3 per +-1/+-4 level, the range real expert weights land in
     w2 = W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8), torch.randint(118, 125, (e, 2 * i, h // 32), **u8),
                 torch.randint(0, 256, (e, h, i // 4), **u8), torch.randint(118, 125, (e, h, i // 32), **u8),

@@ -47,12 +47,14 @@ def merge_table(new: dict, path: str) -> None:
 
 def make_pool(fmt: str, e: int, h: int, i: int, dev, gen):
     from moet.kernels.pools import FP4Pool, W2Pool
+    from moet.model.experts import w2_pool_layout
     u8 = dict(dtype=torch.uint8, device=dev, generator=gen)
-    if fmt == "w2":   # random bytes are random nb8 codes; scales as quantized weights have them
+    if fmt == "w2":   # random bytes are random nb8 / nb8t codes (the layout the model's pools take
+        # for these shapes, so the table is tuned on what it serves); scales as quantized weights have them
         return W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8),
                       torch.randint(115, 126, (e, 2 * i, h // 32), **u8),
                       torch.randint(0, 256, (e, h, i // 4), **u8), torch.randint(115, 126, (e, h, i // 32), **u8),
-                      layout="nb8")
+                      layout=w2_pool_layout(h, i))
     # e4m3 scale bytes 0x28..0x47 (0.25 .. 3.75, normals), scale_2 ~ 1e-2
     def sc(*s):
         return torch.randint(0x28, 0x48, s, **u8).view(torch.float8_e4m3fn)
@@ -463,6 +465,8 @@ def main():
                             # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
                             # each kept if clearly faster than the tiled best and correct
                             if regime != "decode" or p > max_pairs or left() <= 0:
+                                continue
+                            if getattr(pool, "layout", None) == "nb8t":   # those kernels read row-major nb8 only
                                 continue
                             tried, tiled_us = [], best_us
                             for gu, dn in alt_candidates():
