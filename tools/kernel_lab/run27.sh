@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Device run 27 (prepared in stop 23 for the next session). Results in $OUT/<mode>.tgz.
+#   bash tools/kernel_lab/run27.sh tests   (~3 min) the GPU tests of the MoE kernels (nb8t pools: bit identity with
+#       nb8 on the decode and sort paths, the token-major fallback; checked so far under the interpreter and by
+#       nb8_tiled_probe's 20 bit-identical outputs) and of the model's pool layout
+#   bash tools/kernel_lab/run27.sh tune    (~8 min) moe_kernel_tune decode re-tune on nb8t pools (make_pool now takes
+#       the model's layout): DeepSeek-V3 and Qwen3-30B-A3B at T = 1, 2, 8 (run 26b: gate/up BKH 64 a further -5% at
+#       T = 8 on the tiled pool), table merged into $R/moe_configs_merged.json
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+R=/tmp/r27; mkdir -p $R
+MODE=${1:-}
+save() { tar czf $OUT/${MODE}.tgz -C $R . 2>/dev/null; }
+case "$MODE" in
+tests)
+    timeout -k 5 300 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py \
+        tests/model/test_w2_pool_layout.py tests/formats/test_w2.py > $R/pytest_moe.txt 2>&1; echo "tests rc=$?"
+    tail -3 $R/pytest_moe.txt; save ;;
+tune)
+    timeout -k 5 --signal=INT 500 python -m moet.bench.moe_kernel_tune --out $R/tune --budget-s 460 \
+        --shapes deepseek,qwen --formats w2 --tokens 1,2,8 --tune deepseek:1,deepseek:8,qwen:1,qwen:8,deepseek:2 \
+        --write-table > $R/log_tune.txt 2>&1; echo "rc=$?"
+    cp src/moet/kernels/moe_configs.json $R/moe_configs_merged.json
+    grep -E "^\[|GB/s|failed" $R/log_tune.txt | cut -c1-200 | tail -24
+    save ;;
+*) echo "usage: run27.sh tests|tune"; exit 2 ;;
+esac
