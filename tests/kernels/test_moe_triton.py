@@ -401,9 +401,11 @@ def _tiled(pool: W2Pool) -> W2Pool:
 # wide tiles: the interpreter's time grows with the programs, and nb8t needs K >= 512 to permute
 CFG_WIDE = MoEConfig(16, GemmConfig(64, 32, 1, 4, 2), GemmConfig(64, 32, 2, 4, 2))
 CFG_WIDE_BM1 = MoEConfig(1, GemmConfig(64, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
+# K steps of 16 units, half a tile row: the per-element form of the tiled addressing
+CFG_HALF_TILE = MoEConfig(1, GemmConfig(64, 16, 2, 2, 2), GemmConfig(64, 16, 1, 2, 2))
 
 
-@pytest.mark.parametrize("t,cfg,small_align", [(2, CFG_WIDE_BM1, None), (6, CFG_WIDE, 4)])
+@pytest.mark.parametrize("t,cfg,small_align", [(2, CFG_WIDE_BM1, None), (6, CFG_WIDE, 4), (1, CFG_HALF_TILE, None)])
 def test_row_tiled_nb8t_pool_gives_the_nb8_bits(poisoned, monkeypatch, t, cfg, small_align):
     """The nb8t layout (rows tiled 64 x 256 weights, moet.formats.w2.tile_rows) holds the same
     bytes permuted: the same kernels read it to the same bits as nb8 -- decode and (a lowered

@@ -138,7 +138,6 @@ def from_nb8(nb: torch.Tensor) -> torch.Tensor:
     return torch.stack((v & 0xFF, v >> 8), dim=-1).flatten(-2).to(torch.uint8)
 
 
-
 # ----------------------------------------------------------------------------- kernel layout nb8t
 # nb8 (codes) and the scales with their rows tiled (docs/formats.md, "Kernel layout nb8t"): per
 # tile of NB8T_ROWS rows x NB8T_WEIGHTS weights (64 code bytes, 8 scale bytes per row) one
@@ -176,6 +175,7 @@ def untile_rows(a: torch.Tensor, per_weight: float) -> torch.Tensor:
     *lead, n, w = a.shape
     t = a.reshape(*lead, n // NB8T_ROWS, w // cols, NB8T_ROWS, cols).transpose(-3, -2)
     return t.contiguous().reshape(*lead, n, w)
+
 
 def dequantize(t: W2Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W2Tensor -> [N, K] values (exact in float32: +-1/+-4 times a power of two >= 2**-127)."""
