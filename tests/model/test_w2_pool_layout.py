@@ -22,10 +22,12 @@ def test_layout_follows_the_shapes(h, i, want):
                                 torch.float32, "cpu").layout == want
 
 
-def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the fill re-encodes on the pool's device)"))])
+def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same(device):
     h, i = 512, 256
     spec = SimpleNamespace(hidden_size=h, moe_intermediate_size=i)
-    tiled = experts.new_pool(spec, "w2", 2, torch.float32, "cpu")
+    tiled = experts.new_pool(spec, "w2", 2, torch.float32, device)
     assert tiled.layout == "nb8t"
     plain = W2Pool(*(torch.zeros_like(getattr(tiled, f)) for f in ("gate_up_codes", "gate_up_scales", "down_codes",
                                                                      "down_scales")), layout="nb8")
@@ -38,9 +40,10 @@ def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same():
     for f, per in (("gate_up_codes", 1 / 4), ("gate_up_scales", 1 / 32), ("down_codes", 1 / 4),
                    ("down_scales", 1 / 32)):
         assert torch.equal(getattr(tiled, f), w2.tile_rows(getattr(plain, f), per)), f
-    x = torch.randn(3, h, generator=g)
-    ids = torch.tensor([[0, 1], [1, 0], [0, 1]])
-    wts = torch.rand(3, 2, generator=g)
-    table = torch.tensor([0, 1], dtype=torch.int32)
-    outs = [moe_experts_reference(x, ids, wts, table, p, torch.zeros(1, dtype=torch.int64)) for p in (tiled, plain)]
+    x = torch.randn(3, h, generator=g).to(device)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]], device=device)
+    wts = torch.rand(3, 2, generator=g).to(device)
+    table = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    outs = [moe_experts_reference(x, ids, wts, table, p, torch.zeros(1, dtype=torch.int64, device=device))
+            for p in (tiled, plain)]
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().max() > 0

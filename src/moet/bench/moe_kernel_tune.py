@@ -238,12 +238,15 @@ def candidates(regime: str, fmt: str):
         # (tools/kernel_lab: SASS counts from the sm_90 AOT build)
         # and enough programs: at T = 1 a DeepSeek-V3 gate/up with BN 64 is only 32 x 8 programs of
         # two warps (one warp per scheduler), so split-K and narrow row blocks are in the list
+        # BKH 64 (a whole nb8t tile row a step, two units of 256 weights: run 26b measured the
+        # DeepSeek-V3 T = 8 gate/up -5% with it on the row-tiled pool)
         gu = [GemmConfig(32, 32, 2, 2, 4), GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6),
               GemmConfig(32, 16, 2, 2, 6), GemmConfig(32, 32, 4, 2, 4), GemmConfig(64, 32, 2, 2, 4),
-              GemmConfig(64, 32, 1, 4, 4), GemmConfig(16, 32, 2, 1, 4)]
+              GemmConfig(64, 32, 1, 4, 4), GemmConfig(16, 32, 2, 1, 4), GemmConfig(32, 64, 2, 2, 4),
+              GemmConfig(32, 64, 1, 2, 4)]
         dn = [GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6), GemmConfig(32, 16, 1, 2, 6),
               GemmConfig(64, 32, 1, 2, 4), GemmConfig(32, 32, 2, 2, 4), GemmConfig(128, 32, 1, 4, 4),
-              GemmConfig(16, 32, 1, 1, 4)]
+              GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 64, 1, 2, 4)]
         base = MoEConfig(16, gu[0], dn[0])
         return base, gu, dn
     # prefill: tensor-core tiles; the weights are decoded once per (tile, K step) for BM tokens, so
