@@ -27,6 +27,15 @@ Layouts (converted from moet.formats.w2 "v1" bit-exactly, inverses tested):
 Level table: codes 0..3 = -4, -1, +1, +4 = e4m3 bytes C8, B8, 38, 48 (LUT 0x4838B8C8); the e4m3
 bytes of level * 2^d are LUT + d * 0x08080808 for d in [-6, 6] (no carries, no NaN byte).
 
+Kernel forms (w2e4_gemv's arguments): BN rows a program (64 per warpgroup), CPS chunks a loop
+step, split_k partial outputs [split, T, N], tiled=True for the [N/64, K/256, 64, W] layout of
+codes, scales and refs (tile_rows; a (64-row tile, chunk) one contiguous block), and the exact
+launch (EXACT_ONLY) that adds the flagged chunks, only for pools that have any.
+Measured (H200, docs/perf.md MoE "Run 26"): ~2.1 TB/s row-major at T = 1, the same as moet's nb8 bf16
+decode at 1.2-1.7 against 2.0 thread-instructions per weight; tiled with 2-4 chunks a step
+2.35 TB/s on the DeepSeek-V3 gate/up stack. Not adopted (e4m3 activations, an approximation); the
+tiled layout became moet's nb8t pool layout (docs/formats.md).
+
     python tools/kernel_lab/w2e4_gemv.py --aot          (CPU: sm_90 SASS of the loop, per weight)
     python tools/kernel_lab/w2e4_gemv.py --out DIR      (GPU: checks, then timing vs moet and a GEMV)
 """
