@@ -6,6 +6,9 @@
 #   bash tools/kernel_lab/run27.sh tune    (~8 min) moe_kernel_tune decode re-tune on nb8t pools (make_pool now takes
 #       the model's layout): DeepSeek-V3 and Qwen3-30B-A3B at T = 1, 2, 8 (run 26b: gate/up BKH 64 a further -5% at
 #       T = 8 on the tiled pool), table merged into $R/moe_configs_merged.json
+#   bash tools/kernel_lab/run27.sh prefill (~4 min) the table configs on nb8t pools at T = 512 / 2048 / 8192
+#       (DeepSeek-V3, Qwen3): nb8t was timed at decode only (run 26b); run 23's W2 prefill was 50.6% of the GEMM on
+#       nb8 (issue 4's >= 50%); if nb8t is slower there, the pool layout choice needs the prefill's view too
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r27; mkdir -p $R
 MODE=${1:-}
@@ -22,5 +25,10 @@ tune)
     cp src/moet/kernels/moe_configs.json $R/moe_configs_merged.json
     grep -E "^\[|GB/s|failed" $R/log_tune.txt | cut -c1-200 | tail -24
     save ;;
-*) echo "usage: run27.sh tests|tune"; exit 2 ;;
+prefill)
+    timeout -k 5 --signal=INT 280 python -m moet.bench.moe_kernel_tune --out $R/prefill --budget-s 250 \
+        --shapes deepseek,qwen --formats w2 --tokens 512,2048,8192 --tune "" > $R/log_prefill.txt 2>&1; echo "rc=$?"
+    grep -E "^\[|TFLOP|failed" $R/log_prefill.txt | cut -c1-200 | tail -16
+    save ;;
+*) echo "usage: run27.sh tests|tune|prefill"; exit 2 ;;
 esac
