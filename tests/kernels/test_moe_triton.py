@@ -435,6 +435,42 @@ def test_row_tiled_nb8t_pool_gives_the_nb8_bits(poisoned, monkeypatch, t, cfg, s
 
 
 
+
+def _tiled_fp4(pool: FP4Pool) -> FP4Pool:
+    def t(x, per):
+        return w2.tile_rows(x.view(torch.uint8), per).view(x.dtype)
+    return FP4Pool(t(pool.gate_up_weight, 1 / 2), t(pool.gate_up_scale, 1 / 16), pool.gate_up_scale_2,
+                   t(pool.down_weight, 1 / 2), t(pool.down_scale, 1 / 16), pool.down_scale_2, layout="nvfp4t")
+
+
+# FP4 steps: BKH 32 units = half a tile row (the per-element addressing), 64 = one (the scalar one)
+CFG_FP4_HALF = MoEConfig(1, GemmConfig(64, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
+CFG_FP4_ROW = MoEConfig(16, GemmConfig(64, 64, 1, 4, 2), GemmConfig(64, 64, 2, 4, 2))
+
+
+@pytest.mark.parametrize("t,cfg,small_align", [(1, CFG_FP4_HALF, None), (5, CFG_FP4_ROW, 4)])
+def test_row_tiled_nvfp4t_pool_gives_the_nvfp4_bits(poisoned, monkeypatch, t, cfg, small_align):
+    """FP4's row-tiled layout (weights and block scales, 64 x 256-weight tiles) through the same
+    kernels: the same bits as the row-major NVFP4 pool, the same misses; the reference reads it too."""
+    mt = _mt()
+    if small_align:
+        monkeypatch.setattr(mt, "SMALL_ALIGN_MAX_PAIRS", small_align)
+    g = torch.Generator().manual_seed(34)
+    pool = _fp4_pool(3, 512, 512, g)
+    tp = _tiled_fp4(pool)
+    assert not torch.equal(tp.gate_up_weight, pool.gate_up_weight)
+    assert not torch.equal(tp.down_scale.view(torch.uint8), pool.down_scale.view(torch.uint8))
+    tab = _table([2, -1, 0, 1])
+    x, ids, w = _inputs(t, 2, 512, 4, g)
+    ids[0] = torch.tensor([1, 3])                                   # one miss at least
+    m1, m2, m3 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(3))
+    a = mt.moe_experts_fp4_triton(x, ids, w, tab, pool, m1, config=cfg)
+    b = mt.moe_experts_fp4_triton(x, ids, w, tab, tp, m2, config=cfg)
+    assert torch.equal(a, b) and torch.equal(m1, m2) and int(m1.item()) > 0
+    ref_rm = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    ref_t = moe_experts_reference(x, ids, w, tab, tp, m3)
+    assert torch.equal(ref_rm, ref_t) and _relerr(b, ref_t) <= BOUND
+
 def test_row_tiled_pool_takes_the_gemm_path_where_the_table_says_token_major(poisoned, monkeypatch):
     """A table config that asks for the token-major (or fused) decode, which reads row-major nb8
     only, runs an nb8t pool on the tiled GEMM path instead of failing; explicit configs refuse."""

@@ -469,7 +469,7 @@ def main():
                             # each kept if clearly faster than the tiled best and correct
                             if regime != "decode" or p > max_pairs or left() <= 0:
                                 continue
-                            if getattr(pool, "layout", None) == "nb8t":   # those kernels read row-major nb8 only
+                            if getattr(pool, "layout", None) in ("nb8t", "nvfp4t"):   # those read row-major pools only
                                 continue
                             tried, tiled_us = [], best_us
                             for gu, dn in alt_candidates():

@@ -36,6 +36,7 @@ import torch
 from moet.errors import FormatError
 from moet.formats import e2m1
 from moet.formats._checks import label, require_2d_divisible, require_finite, require_float
+from moet.formats.row_tiles import TILE_ROWS, TILE_WEIGHTS, tile_rows, untile_rows  # noqa: F401 (nb8t, re-exported)
 
 LEVELS: tuple[float, ...] = (-4.0, -1.0, 1.0, 4.0)
 BLOCK = 32
@@ -139,42 +140,9 @@ def from_nb8(nb: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- kernel layout nb8t
-# nb8 (codes) and the scales with their rows tiled (docs/formats.md, "Kernel layout nb8t"): per
-# tile of NB8T_ROWS rows x NB8T_WEIGHTS weights (64 code bytes, 8 scale bytes per row) one
-# contiguous block, tiles in row-tile-major order, so a kernel step over a row block reads one
-# run of bytes instead of one short segment per row. The same bytes, permuted: bit-exact both
-# ways. Needs rows % 64 == 0 and K % 256 == 0 (DeepSeek-V3, Kimi-K2, Qwen3-MoE; not GLM-4.5-Air's
-# I = 1408).
-NB8T_ROWS = 64
-NB8T_WEIGHTS = 256
-
-
-def _tile_cols(a: torch.Tensor, per_weight: float) -> int:
-    """Columns of one tile row of an [..., N, W] code (per_weight 1/4) or scale (1/32) array."""
-    cols = int(NB8T_WEIGHTS * per_weight)
-    n, w = a.shape[-2], a.shape[-1]
-    if n % NB8T_ROWS or w % cols:
-        raise FormatError(f"the nb8t layout tiles {NB8T_ROWS} rows x {NB8T_WEIGHTS} weights: got {n} rows and "
-                          f"{w} columns ({w // max(cols, 1)} tiles of {cols} and {w % cols} left over); use nb8")
-    return cols
-
-
-def tile_rows(a: torch.Tensor, per_weight: float) -> torch.Tensor:
-    """[..., N, W] codes (per_weight 1/4: bytes per weight) or scales (1/32), row-major -> the same
-    shape in the nb8t order: element (r, c) at ((r // 64) * (W / cols) + c // cols) * 64 * cols +
-    (r % 64) * cols + c % cols, cols = 256 * per_weight."""
-    cols = _tile_cols(a, per_weight)
-    *lead, n, w = a.shape
-    t = a.reshape(*lead, n // NB8T_ROWS, NB8T_ROWS, w // cols, cols).transpose(-3, -2)
-    return t.contiguous().reshape(*lead, n, w)
-
-
-def untile_rows(a: torch.Tensor, per_weight: float) -> torch.Tensor:
-    """Inverse of tile_rows."""
-    cols = _tile_cols(a, per_weight)
-    *lead, n, w = a.shape
-    t = a.reshape(*lead, n // NB8T_ROWS, w // cols, NB8T_ROWS, cols).transpose(-3, -2)
-    return t.contiguous().reshape(*lead, n, w)
+# nb8 codes and the scales with their rows tiled: tile_rows / untile_rows (moet.formats.row_tiles,
+# docs/formats.md "Kernel layout nb8t"), the same bytes permuted, bit-exact both ways.
+NB8T_ROWS, NB8T_WEIGHTS = TILE_ROWS, TILE_WEIGHTS
 
 
 def dequantize(t: W2Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:

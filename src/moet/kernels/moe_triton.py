@@ -232,16 +232,17 @@ def _tile_ptrs(base, r64, col, st, COLS: tl.constexpr, STEP: tl.constexpr, TCOLS
 def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
                USE_ASM: tl.constexpr, TILED: tl.constexpr = False):
-    """Step st (u = st * BKH + 0..BKH-1, g likewise in scale bytes) of rows' dots. TILED: an nb8t
-    pool (256-weight tiles: 32 code units, 8 scale bytes a tile row)."""
+    """Step st (u = st * BKH + 0..BKH-1, g likewise in scale bytes) of rows' dots. TILED: a row-tiled
+    pool, nb8t or nvfp4t (256-weight tiles: 32 / 64 code units and 8 / 16 scale bytes a tile row)."""
     r64 = rows.to(tl.int64)
-    c = tl.load(_tile_ptrs(wq, r64, u, st, UNITS, BKH, 32, TILED), mask=rmask[:, None] & umask[None, :], other=0)
+    TC: tl.constexpr = 32 if FMT == 0 else 64          # 16-bit units of a 256-weight tile row (8 / 4 weights each)
+    c = tl.load(_tile_ptrs(wq, r64, u, st, UNITS, BKH, TC, TILED), mask=rmask[:, None] & umask[None, :], other=0)
     if FMT == 0:
-        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, 8, TILED), mask=rmask[:, None] & gmask[None, :],
+        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, TC // 4, TILED), mask=rmask[:, None] & gmask[None, :],
                      other=127)
         acc = _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
     else:
-        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, 8, TILED), mask=rmask[:, None] & gmask[None, :],
+        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, TC // 4, TILED), mask=rmask[:, None] & gmask[None, :],
                      other=0x38)
         acc = _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
     return acc
@@ -716,6 +717,9 @@ def _format(pool) -> tuple[int, str]:
                              "does at fill time)")
         return FMT_W2, "w2"
     if isinstance(pool, FP4Pool):
+        if pool.layout not in ("nvfp4", "nvfp4t"):
+            raise ValueError(f"the FP4 Triton kernels read the nvfp4 (or row-tiled nvfp4t) layout, this pool is "
+                             f"{pool.layout!r}")
         return FMT_FP4, "fp4"
     raise TypeError(f"the Triton MoE kernels take a W2Pool or an FP4Pool, got {type(pool).__name__}")
 
@@ -787,10 +791,12 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     fmt, fname = _format(pool)
     ops = _operands(pool, fmt)
     h, i = _check_shapes(hidden, fmt, ops)
-    # nb8t (moet.formats.w2.tile_rows): the tiled GEMM path only; 64-row x 256-weight tiles
-    tiled = isinstance(pool, W2Pool) and pool.layout == "nb8t"
+    # row-tiled pools (nb8t, nvfp4t: moet.formats.row_tiles): the tiled GEMM path only; 64-row x
+    # 256-weight tiles
+    tiled = pool.layout in ("nb8t", "nvfp4t")
     if tiled and (h % 256 or i % 256):
-        raise ValueError(f"an nb8t pool needs hidden and intermediate sizes that are multiples of 256, got {h} and {i}")
+        raise ValueError(f"a row-tiled ({pool.layout}) pool needs hidden and intermediate sizes that are multiples of "
+                         f"256, got {h} and {i}")
     gu_q, gu_s, gu_s2, dn_q, dn_s, dn_s2 = ops
     t, k = topk_ids.shape
     p = t * k
@@ -798,7 +804,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     use_asm = asm_level(dev)
     if config is None:
         config = fit_token_tile(lookup(fname, h, i, p, _device_name(dev)), p, gu_q.shape[0])
-        if tiled:                # the fused / token-major kernels read row-major nb8 only
+        if tiled:                # the fused / token-major kernels read row-major pools only
             config = replace(config, fused=False, token_major=False)
     # programmatic dependent launch (config.pdl, table-driven): every kernel of the layer starts
     # with griddepcontrol.wait, so the next launch overlaps the kernel before
@@ -816,8 +822,8 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     has_limit = swiglu_limit is not None
     tw = topk_weights.reshape(-1).contiguous()
     if tiled and ((config.fused and p <= FUSED_MAX_PAIRS) or (config.token_major and p <= TOKEN_MAJOR_MAX_PAIRS)):
-        raise ConfigError("MoEConfig.fused / token_major read the row-major nb8 layout; an nb8t pool takes the "
-                          "tiled GEMM path (a config with fused=False, token_major=False)")
+        raise ConfigError(f"MoEConfig.fused / token_major read row-major pools; a row-tiled ({pool.layout}) pool "
+                          "takes the tiled GEMM path (a config with fused=False, token_major=False)")
     if config.fused and p <= FUSED_MAX_PAIRS:       # one persistent launch (moe_fused_decode)
         from moet.kernels.moe_fused_decode import run_fused_decode
         run_fused_decode(hidden, ids, table, tw, ops, fmt, t, k, h, i, limit, has_limit, config, miss_counter, out,

@@ -29,13 +29,17 @@ class W2Pool:
 
 @dataclass(slots=True)
 class FP4Pool:
-    """NVFP4 layout (the FP4 tier, SPEC 2.2): e2m1 pairs, e4m3 block-16 scales, fp32 scale_2."""
+    """NVFP4 layout (the FP4 tier, SPEC 2.2): e2m1 pairs, e4m3 block-16 scales, fp32 scale_2.
+    `layout`: "nvfp4" (the checkpoint's row-major bytes; the model's pools) or "nvfp4t" (weights
+    and block scales row-tiled, moet.formats.row_tiles, read by the same kernels to the same bits;
+    built and tested, not yet timed, so nothing picks it by default)."""
     gate_up_weight: torch.Tensor   # uint8 [S, 2I, H/2]
     gate_up_scale: torch.Tensor    # float8_e4m3fn [S, 2I, H/16]
     gate_up_scale_2: torch.Tensor  # float32 [S, 2]: gate rows, up rows
     down_weight: torch.Tensor      # uint8 [S, H, I/2]
     down_scale: torch.Tensor       # float8_e4m3fn [S, H, I/16]
     down_scale_2: torch.Tensor     # float32 [S]
+    layout: str = "nvfp4"
 
     @property
     def num_slots(self) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moet.formats import w2
+from moet.formats import row_tiles, w2
 from moet.kernels.pools import DensePool, FP4Pool, W2Pool
 
 W2_LEVELS = (-4.0, -1.0, 1.0, 4.0)
@@ -94,8 +94,12 @@ def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
         # gate rows use scale_2[slot, 0], up rows scale_2[slot, 1]: checkpoints quantize gate
         # and up as separate tensors, each with its own per-tensor scale.
         s2 = pool.gate_up_scale_2[slot].repeat_interleave(two_i // 2)
-        return (decode_fp4(pool.gate_up_weight[slot], pool.gate_up_scale[slot], s2),
-                decode_fp4(pool.down_weight[slot], pool.down_scale[slot], pool.down_scale_2[slot]))
+        gw, gs, dw, ds = (pool.gate_up_weight[slot], pool.gate_up_scale[slot], pool.down_weight[slot],
+                          pool.down_scale[slot])
+        if pool.layout == "nvfp4t":  # rows tiled (moet.formats.row_tiles): back to row-major
+            gw, dw = row_tiles.untile_rows(gw, 1 / 2), row_tiles.untile_rows(dw, 1 / 2)
+            gs, ds = row_tiles.untile_rows(gs, 1 / 16), row_tiles.untile_rows(ds, 1 / 16)
+        return decode_fp4(gw, gs, s2), decode_fp4(dw, ds, pool.down_scale_2[slot])
     raise TypeError(f"unknown expert pool type {type(pool).__name__}")
 
 
