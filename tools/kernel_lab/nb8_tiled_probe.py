@@ -1,4 +1,4 @@
-"""Does the row-tiled nb8t pool layout speed up moet's W2 MoE layer? (docs/perf.md, "Run 26": in the
+"""Does the row-tiled pool layout (W2 nb8t, FP4 nvfp4t) speed up moet's MoE layer? (docs/perf.md, "Run 26": in the
 e4m3 lab GEMV, a layout with each 64-row x 256-weight tile contiguous plus >= 8 KB a loop step
 lifted the T = 1 gate/up stack +14%; moet's nb8 decode step reads 64 B per row, as that lab's
 row-major form did.)
@@ -9,7 +9,7 @@ compared with the nb8 output of the same config (bit-identical expected: the sam
 order); each config's output with the table config's (relerr: wider K steps sum in another order).
 Timing as moe_kernel_tune (CUDA graph of 8 routings, GB/s on the distinct experts' bytes).
 
-    python tools/kernel_lab/nb8_tiled_probe.py --out DIR [--shapes deepseek,qwen] [--tokens 1,8]
+    python tools/kernel_lab/nb8_tiled_probe.py --out DIR [--shapes deepseek,qwen] [--tokens 1,8] [--formats w2,fp4]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="deepseek,qwen")
     ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--formats", default="w2", help="w2 (nb8 vs nb8t) and / or fp4 (nvfp4 vs nvfp4t)")
     ap.add_argument("--budget-s", type=float, default=200)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -35,7 +36,7 @@ def main() -> int:
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
-    from moet.kernels.pools import W2Pool
+    from moet.kernels.pools import FP4Pool, W2Pool
     dev = torch.device("cuda")
     t0 = time.time()
     gemv = bf16_gemv_gbps(dev)
@@ -43,15 +44,29 @@ def main() -> int:
            "bf16_gemv_GBps": gemv, "rows": []}
     print(f"[{time.time() - t0:4.0f}s] bf16 GEMV {gemv:.0f} GB/s", flush=True)
     gen = torch.Generator(device=dev).manual_seed(0)
-    for sname in args.shapes.split(","):
+
+    def row_major_and_tiled(fmt, e, h, i):
+        pool = make_pool(fmt, e, h, i, dev, gen)
+        if fmt == "w2":
+            if pool.layout == "nb8t":       # make_pool takes the model's layout: back to row-major for the pair
+                pool = W2Pool(*(w2.untile_rows(getattr(pool, f), 1 / 4 if "codes" in f else 1 / 32)
+                                for f in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales")), layout="nb8")
+            return pool, W2Pool(w2.tile_rows(pool.gate_up_codes, 1 / 4), w2.tile_rows(pool.gate_up_scales, 1 / 32),
+                                w2.tile_rows(pool.down_codes, 1 / 4), w2.tile_rows(pool.down_scales, 1 / 32),
+                                layout="nb8t")
+
+        def t(x, per):
+            return w2.tile_rows(x.view(torch.uint8), per).view(x.dtype)
+        return pool, FP4Pool(t(pool.gate_up_weight, 1 / 2), t(pool.gate_up_scale, 1 / 16), pool.gate_up_scale_2,
+                             t(pool.down_weight, 1 / 2), t(pool.down_scale, 1 / 16), pool.down_scale_2, layout="nvfp4t")
+
+    for sname, fmt in [(s_, f_) for s_ in args.shapes.split(",") for f_ in args.formats.split(",")]:
         h, i, e, k = SHAPES[sname]
-        pool = make_pool("w2", e, h, i, dev, gen)
-        tiled = W2Pool(w2.tile_rows(pool.gate_up_codes, 1 / 4), w2.tile_rows(pool.gate_up_scales, 1 / 32),
-                       w2.tile_rows(pool.down_codes, 1 / 4), w2.tile_rows(pool.down_scales, 1 / 32), layout="nb8t")
+        pool, tiled = row_major_and_tiled(fmt, e, h, i)
         eb = expert_bytes(pool)
         table = torch.arange(e, dtype=torch.int32, device=dev)
         for t in [int(x) for x in args.tokens.split(",")]:
-            base = mt.fit_token_tile(lookup("w2", h, i, t * k, device_name(dev)), t * k, e)
+            base = mt.fit_token_tile(lookup(fmt, h, i, t * k, device_name(dev)), t * k, e)
             variants = {"table": base,
                         "gu BKH 64": replace(base, gate_up=replace(base.gate_up, BKH=64)),
                         "dn BKH 64": replace(base, down=replace(base.down, BKH=64)),
@@ -66,26 +81,27 @@ def main() -> int:
                     print("budget: stop", flush=True)
                     break
                 outs = {}
-                for lname, p in (("nb8", pool), ("nb8t", tiled)):
+                for lname, p in ((pool.layout, pool), (tiled.layout, tiled)):
                     miss = torch.zeros(1, dtype=torch.int64, device=dev)
                     try:
                         outs[lname] = mt.moe_experts_triton(x, ids, wts, table, p, miss, config=cfg)
                         rec = time_layer(mt, p, h, e, k, t, dev, gen, cfg, eb)
                     except Exception as exc:                      # out of resources etc.: recorded
                         print(f"{sname} T {t} {vname} {lname}: {exc!r}"[:300], flush=True)
-                        rep["rows"].append(dict(shape=sname, t=t, variant=vname, layout=lname, error=repr(exc)[:300]))
+                        rep["rows"].append(dict(shape=sname, fmt=fmt, t=t, variant=vname, layout=lname,
+                                                error=repr(exc)[:300]))
                         continue
-                    rec.update(shape=sname, t=t, variant=vname, layout=lname, config=repr(cfg),
+                    rec.update(shape=sname, fmt=fmt, t=t, variant=vname, layout=lname, config=repr(cfg),
                                pct_of_gemv=100 * rec["GBps"] / gemv)
                     if ref is None:
                         ref = outs[lname]
                     rec["relerr_vs_table"] = float((outs[lname].double() - ref.double()).norm() / ref.double().norm())
-                    if lname == "nb8t" and "nb8" in outs:
-                        rec["same_bits_as_nb8"] = bool(torch.equal(outs["nb8"], outs["nb8t"]))
+                    if lname == tiled.layout and pool.layout in outs:
+                        rec["same_bits_as_row_major"] = bool(torch.equal(outs[pool.layout], outs[lname]))
                     rep["rows"].append(rec)
-                    print(f"[{time.time() - t0:4.0f}s] {sname} T {t} {vname:20s} {lname:5s}: {rec['us']:7.1f} us "
+                    print(f"[{time.time() - t0:4.0f}s] {sname} {fmt} T {t} {vname:20s} {lname:6s}: {rec['us']:7.1f} us "
                           f"{rec['GBps']:6.0f} GB/s {rec['pct_of_gemv']:5.1f}% of the GEMV"
-                          + (f"  same bits as nb8: {rec['same_bits_as_nb8']}" if "same_bits_as_nb8" in rec else "")
+                          + (f"  same bits: {rec['same_bits_as_row_major']}" if "same_bits_as_row_major" in rec else "")
                           + f"  relerr vs table {rec['relerr_vs_table']:.1e}", flush=True)
                 json.dump(rep, open(os.path.join(args.out, "nb8_tiled_probe.json"), "w"), indent=1)
         del pool, tiled

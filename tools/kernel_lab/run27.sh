@@ -30,5 +30,9 @@ prefill)
         --shapes deepseek,qwen --formats w2 --tokens 512,2048,8192 --tune "" > $R/log_prefill.txt 2>&1; echo "rc=$?"
     grep -E "^\[|TFLOP|failed" $R/log_prefill.txt | cut -c1-200 | tail -16
     save ;;
-*) echo "usage: run27.sh tests|tune|prefill"; exit 2 ;;
+fp4t)
+    timeout -k 5 200 python tools/kernel_lab/nb8_tiled_probe.py --out $R/fp4t --formats fp4,w2 --shapes deepseek,qwen \
+        --budget-s 170 > $R/log_fp4t.txt 2>&1; echo "rc=$?"; grep -E "table|BKH" $R/log_fp4t.txt | cut -c1-170 | tail -24
+    save ;;
+*) echo "usage: run27.sh tests|tune|prefill|fp4t"; exit 2 ;;
 esac
