@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moet.formats import w2
-from moet.kernels.pools import W2Pool
+from moet.kernels.pools import FP4Pool, W2Pool
 from moet.kernels.reference import moe_experts_reference
 from moet.model import experts
 
@@ -47,3 +47,21 @@ def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same(device):
     outs = [moe_experts_reference(x, ids, wts, table, p, torch.zeros(1, dtype=torch.int64, device=device))
             for p in (tiled, plain)]
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().max() > 0
+
+
+def test_filled_nvfp4t_pool_is_the_nvfp4_pool_tiled():
+    """FP4's row-tiled twin (not the model's default): a fill gives the row-major pool's bytes, tiled."""
+    h, i = 512, 256
+    spec = SimpleNamespace(hidden_size=h, moe_intermediate_size=i)
+    plain = experts.new_pool(spec, "fp4", 1, torch.float32, "cpu")
+    assert plain.layout == "nvfp4"
+    tiled = FP4Pool(*(torch.zeros_like(getattr(plain, f)) for f in FP4Pool.__slots__ if f != "layout"), layout="nvfp4t")
+    g = torch.Generator().manual_seed(6)
+    for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+        parts = {"weight": torch.randn(*shape, generator=g)}
+        for pool in (tiled, plain):
+            experts.convert_into(pool, 0, spec, proj, "float", parts, {}, proj)
+    for f, per in (("gate_up_weight", 1 / 2), ("gate_up_scale", 1 / 16), ("down_weight", 1 / 2), ("down_scale", 1 / 16)):
+        want = w2.tile_rows(getattr(plain, f).view(torch.uint8), per)
+        assert torch.equal(getattr(tiled, f).view(torch.uint8), want), f
+    assert torch.equal(tiled.gate_up_scale_2, plain.gate_up_scale_2)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from moet.errors import CheckpointError, ConfigError
-from moet.formats import nvfp4, w2
+from moet.formats import nvfp4, row_tiles, w2
 from moet.kernels.pools import DensePool, FP4Pool, W2Pool
 from moet.model.layers.moe import MoE
 from moet.model.weights import decode
@@ -123,8 +123,12 @@ def convert_into(pool, slot: int, spec, proj: str, fmt: str, parts: dict[str, to
         getattr(pool, f"{fused}_scales")[slot, rows] = scales
     else:
         t = _to_fp4(fmt, parts, where)
-        getattr(pool, f"{fused}_weight")[slot, rows] = t.weight
-        getattr(pool, f"{fused}_scale")[slot, rows] = t.weight_scale
+        weight, scale = t.weight, t.weight_scale
+        if pool.layout == "nvfp4t":   # rows tiled, one projection at a time (as nb8t above)
+            weight = row_tiles.tile_rows(weight, 1 / 2)
+            scale = row_tiles.tile_rows(scale.view(torch.uint8), 1 / 16).view(scale.dtype)
+        getattr(pool, f"{fused}_weight")[slot, rows] = weight
+        getattr(pool, f"{fused}_scale")[slot, rows] = scale
         if proj == "down_proj":
             pool.down_scale_2[slot] = t.weight_scale_2
         else:
