@@ -54,6 +54,18 @@ def main(quick: bool = False) -> None:
                 cvt = " e4m3-cvt" if "cvt.rn.f16x2.e4m3x2" in c.asm["ptx"] else ""
                 print("gemm", name, "gate_up" if gate_up else "down", bm, bn, bkh, split, unroll,
                       "cubin bytes", str(len(c.asm["cubin"])) + cvt)
+    # row-tiled pools (nb8t, nvfp4t): the tiled addressing, whole-tile and half-tile K steps (the
+    # interpreter accepts what the compiler may not)
+    for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
+        for gate_up, bkh in ((True, 32), (False, 64), (False, 16)):
+            n, k = (2048, 7168) if gate_up else (7168, 2048)
+            types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",
+                         bslot_ptr="*i32", out_ptr="*fp32", s_x="i32", s_wq_slot="i32", s_sc_slot="i32",
+                         limit="fp32", P="i32")
+            const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=2, HAS_LIMIT=gate_up, USE_ASM=2, BM=1,
+                         BN=32, BKH=bkh, PDL=True, UNROLL=1, TILED=True)
+            c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
+            print("gemm-tiled", name, "gate_up" if gate_up else "down", bkh, "cubin bytes", len(c.asm["cubin"]))
     # the split gate/up with the SwiGLU finish in its last program per (tile, row block)
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
         types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",
