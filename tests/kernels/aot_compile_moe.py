@@ -66,6 +66,13 @@ def main(quick: bool = False) -> None:
                          BN=32, BKH=bkh, PDL=True, UNROLL=1, TILED=True)
             c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
             print("gemm-tiled", name, "gate_up" if gate_up else "down", bkh, "cubin bytes", len(c.asm["cubin"]))
+        # and a prefill tile (BM 64, BN 128, the SwiGLU epilogue writing act)
+        types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32", bslot_ptr="*i32",
+                     out_ptr="*bf16", s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
+        const = dict(N=2048, K=7168, TOPK=8, GATE_UP=True, FMT=fmt, SPLIT_K=1, HAS_LIMIT=True, USE_ASM=2, BM=64,
+                     BN=128, BKH=32, PDL=False, UNROLL=1, TILED=True)
+        c = _compile(m._moe_gemm_kernel, types, const, 8, 3)
+        print("gemm-tiled", name, "prefill gate_up 32", "cubin bytes", len(c.asm["cubin"]))
     # the split gate/up with the SwiGLU finish in its last program per (tile, row block)
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
         types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",
