@@ -28,7 +28,7 @@ from moet.formats import nvfp4, w2  # noqa: E402
 from moet.kernels import moe_configs  # noqa: E402
 from moet.kernels.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
 from moet.kernels.moe_configs import GemmConfig, MoEConfig  # noqa: E402
-from moet.kernels.pools import DensePool, FP4Pool, W2Pool  # noqa: E402
+from moet.kernels.pools import DensePool, FP4Pool, W2Pool, row_tiled  # noqa: E402
 from moet.kernels.reference import moe_experts_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -393,11 +393,6 @@ def test_prefill_path_and_token_chunks(poisoned, monkeypatch):
 
 
 
-def _tiled(pool: W2Pool) -> W2Pool:
-    return W2Pool(w2.tile_rows(pool.gate_up_codes, 1 / 4), w2.tile_rows(pool.gate_up_scales, 1 / 32),
-                  w2.tile_rows(pool.down_codes, 1 / 4), w2.tile_rows(pool.down_scales, 1 / 32), layout="nb8t")
-
-
 # wide tiles: the interpreter's time grows with the programs, and nb8t needs K >= 512 to permute
 CFG_WIDE = MoEConfig(16, GemmConfig(64, 32, 1, 4, 2), GemmConfig(64, 32, 2, 4, 2))
 CFG_WIDE_BM1 = MoEConfig(1, GemmConfig(64, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
@@ -415,7 +410,7 @@ def test_row_tiled_nb8t_pool_gives_the_nb8_bits(poisoned, monkeypatch, t, cfg, s
         monkeypatch.setattr(mt, "SMALL_ALIGN_MAX_PAIRS", small_align)
     g = torch.Generator().manual_seed(31)
     pool = _w2_pool(4, 512, 512, g)          # two 256-weight tile columns each way: a real permutation
-    tp = _tiled(pool)
+    tp = row_tiled(pool)
     for f in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales"):
         per = 1 / 4 if "codes" in f else 1 / 32
         assert torch.equal(w2.untile_rows(getattr(tp, f), per), getattr(pool, f))
@@ -436,13 +431,6 @@ def test_row_tiled_nb8t_pool_gives_the_nb8_bits(poisoned, monkeypatch, t, cfg, s
 
 
 
-def _tiled_fp4(pool: FP4Pool) -> FP4Pool:
-    def t(x, per):
-        return w2.tile_rows(x.view(torch.uint8), per).view(x.dtype)
-    return FP4Pool(t(pool.gate_up_weight, 1 / 2), t(pool.gate_up_scale, 1 / 16), pool.gate_up_scale_2,
-                   t(pool.down_weight, 1 / 2), t(pool.down_scale, 1 / 16), pool.down_scale_2, layout="nvfp4t")
-
-
 # FP4 steps: BKH 32 units = half a tile row (the per-element addressing), 64 = one (the scalar one)
 CFG_FP4_HALF = MoEConfig(1, GemmConfig(64, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
 CFG_FP4_ROW = MoEConfig(16, GemmConfig(64, 64, 1, 4, 2), GemmConfig(64, 64, 2, 4, 2))
@@ -457,7 +445,7 @@ def test_row_tiled_nvfp4t_pool_gives_the_nvfp4_bits(poisoned, monkeypatch, t, cf
         monkeypatch.setattr(mt, "SMALL_ALIGN_MAX_PAIRS", small_align)
     g = torch.Generator().manual_seed(34)
     pool = _fp4_pool(3, 512, 512, g)
-    tp = _tiled_fp4(pool)
+    tp = row_tiled(pool)
     assert not torch.equal(tp.gate_up_weight, pool.gate_up_weight)
     assert not torch.equal(tp.down_scale.view(torch.uint8), pool.down_scale.view(torch.uint8))
     tab = _table([2, -1, 0, 1])
@@ -481,8 +469,8 @@ def test_row_tiled_pool_takes_the_gemm_path_where_the_table_says_token_major(poi
     x, ids, w = _inputs(1, 2, 512, 2, g)
     tab = _table([0, 1])
     m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    out = mt.moe_experts_w2_triton(x, ids, w, tab, _tiled(pool), m)
-    ref = moe_experts_reference(x, ids, w, tab, _tiled(pool), torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    out = mt.moe_experts_w2_triton(x, ids, w, tab, row_tiled(pool), m)
+    ref = moe_experts_reference(x, ids, w, tab, row_tiled(pool), torch.zeros(1, dtype=torch.int64, device=DEVICE))
     assert _relerr(out, ref) <= BOUND
 
 def test_row_tiled_pool_refuses_what_it_cannot_serve():
@@ -490,7 +478,7 @@ def test_row_tiled_pool_refuses_what_it_cannot_serve():
     g = torch.Generator().manual_seed(32)
     with pytest.raises(w2.FormatError, match="nb8t"):
         w2.tile_rows(torch.zeros(2, 96, 64, dtype=torch.uint8), 1 / 4)          # 96 rows: not whole 64-row tiles
-    pool = _tiled(_w2_pool(2, 256, 256, g))
+    pool = row_tiled(_w2_pool(2, 256, 256, g))
     x, ids, w = _inputs(1, 2, 256, 2, g)
     m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     for cfg in (CFG_TM, CFG_FUSED):

@@ -32,11 +32,10 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from moet.bench.moe_kernel_tune import SHAPES, bf16_gemv_gbps, expert_bytes, make_pool, routing, time_layer
-    from moet.formats import w2
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
-    from moet.kernels.pools import FP4Pool, W2Pool
+    from moet.kernels.pools import row_major, row_tiled
     dev = torch.device("cuda")
     t0 = time.time()
     gemv = bf16_gemv_gbps(dev)
@@ -46,19 +45,9 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def row_major_and_tiled(fmt, e, h, i):
-        pool = make_pool(fmt, e, h, i, dev, gen)
-        if fmt == "w2":
-            if pool.layout == "nb8t":       # make_pool takes the model's layout: back to row-major for the pair
-                pool = W2Pool(*(w2.untile_rows(getattr(pool, f), 1 / 4 if "codes" in f else 1 / 32)
-                                for f in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales")), layout="nb8")
-            return pool, W2Pool(w2.tile_rows(pool.gate_up_codes, 1 / 4), w2.tile_rows(pool.gate_up_scales, 1 / 32),
-                                w2.tile_rows(pool.down_codes, 1 / 4), w2.tile_rows(pool.down_scales, 1 / 32),
-                                layout="nb8t")
-
-        def t(x, per):
-            return w2.tile_rows(x.view(torch.uint8), per).view(x.dtype)
-        return pool, FP4Pool(t(pool.gate_up_weight, 1 / 2), t(pool.gate_up_scale, 1 / 16), pool.gate_up_scale_2,
-                             t(pool.down_weight, 1 / 2), t(pool.down_scale, 1 / 16), pool.down_scale_2, layout="nvfp4t")
+        pool = make_pool(fmt, e, h, i, dev, gen)     # the model's layout for these shapes (random bytes)
+        pool = row_major(pool) if pool.layout in ("nb8t", "nvfp4t") else pool
+        return pool, row_tiled(pool)
 
     for sname, fmt in [(s_, f_) for s_ in args.shapes.split(",") for f_ in args.formats.split(",")]:
         h, i, e, k = SHAPES[sname]

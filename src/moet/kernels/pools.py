@@ -4,9 +4,11 @@ routed expert's gate_up [2I, H] and down [H, I] weights in one format. Who fills
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from moet.formats import row_tiles
 
 
 @dataclass(slots=True)
@@ -59,3 +61,31 @@ class DensePool:
 
 def pool_nbytes(pool) -> int:
     return sum(v.nbytes for v in (getattr(pool, f) for f in pool.__slots__) if isinstance(v, torch.Tensor))
+
+
+# The row-tiled layouts (moet.formats.row_tiles): each tiled field and its elements per weight.
+ROW_TILED_FIELDS = {
+    "nb8t": {"gate_up_codes": 1 / 4, "gate_up_scales": 1 / 32, "down_codes": 1 / 4, "down_scales": 1 / 32},
+    "nvfp4t": {"gate_up_weight": 1 / 2, "gate_up_scale": 1 / 16, "down_weight": 1 / 2, "down_scale": 1 / 16},
+}
+_ROW_MAJOR = {"nb8t": "nb8", "nvfp4t": "nvfp4"}
+
+
+def untile_field(t: torch.Tensor, per_weight: float) -> torch.Tensor:
+    """One row-tiled field (any dtype, e.g. e4m3 scales) back in row-major order."""
+    return row_tiles.untile_rows(t.view(torch.uint8), per_weight).view(t.dtype)
+
+
+def row_tiled(pool):
+    """The row-tiled twin of a row-major W2 (nb8 -> nb8t) or FP4 (nvfp4 -> nvfp4t) pool: the same
+    bytes, permuted (bit-exact; row_major inverts it)."""
+    layout = {v: k for k, v in _ROW_MAJOR.items()}[pool.layout]
+    return replace(pool, layout=layout, **{f: row_tiles.tile_rows(getattr(pool, f).view(torch.uint8), per)
+                                          .view(getattr(pool, f).dtype)
+                                          for f, per in ROW_TILED_FIELDS[layout].items()})
+
+
+def row_major(pool):
+    """Inverse of row_tiled."""
+    return replace(pool, layout=_ROW_MAJOR[pool.layout],
+                   **{f: untile_field(getattr(pool, f), per) for f, per in ROW_TILED_FIELDS[pool.layout].items()})

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moet.formats import row_tiles, w2
-from moet.kernels.pools import DensePool, FP4Pool, W2Pool
+from moet.formats import w2
+from moet.kernels.pools import ROW_TILED_FIELDS, DensePool, FP4Pool, W2Pool, untile_field
 
 W2_LEVELS = (-4.0, -1.0, 1.0, 4.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -78,28 +78,30 @@ def decode_fp4(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor)
     return vals * s * s2
 
 
+def _slot_fields(pool, slot: int) -> dict[str, torch.Tensor]:
+    """One slot's tensors of a W2 / FP4 pool, row-major (a row-tiled layout untiled, per slot)."""
+    tiled = ROW_TILED_FIELDS.get(pool.layout, {})
+    return {f: untile_field(getattr(pool, f)[slot], tiled[f]) if f in tiled else getattr(pool, f)[slot]
+            for f in pool.__slots__ if f != "layout"}
+
+
 def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up [2I, H], down [H, I]) of one slot, decoded."""
     if isinstance(pool, DensePool):
         return pool.gate_up[slot], pool.down[slot]
     if isinstance(pool, W2Pool):
-        gu, dn = pool.gate_up_codes[slot], pool.down_codes[slot]
-        gs, ds, layout = pool.gate_up_scales[slot], pool.down_scales[slot], pool.layout
-        if layout == "nb8t":         # rows tiled (moet.formats.w2.tile_rows): back to row-major nb8
-            gu, dn = w2.untile_rows(gu, 1 / 4), w2.untile_rows(dn, 1 / 4)
-            gs, ds, layout = w2.untile_rows(gs, 1 / 32), w2.untile_rows(ds, 1 / 32), "nb8"
-        return decode_w2(gu, gs, layout), decode_w2(dn, ds, layout)
+        f = _slot_fields(pool, slot)
+        layout = "nb8" if pool.layout == "nb8t" else pool.layout
+        return (decode_w2(f["gate_up_codes"], f["gate_up_scales"], layout),
+                decode_w2(f["down_codes"], f["down_scales"], layout))
     if isinstance(pool, FP4Pool):
         two_i = pool.gate_up_weight.shape[1]
         # gate rows use scale_2[slot, 0], up rows scale_2[slot, 1]: checkpoints quantize gate
         # and up as separate tensors, each with its own per-tensor scale.
         s2 = pool.gate_up_scale_2[slot].repeat_interleave(two_i // 2)
-        gw, gs, dw, ds = (pool.gate_up_weight[slot], pool.gate_up_scale[slot], pool.down_weight[slot],
-                          pool.down_scale[slot])
-        if pool.layout == "nvfp4t":  # rows tiled (moet.formats.row_tiles): back to row-major
-            gw, dw = row_tiles.untile_rows(gw, 1 / 2), row_tiles.untile_rows(dw, 1 / 2)
-            gs, ds = row_tiles.untile_rows(gs, 1 / 16), row_tiles.untile_rows(ds, 1 / 16)
-        return decode_fp4(gw, gs, s2), decode_fp4(dw, ds, pool.down_scale_2[slot])
+        f = _slot_fields(pool, slot)
+        return (decode_fp4(f["gate_up_weight"], f["gate_up_scale"], s2),
+                decode_fp4(f["down_weight"], f["down_scale"], pool.down_scale_2[slot]))
     raise TypeError(f"unknown expert pool type {type(pool).__name__}")
 
 
