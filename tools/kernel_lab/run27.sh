@@ -16,7 +16,7 @@ save() { tar czf $OUT/${MODE}.tgz -C $R . 2>/dev/null; }
 case "$MODE" in
 tests)
     timeout -k 5 300 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py \
-        tests/model/test_w2_pool_layout.py tests/formats/test_w2.py > $R/pytest_moe.txt 2>&1; echo "tests rc=$?"
+        tests/model/test_pool_layout.py tests/formats/test_w2.py > $R/pytest_moe.txt 2>&1; echo "tests rc=$?"
     tail -3 $R/pytest_moe.txt; save ;;
 tune)
     timeout -k 5 --signal=INT 500 python -m moet.bench.moe_kernel_tune --out $R/tune --budget-s 460 \

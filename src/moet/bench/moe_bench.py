@@ -48,11 +48,12 @@ ROTATIONS = 8
 # ---------------------------------------------------------------- pools and inputs
 
 def make_pools(h: int, i: int, e: int, device, gen) -> dict:
-    """Random W2 (the layout the model's pools take for these shapes: nb8 or row-tiled nb8t), FP4
-    (NVFP4 bytes) and bf16 pools of e slots."""
-    from moet.model.experts import w2_pool_layout
+    """Random W2 and FP4 pools in the layouts the model's pools take for these shapes (row-tiled
+    nb8t / nvfp4t or row-major nb8 / nvfp4) and a bf16 pool, e slots each."""
+    from moet.model.experts import pool_layout
     u8 = dict(dtype=torch.uint8, device=device, generator=gen)
-    w2_layout = {"layout": w2_pool_layout(h, i)} if "layout" in W2Pool.__slots__ else {}
+    w2_layout = {"layout": pool_layout("w2", h, i)} if "layout" in W2Pool.__slots__ else {}
+    fp4_layout = {"layout": pool_layout("fp4", h, i)} if "layout" in FP4Pool.__slots__ else {}
     # UE8M0 bytes 118..124: 2^-9 .. 2^-3 per +-1/+-4 level, the range real expert weights land in
     w2 = W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8), torch.randint(118, 125, (e, 2 * i, h // 32), **u8),
                 torch.randint(0, 256, (e, h, i // 4), **u8), torch.randint(118, 125, (e, h, i // 32), **u8),
@@ -63,7 +64,7 @@ def make_pools(h: int, i: int, e: int, device, gen) -> dict:
     fp4 = FP4Pool(torch.randint(0, 256, (e, 2 * i, h // 2), **u8), e4m3_scales(e, 2 * i, h // 16),
                   (torch.rand(e, 2, device=device, generator=gen) + 0.5) * 2e-3,
                   torch.randint(0, 256, (e, h, i // 2), **u8), e4m3_scales(e, h, i // 16),
-                  (torch.rand(e, device=device, generator=gen) + 0.5) * 2e-3)
+                  (torch.rand(e, device=device, generator=gen) + 0.5) * 2e-3, **fp4_layout)
     bf16 = dict(dtype=torch.bfloat16, device=device, generator=gen)     # no fp32 temporaries (DeepSeek-V3: 22 GB)
     dense = DensePool(torch.randn(e, 2 * i, h, **bf16).mul_(0.02), torch.randn(e, h, i, **bf16).mul_(0.02))
     return {"w2": w2, "fp4": fp4, "bf16": dense}

@@ -45,23 +45,29 @@ def merge_table(new: dict, path: str) -> None:
         json.dump(old, f, indent=1)
 
 
-def make_pool(fmt: str, e: int, h: int, i: int, dev, gen):
+def make_pool(fmt: str, e: int, h: int, i: int, dev, gen, row_major: bool = False):
+    """Random bytes in the layout the model's pools take for these shapes (moet.model.experts.
+    pool_layout: so the table is tuned on what it serves), or its row-major twin (`row_major`,
+    for A/B runs): random nb8 / nb8t codes with scales as quantized weights have them; random
+    e2m1 bytes with normal e4m3 block scales."""
     from moet.kernels.pools import FP4Pool, W2Pool
-    from moet.model.experts import w2_pool_layout
+    from moet.kernels.pools import row_major as untiled
+    from moet.model.experts import pool_layout
     u8 = dict(dtype=torch.uint8, device=dev, generator=gen)
-    if fmt == "w2":   # random bytes are random nb8 / nb8t codes (the layout the model's pools take
-        # for these shapes, so the table is tuned on what it serves); scales as quantized weights have them
-        return W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8),
+    if fmt == "w2":
+        pool = W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8),
                       torch.randint(115, 126, (e, 2 * i, h // 32), **u8),
                       torch.randint(0, 256, (e, h, i // 4), **u8), torch.randint(115, 126, (e, h, i // 32), **u8),
-                      layout=w2_pool_layout(h, i))
-    # e4m3 scale bytes 0x28..0x47 (0.25 .. 3.75, normals), scale_2 ~ 1e-2
-    def sc(*s):
-        return torch.randint(0x28, 0x48, s, **u8).view(torch.float8_e4m3fn)
-    return FP4Pool(torch.randint(0, 256, (e, 2 * i, h // 2), **u8), sc(e, 2 * i, h // 16),
-                   (torch.rand(e, 2, device=dev, generator=gen) + 0.5) * 1e-2,
-                   torch.randint(0, 256, (e, h, i // 2), **u8), sc(e, h, i // 16),
-                   (torch.rand(e, device=dev, generator=gen) + 0.5) * 1e-2)
+                      layout=pool_layout("w2", h, i))
+    else:
+        # e4m3 scale bytes 0x28..0x47 (0.25 .. 3.75, normals), scale_2 ~ 1e-2
+        def sc(*s):
+            return torch.randint(0x28, 0x48, s, **u8).view(torch.float8_e4m3fn)
+        pool = FP4Pool(torch.randint(0, 256, (e, 2 * i, h // 2), **u8), sc(e, 2 * i, h // 16),
+                       (torch.rand(e, 2, device=dev, generator=gen) + 0.5) * 1e-2,
+                       torch.randint(0, 256, (e, h, i // 2), **u8), sc(e, h, i // 16),
+                       (torch.rand(e, device=dev, generator=gen) + 0.5) * 1e-2, layout=pool_layout("fp4", h, i))
+    return untiled(pool) if row_major and pool.layout in ("nb8t", "nvfp4t") else pool
 
 
 def expert_bytes(pool) -> int:
@@ -334,10 +340,15 @@ def main():
     ap.add_argument("--tune", default="deepseek:1,deepseek:8192,glm:1,qwen:1",
                     help="shape:T points to tune (the rest run the table/default config)")
     ap.add_argument("--tokens", default=",".join(map(str, DECODE_T + PREFILL_T)))
+    ap.add_argument("--row-major", action="store_true",
+                    help="time row-major pools (nb8, nvfp4) where the model's would be row-tiled: A/B runs; "
+                         "not with --write-table (the table serves the model's layout)")
     ap.add_argument("--model-check", default="", help="checkpoint dir: run its MoE layers through the kernels")
     ap.add_argument("--write-table", action="store_true",
                     help="also merge the tuned entries into the repo's table (moet/kernels/moe_configs.json)")
     args = ap.parse_args()
+    if args.row_major and args.write_table:
+        ap.error("--row-major times pools the model does not serve; leave out --write-table")
     t0 = time.time()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -382,7 +393,7 @@ def main():
             if left() < 0:
                 print(f"time guard: skipping {sname}/{fmt}", flush=True)
                 continue
-            pool = make_pool(fmt, e, h, i, dev, gen)
+            pool = make_pool(fmt, e, h, i, dev, gen, row_major=args.row_major)
             eb = expert_bytes(pool)
             key = f"{sname}/{fmt}"
             try:

@@ -1,5 +1,5 @@
-"""The model's W2 pools take the row-tiled nb8t layout where the expert shapes allow
-(moet.model.experts.w2_pool_layout), and filling one holds the same codes as an nb8 pool, tiled."""
+"""The model's W2 and FP4 pools take the row-tiled nb8t / nvfp4t layouts where the expert shapes
+allow (moet.model.experts.pool_layout), and filling one holds the row-major pool's bytes, tiled."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,12 +13,14 @@ from moet.kernels.reference import moe_experts_reference
 from moet.model import experts
 
 
-@pytest.mark.parametrize("h,i,want", [(7168, 2048, "nb8t"), (2048, 768, "nb8t"), (4096, 1408, "nb8"),
-                                      (384, 256, "nb8"), (256, 256, "nb8t")])
-def test_layout_follows_the_shapes(h, i, want):
-    assert experts.w2_pool_layout(h, i) == want
+@pytest.mark.parametrize("h,i,tiled", [(7168, 2048, True), (2048, 768, True), (4096, 1408, False),
+                                       (384, 256, False), (256, 256, True)])
+@pytest.mark.parametrize("fmt,layouts", [("w2", ("nb8", "nb8t")), ("fp4", ("nvfp4", "nvfp4t"))])
+def test_layout_follows_the_shapes(h, i, tiled, fmt, layouts):
+    want = layouts[tiled]
+    assert experts.pool_layout(fmt, h, i) == want
     if h * i <= 2048 * 768:               # small enough to allocate here
-        assert experts.new_pool(SimpleNamespace(hidden_size=h, moe_intermediate_size=i), "w2", 1,
+        assert experts.new_pool(SimpleNamespace(hidden_size=h, moe_intermediate_size=i), fmt, 1,
                                 torch.float32, "cpu").layout == want
 
 
@@ -50,12 +52,12 @@ def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same(device):
 
 
 def test_filled_nvfp4t_pool_is_the_nvfp4_pool_tiled():
-    """FP4's row-tiled twin (not the model's default): a fill gives the row-major pool's bytes, tiled."""
+    """FP4's row-tiled pool: a fill gives the row-major pool's bytes, tiled, and the same layer output."""
     h, i = 512, 256
     spec = SimpleNamespace(hidden_size=h, moe_intermediate_size=i)
-    plain = experts.new_pool(spec, "fp4", 1, torch.float32, "cpu")
-    assert plain.layout == "nvfp4"
-    tiled = FP4Pool(*(torch.zeros_like(getattr(plain, f)) for f in FP4Pool.__slots__ if f != "layout"), layout="nvfp4t")
+    tiled = experts.new_pool(spec, "fp4", 1, torch.float32, "cpu")
+    assert tiled.layout == "nvfp4t"
+    plain = FP4Pool(*(torch.zeros_like(getattr(tiled, f)) for f in FP4Pool.__slots__ if f != "layout"), layout="nvfp4")
     g = torch.Generator().manual_seed(6)
     for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
         parts = {"weight": torch.randn(*shape, generator=g)}
@@ -65,3 +67,9 @@ def test_filled_nvfp4t_pool_is_the_nvfp4_pool_tiled():
         want = w2.tile_rows(getattr(plain, f).view(torch.uint8), per)
         assert torch.equal(getattr(tiled, f).view(torch.uint8), want), f
     assert torch.equal(tiled.gate_up_scale_2, plain.gate_up_scale_2)
+    x = torch.randn(4, h, generator=g)
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    wts = torch.rand(4, 1, generator=g)
+    table = torch.zeros(1, dtype=torch.int32)
+    outs = [moe_experts_reference(x, ids, wts, table, p, torch.zeros(1, dtype=torch.int64)) for p in (tiled, plain)]
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().max() > 0
