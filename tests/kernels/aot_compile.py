@@ -152,13 +152,16 @@ def main() -> None:
                      lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
         c = _compile(at._gqa_decode_split_kernel, types, const, div16=GQA_DIV16)
         print("gqa split", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
-        # the prefill/extend kernel, same model: 8 query tokens x 16 (12 used) heads = 128 rows per program
-        const = dict(G=12, BLOCK_G=16, BLOCK_M=pt.PREFILL_ROWS // 16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
+        # the prefill/extend kernel, same model, the default launch: 16 query tokens x 16 (12 used)
+        # heads = 256 rows per program
+        rows, warps, stages = pt.prefill_launch(kind == 2, 128)
+        const = dict(G=12, BLOCK_G=16, BLOCK_M=rows // 16, D=128, BLOCK_D=128, DV=128, BLOCK_DV=128,
                      BLOCK_SIZE=16, BLOCK_N=pt.PREFILL_BLOCK_N, WINDOW=0 if kind else 4096, SCALE_KIND=kind,
                      GROUP_K=128, GROUP_V=128, INTERPRET=False, BF16_DOT=True)
         types = dict(i64, q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                      cu_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", scale="fp32")
-        c = _compile(pt._gqa_prefill_kernel, types, const, dict(num_warps=pt.PREFILL_NUM_WARPS))
+        c = _compile(pt._gqa_prefill_kernel, types, const,
+                     dict(num_warps=warps, **({"num_stages": stages} if stages else {})))
         print("gqa prefill", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
         # DeepSeek-V3: R 512, P 64, MLA_BLOCK_H heads per program
         lat = "*bf16" if kind == 0 else "*fp8e4nv"

@@ -52,70 +52,79 @@ def make_cache(fmt, nb: int, bs: int, hkv: int, d: int, hnd: bool, gen_seed: int
         return t.permute(0, 2, 1, 3) if hnd else t          # always seen as [NB, BS, Hkv, D]
 
     ks = vs = None
-    if ref.k_scale is not None:
-        ks = torch.full_like(ref.k_scale, 0.05)
-        vs = torch.full_like(ref.v_scale, 0.05)
+    if ref.k_scale is not None:      # per-tensor: one scale; per-block: one per (page, row, head, group)
+        shape = ref.k_scale.shape if ref.k_scale.numel() == 1 else (nb, *ref.k_scale.shape[1:])
+        ks = torch.full(shape, 0.05, dtype=ref.k_scale.dtype, device="cuda")
+        vs = torch.full(shape, 0.05, dtype=ref.v_scale.dtype, device="cuda")
     return GQALayerKV(fmt, one(), one(), ks, vs)
 
 
+# (name, rows of (query token, head) a program or None for the default, paged_prefill_gqa keywords);
+# block_m = rows / next_pow2(G). Runs 25e / 28 (Qwen3 heads, bf16) timed more (docs/perf.md attention):
+# 256 rows +11.5%, 128 keys +4%, 256 rows x 16 warps +32% (sm_90 AOT: 18 spills, 1 in the loop)
 PREFILL_VARIANTS = [
-    ("prefill base", {}),                                          # 128 rows x 64 keys, 8 warps, Triton's stages
-    ("prefill s2", dict(num_stages=2)),
-    ("prefill s4", dict(num_stages=4)),
-    ("prefill n128", dict(block_n=128)),
-    ("prefill n128 s2", dict(block_n=128, num_stages=2)),
-    ("prefill m32 (256 rows)", dict(block_m=32)),
-    ("prefill m8 (64 rows) w4", dict(block_m=8, num_warps=4)),
-    # run 25e: 256 rows won (+11.5%) and 128 keys (+4%) despite AOT spills; their combination and
-    # shallower pipelines for the bigger tile (next run)
-    ("prefill m32 n128", dict(block_m=32, block_n=128)),
-    ("prefill m32 s2", dict(block_m=32, num_stages=2)),
-    ("prefill m32 n32", dict(block_m=32, block_n=32)),
-    # sm_90 AOT (stop 23, Qwen3 heads): m32 spills 49 ops (7 in the loop), m32 n32 none (98 KB of
-    # shared memory), 16 warps 18 (1 in the loop), m32 n128 262
-    ("prefill m32 w16", dict(block_m=32, num_warps=16)),
-    ("prefill m32 n32 s2", dict(block_m=32, block_n=32, num_stages=2)),
+    ("base", None, {}),          # the default (prefill_triton.prefill_launch): 256 rows x 64 keys, 16 / 8 warps
+    ("256 rows", 256, {}),
+    ("256 rows w16", 256, dict(num_warps=16)),
+    ("256 rows w16 s2", 256, dict(num_warps=16, num_stages=2)),
+    ("256 rows w16 n32", 256, dict(num_warps=16, block_n=32)),
+    ("128 rows w16", 128, dict(num_warps=16)),
+    ("512 rows w16", 512, dict(num_warps=16)),
+    ("128 rows w8", 128, dict(num_warps=8, num_stages=3)),           # the default before run 28
 ]
+# (name, q heads, kv heads, head dim): Qwen3-30B-A3B (G 8), GLM-4.5-Air (96 / 8: G 12, padded to 16)
+PREFILL_HEADS = [("qwen3", 32, 4, 128), ("glm45", 96, 8, 128)]
 
 
 def prefill(args) -> int:
-    """paged_prefill_gqa on one causal prompt of args.prefill tokens (Qwen3-30B-A3B heads, bf16):
-    TFLOP/s = 4 * Hq * D * n (n + 1) / 2 / time; 64 query rows checked against the reference."""
+    """paged_prefill_gqa on one causal prompt of args.prefill tokens for each of PREFILL_HEADS x
+    bf16 / fp8 per-tensor / fp8 block-128 caches, bf16 queries: TFLOP/s = 4 * Hq * D * n (n + 1) / 2
+    / time; 64 query rows checked against the reference, reruns compared bit for bit."""
+    import triton
+
     from moet.kernels import prefill_triton as pt
     from moet.kernels.attention_reference import paged_decode_gqa as ref_decode
     from moet.kernels.kv_cache import KVFormat
-    hq, hkv, d, bs, n = 32, 4, 128, 16, args.prefill
+    bs, n = 16, args.prefill
     os.makedirs(args.out, exist_ok=True)
-    scale = d ** -0.5
     pages = -(-n // bs)
     recs = []
-    for fname, fmt in (("bf16", KVFormat("auto", dtype=torch.bfloat16)),):
-        cache = make_cache(fmt, pages, bs, hkv, d, False, gen_seed=77)
-        table = torch.randperm(pages, device="cuda").view(1, pages).to(torch.int32)
-        q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-        lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-        rows = torch.randperm(n, device="cuda")[:64].tolist()
-        want = torch.cat([ref_decode(q[t:t + 1].float(), cache, table, torch.tensor([t + 1], dtype=torch.int32,
-                                                                                     device="cuda"), scale)
-                          for t in rows]).float()
-        flop = 4.0 * hq * d * n * (n + 1) / 2
-        for name, kw in PREFILL_VARIANTS:
-            run = lambda: pt.paged_prefill_gqa(q, cache, table, cu, lens, scale, max_seqlen_q=n, **kw)
-            try:
-                got = run()
-                torch.cuda.synchronize()
-                ms = time_ms(run)
-            except Exception as exc:
-                print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                recs.append(dict(kv=fname, variant=name, kwargs=kw, error=str(exc)[:500]))
+    fmts = [("bf16", KVFormat("auto", dtype=torch.bfloat16)), ("fp8", KVFormat("fp8_e4m3", "tensor")),
+            ("fp8-block", KVFormat("fp8_e4m3", "block", group=128, dtype=torch.bfloat16))]
+    for hname, hq, hkv, d in PREFILL_HEADS:
+        scale = d ** -0.5
+        block_g = triton.next_power_of_2(hq // hkv)
+        for fname, fmt in fmts:
+            if fname not in args.kv.split(","):
                 continue
-            err = float((got[rows].float() - want).norm() / want.norm())
-            same = bool(torch.equal(run(), got))
-            recs.append(dict(kv=fname, variant=name, kwargs=kw, tokens=n, ms=ms, tflops=flop / ms / 1e9,
-                             rel_err_vs_reference=err, rerun_identical=same))
-            print(f"prefill {n} {fname} {name}: {ms:.3f} ms, {flop / ms / 1e9:.1f} TFLOP/s, relerr {err:.1e}, "
-                  f"rerun identical {same}", flush=True)
+            cache = make_cache(fmt, pages, bs, hkv, d, False, gen_seed=77)
+            table = torch.randperm(pages, device="cuda").view(1, pages).to(torch.int32)
+            q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+            cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+            lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+            rows = torch.randperm(n, device="cuda")[:64].tolist()
+            want = torch.cat([ref_decode(q[t:t + 1].float(), cache, table,
+                                         torch.tensor([t + 1], dtype=torch.int32, device="cuda"), scale)
+                              for t in rows]).float()
+            flop = 4.0 * hq * d * n * (n + 1) / 2
+            for name, nrows, kw in PREFILL_VARIANTS:
+                kw = dict(kw, **({"block_m": max(1, nrows // block_g)} if nrows else {}))
+                run = lambda: pt.paged_prefill_gqa(q, cache, table, cu, lens, scale, max_seqlen_q=n, **kw)
+                try:
+                    got = run()
+                    torch.cuda.synchronize()
+                    ms = time_ms(run)
+                except Exception as exc:
+                    print(f"prefill {n} {hname} {fname} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    recs.append(dict(heads=hname, kv=fname, variant=name, kwargs=kw, error=str(exc)[:500]))
+                    continue
+                err = float((got[rows].float() - want).norm() / want.norm())
+                same = bool(torch.equal(run(), got))
+                recs.append(dict(heads=hname, kv=fname, variant=name, kwargs=kw, tokens=n, ms=ms,
+                                 tflops=flop / ms / 1e9, rel_err_vs_reference=err, rerun_identical=same))
+                print(f"prefill {n} {hname} {fname} {name}: {ms:.3f} ms, {flop / ms / 1e9:.1f} TFLOP/s, "
+                      f"relerr {err:.1e}, rerun identical {same}", flush=True)
+            del cache
     with open(os.path.join(args.out, "gqa_prefill_probe.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, records=recs), f, indent=1)
     return 0
@@ -129,7 +138,7 @@ def main() -> int:
     ap.add_argument("--layouts", action="store_true", help="also the layout / table-order / page-size variants")
     ap.add_argument("--only", default="", help="comma-separated variant names to run (e.g. base,splits64: "
                                                "one kernel per variant under a profiler)")
-    ap.add_argument("--kv", default="bf16,fp8", help="KV formats: bf16, fp8")
+    ap.add_argument("--kv", default="bf16,fp8", help="KV formats: bf16, fp8 (--prefill: also fp8-block)")
     ap.add_argument("--amortize", type=int, default=0,
                     help="also time one CUDA graph of N calls over N distinct caches (per-call time = total / N): "
                          "the graph launch's fixed cost, which a one-call graph pays per call and the engine's "

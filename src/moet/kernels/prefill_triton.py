@@ -40,11 +40,29 @@ from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_N
 from moet.kernels.kv_cache import GQALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
-# Tile shape: 128 (query token, head) rows x 64 keys per step (several pages), 8 warps: wgmma,
-# no spills on sm_90 AOT for bf16 / fp8 per-tensor (64 rows x 64 keys with 4 warps spilled ~600 B)
+# Tile shape: 256 (query token, head) rows x 64 keys per step (several pages); bf16 and fp8
+# per-tensor caches 16 warps and 2 stages, block-scaled fp8 8 warps (its scale loads and
+# converts are per warp: 16 warps lost 22%). H200 run 28, 8K causal prompt, Qwen3-30B-A3B /
+# GLM-4.5-Air heads, TFLOP/s against the 128 rows x 8 warps before: bf16 220 -> 291 / 178 -> 242,
+# fp8 174 -> 247 / 142 -> 206, fp8-block (8 warps) 108 -> 142 / 88 -> 117 (sm_90 AOT of 256 x 16
+# warps: 18 spilled ops, 1 in the loop; 128 rows x 16 warps and 512 rows were slower still).
+# Head dims over 128 keep the earlier 128 rows x 8 warps (not timed at 256 rows).
 PREFILL_BLOCK_N = 64
-PREFILL_ROWS = 128
-PREFILL_NUM_WARPS = 8
+PREFILL_ROWS = 256
+PREFILL_NUM_WARPS = 16
+PREFILL_NUM_STAGES = 2
+PREFILL_BLOCK_SCALED_NUM_WARPS = 8
+PREFILL_WIDE_D_ROWS, PREFILL_WIDE_D_NUM_WARPS = 128, 8
+
+
+def prefill_launch(block_scaled: bool, head_dim: int) -> tuple[int, int, int | None]:
+    """(rows of (query token, head) a program, num_warps, num_stages or None for Triton's) of the
+    default launch for a cache (block-scaled fp8 or not) and head dim."""
+    if _pow2(head_dim) > 128:
+        return PREFILL_WIDE_D_ROWS, PREFILL_WIDE_D_NUM_WARPS, None
+    if block_scaled:
+        return PREFILL_ROWS, PREFILL_BLOCK_SCALED_NUM_WARPS, None
+    return PREFILL_ROWS, PREFILL_NUM_WARPS, PREFILL_NUM_STAGES
 
 
 @triton.jit
@@ -175,10 +193,10 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
     """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype.
     max_seqlen_q: an upper bound on any sequence's query count (grid size; computed from
     cu_seqlens_q with a host sync when None). block_m: query tokens per program (a power of two;
-    default: PREFILL_ROWS rows of (token, head) per program, at least one token). out: optional
-    [Tq, Hq, Dv] tensor to write into. rescale_slack: attention_triton.RESCALE_SLACK unless given
-    (0: the eager online softmax). block_n (keys a step, default PREFILL_BLOCK_N), num_warps
-    (PREFILL_NUM_WARPS), num_stages (Triton's default): the launch (block_n and num_warps change
+    default: prefill_launch's rows of (token, head) per program, at least one token). out:
+    optional [Tq, Hq, Dv] tensor to write into. rescale_slack: attention_triton.RESCALE_SLACK
+    unless given (0: the eager online softmax). block_n (keys a step, default PREFILL_BLOCK_N),
+    num_warps, num_stages (default prefill_launch's): the launch (block_n and num_warps change
     the last bits)."""
     q = q.contiguous()
     tq, hq, d = q.shape
@@ -190,8 +208,9 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         raise ConfigError(f"paged prefill (triton): block_size must be a power of two >= 16, got {bs}")
     g = hq // hkv
     block_g = triton.next_power_of_2(g)
+    rows, warps, stages = prefill_launch(cache.fmt.block_scaled, max(d, dv))
     if block_m is None:
-        block_m = max(1, PREFILL_ROWS // block_g)
+        block_m = max(1, rows // block_g)
     if block_m < 1 or block_m & (block_m - 1):
         raise ConfigError(f"paged prefill (triton): block_m must be a power of two, got {block_m}")
     block_m = max(block_m, 16 // block_g if block_g < 16 else 1)     # tl.dot needs >= 16 rows
@@ -216,6 +235,6 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         G=g, BLOCK_G=block_g, BLOCK_M=block_m, D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv),
         BLOCK_SIZE=bs, BLOCK_N=block_n or PREFILL_BLOCK_N, WINDOW=sliding_window or 0, SCALE_KIND=kind,
         GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q),
-        SLACK=_slack(rescale_slack), num_warps=num_warps or PREFILL_NUM_WARPS,
-        **({"num_stages": num_stages} if num_stages else {}))
+        SLACK=_slack(rescale_slack), num_warps=num_warps or warps,
+        **({"num_stages": num_stages or stages} if num_stages or stages else {}))
     return out
