@@ -24,6 +24,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"UNROLL": 1, **const}
     if "TILED" in fn.arg_names:                                   # (likewise: the row-major nb8 pool unless asked)
         const = {"TILED": False, **const}
+    if "INTERLEAVE" in fn.arg_names:                              # (likewise: gate and up dots one after the other)
+        const = {"INTERLEAVE": False, **const}
     for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)
         if flag in fn.arg_names:
             const = {flag: False, **const}
@@ -73,6 +75,12 @@ def main(quick: bool = False) -> None:
                      BN=128, BKH=32, PDL=False, UNROLL=1, TILED=True)
         c = _compile(m._moe_gemm_kernel, types, const, 8, 3)
         print("gemm-tiled", name, "prefill gate_up 32", "cubin bytes", len(c.asm["cubin"]))
+        # gate and up dots alternating (GemmConfig.interleave) on the tiled decode tile of the table
+        # at T = 1: the two-chain form compiles with the inline-asm decoders
+        types = dict(types, out_ptr="*fp32")
+        const = dict(const, SPLIT_K=2, BM=1, BN=32, PDL=True, INTERLEAVE=True)
+        c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
+        print("gemm-interleave", name, "gate_up", "cubin bytes", len(c.asm["cubin"]))
     # the split gate/up with the SwiGLU finish in its last program per (tile, row block)
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
         types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",

@@ -571,6 +571,7 @@ def test_kernels_compile_for_sm90():
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
     assert kinds.count("gemm-tiled") == 8, r.stdout          # nb8t / nvfp4t: whole- / half-tile steps, prefill
+    assert kinds.count("gemm-interleave") == 2, r.stdout     # W2 / FP4 gate/up with alternating dots
     # the split gate/up with its SwiGLU finish in its last programs: the hand-off compiled in
     for kind in ("gemm-fused-finish", "gemm-fused-combine"):
         ff = [line for line in r.stdout.splitlines() if line.startswith(kind)]
@@ -695,6 +696,28 @@ def test_unrolled_k_loop_and_wider_token_tile_change_no_bits(poisoned, fmt):
         assert int(m1.item()) == int(m0.item()) > 0
         assert MoEConfig.from_json(cfg.to_json()) == cfg
     assert GemmConfig().unroll == 1 and MoEConfig.from_json({"BM": 1, "gate_up": {"BN": 32}, "down": {}}).gate_up.unroll == 1
+
+
+@pytest.mark.parametrize("fmt", ["w2", "fp4"])
+def test_interleaved_gate_up_dots_change_no_bits(poisoned, fmt):
+    """GemmConfig.interleave (the gate and up dots of a K step alternating: two MMA chains in
+    flight) gives each accumulator the same dots in the same order: the same bits, split and
+    unsplit K, with misses counted alike; the flag is gate/up's alone and survives the JSON."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(53 if fmt == "w2" else 54)
+    pool, run = _pool_and_run(mt, fmt, g)
+    tab = _table([3, -1, 0, 5, -1, 1])
+    x, ids, w = _inputs(3, 2, 64, 6, g)
+    for base in (MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 2, 2, 2)),
+                 MoEConfig(4, GemmConfig(16, 16, 2, 2, 2), GemmConfig(32, 16, 1, 2, 2))):
+        m0, m1 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
+        cfg = replace(base, gate_up=replace(base.gate_up, interleave=True), down=replace(base.down, interleave=True))
+        out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+        assert torch.equal(out, ref), cfg
+        assert int(m1.item()) == int(m0.item()) > 0 and out.abs().max() > 0
+        assert MoEConfig.from_json(cfg.to_json()) == cfg
+    assert not GemmConfig().interleave
 
 
 def _run_asm(asm: str, regs: dict) -> dict:

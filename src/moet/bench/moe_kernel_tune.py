@@ -249,7 +249,10 @@ def candidates(regime: str, fmt: str):
         gu = [GemmConfig(32, 32, 2, 2, 4), GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6),
               GemmConfig(32, 16, 2, 2, 6), GemmConfig(32, 32, 4, 2, 4), GemmConfig(64, 32, 2, 2, 4),
               GemmConfig(64, 32, 1, 4, 4), GemmConfig(16, 32, 2, 1, 4), GemmConfig(32, 64, 2, 2, 4),
-              GemmConfig(32, 64, 1, 2, 4)]
+              GemmConfig(32, 64, 1, 2, 4),
+              # gate and up dots alternating (two MMA chains; sm_90 AOT at the T = 1 tile: 114
+              # registers against 96, so 8 programs an SM instead of 10; not timed before run 29)
+              GemmConfig(32, 32, 2, 2, 4, interleave=True), GemmConfig(32, 64, 1, 2, 4, interleave=True)]
         dn = [GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6), GemmConfig(32, 16, 1, 2, 6),
               GemmConfig(64, 32, 1, 2, 4), GemmConfig(32, 32, 2, 2, 4), GemmConfig(128, 32, 1, 4, 4),
               GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 64, 1, 2, 4)]
@@ -266,7 +269,7 @@ def candidates(regime: str, fmt: str):
     gu = [GemmConfig(64, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(64, 32, 1, 8, 3),
           GemmConfig(128, 16, 1, 8, 3), GemmConfig(128, 32, 1, 8, 3), GemmConfig(64, 16, 1, 4, 4),
           GemmConfig(128, 16, 1, 8, 4), GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 2),
-          GemmConfig(64, 64, 1, 4, 3)]
+          GemmConfig(64, 64, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3, interleave=True)]
     dn = [GemmConfig(128, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3),
           GemmConfig(64, 32, 1, 4, 3), GemmConfig(128, 16, 1, 8, 4), GemmConfig(64, 16, 1, 8, 3),
           GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 2), GemmConfig(256, 32, 1, 8, 2)]
@@ -313,6 +316,22 @@ def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
     DeepSeek-V3 W2 at T = 8, ~1 pair per expert, BM 8 303.5 us against BM 1 348.9)."""
     cap = max(8, 1 << max(0, math.ceil(math.log2(max(1.0, 4 * pairs / experts)))))
     return [b for b in (1, 2, 4, 8, 16) if b <= cap]
+
+
+def decode_whole_configs():
+    """Whole decode configs the greedy sweeps cannot reach one field at a time. The token tile is
+    chosen first, with the base row tiles; from BM 4 on x is staged through shared memory with the
+    codes, which is what lets a K step of 64 units pay off (BM 1-2 load x into registers each step).
+    Run 28's FP4 winner at T = 1 and 8 on the row-tiled pools was BM 4 + gate/up BKH 64 without a
+    split (DeepSeek-V3 T = 1 93.1 -> 77.6 us), while W2's sweep at T = 1 kept BM 1 (59.0 us against
+    59.1 at BM 4 with the base tiles) and so never timed that pair."""
+    from moet.kernels.moe_configs import GemmConfig, MoEConfig
+    gu = GemmConfig(32, 64, 1, 2, 4)
+    gi = GemmConfig(32, 64, 1, 2, 4, interleave=True)
+    return [MoEConfig(4, gu, GemmConfig(16, 32, 1, 1, 4)), MoEConfig(4, gu, GemmConfig(32, 32, 1, 2, 4)),
+            MoEConfig(8, gu, GemmConfig(32, 32, 1, 2, 4)), MoEConfig(4, gu, GemmConfig(64, 32, 1, 2, 4)),
+            MoEConfig(4, GemmConfig(32, 64, 2, 2, 4), GemmConfig(16, 32, 1, 1, 4)),
+            MoEConfig(4, gi, GemmConfig(16, 32, 1, 1, 4)), MoEConfig(4, gi, GemmConfig(32, 32, 1, 2, 4))]
 
 
 def prefill_whole_configs(fmt: str):
@@ -452,6 +471,8 @@ def main():
                         else:                            # the K loop unrolled (GemmConfig.unroll)
                             sweep(lambda b, u: replace(b, gate_up=replace(b.gate_up, unroll=u)), (2,))
                             sweep(lambda b, u: replace(b, down=replace(b.down, unroll=u)), (2,))
+                            sweep(lambda b, c: c, [c for c in decode_whole_configs() if c.BM <= max(
+                                decode_tile_sizes(p, e))])
                         rep["tuning"][f"{key}/T{t}"] = tried
                         def try_flag(flag: str, label: str):
                             """The best config with one launch option on; kept when correct and >= 2% faster."""

@@ -40,6 +40,10 @@ class GemmConfig:
     # the K loop unrolled this many times (moe_triton's UNROLL: one step's activation loads in
     # flight during another's dots); 1 = not unrolled
     unroll: int = 1
+    # the tiled path's gate/up only (moe_triton's INTERLEAVE): the gate and up dots of a K step
+    # alternate, two MMA chains in flight; the same bits either way. Ignored elsewhere (down, the
+    # fused and token-major decodes)
+    interleave: bool = False
 
 
 @dataclass(frozen=True, slots=True)

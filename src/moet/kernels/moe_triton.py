@@ -154,39 +154,30 @@ def _e4m3_times_2p118(b):
 
 
 @triton.jit
-def _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, BKH: tl.constexpr,
-             USE_ASM: tl.constexpr):
-    """acc [BN, BM] += W [BN, 8 BKH] @ x^T: c int16 [BN, BKH] nb8 units, s4 uint8 [BN, BKH/4]
-    scale bytes, x_p [BM, BKH] the activations of slot p (weight 8u + p), bf16 / fp32."""
+def _w2_weights(c, s4, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """c int16 [BN, BKH] nb8 units, s4 uint8 [BN, BKH/4] scale bytes -> the [BN, BKH] weight tiles
+    of slots 0..7 (weight 8u + p): bf16 from the asm decoder, fp32 from its plain twin."""
     s = tl.reshape(tl.broadcast_to(s4.to(tl.int32)[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
     if USE_ASM:
         w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
             NB8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [c, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-        acc = tl.dot(w0, tl.trans(x0), acc)
-        acc = tl.dot(w1, tl.trans(x1), acc)
-        acc = tl.dot(w2, tl.trans(x2), acc)
-        acc = tl.dot(w3, tl.trans(x3), acc)
-        acc = tl.dot(w4, tl.trans(x4), acc)
-        acc = tl.dot(w5, tl.trans(x5), acc)
-        acc = tl.dot(w6, tl.trans(x6), acc)
-        acc = tl.dot(w7, tl.trans(x7), acc)
     else:
         wi = c.to(tl.int32) & 0xFFFF
-        acc = tl.dot(_nb8_plain(wi, s, 0), tl.trans(x0), acc, input_precision="ieee")
-        acc = tl.dot(_nb8_plain(wi, s, 1), tl.trans(x1), acc, input_precision="ieee")
-        acc = tl.dot(_nb8_plain(wi, s, 2), tl.trans(x2), acc, input_precision="ieee")
-        acc = tl.dot(_nb8_plain(wi, s, 3), tl.trans(x3), acc, input_precision="ieee")
-        acc = tl.dot(_nb8_plain(wi, s, 4), tl.trans(x4), acc, input_precision="ieee")
-        acc = tl.dot(_nb8_plain(wi, s, 5), tl.trans(x5), acc, input_precision="ieee")
-        acc = tl.dot(_nb8_plain(wi, s, 6), tl.trans(x6), acc, input_precision="ieee")
-        acc = tl.dot(_nb8_plain(wi, s, 7), tl.trans(x7), acc, input_precision="ieee")
-    return acc
+        w0 = _nb8_plain(wi, s, 0)
+        w1 = _nb8_plain(wi, s, 1)
+        w2 = _nb8_plain(wi, s, 2)
+        w3 = _nb8_plain(wi, s, 3)
+        w4 = _nb8_plain(wi, s, 4)
+        w5 = _nb8_plain(wi, s, 5)
+        w6 = _nb8_plain(wi, s, 6)
+        w7 = _nb8_plain(wi, s, 7)
+    return w0, w1, w2, w3, w4, w5, w6, w7
 
 
 @triton.jit
-def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
-    """acc [BN, BM] += (W * 2^-8) [BN, 4 BKH] @ x^T: c int16 [BN, BKH] FP4 units, s4 uint8
-    [BN, BKH/4] e4m3 scale bytes, x_p [BM, BKH] the activations of slot p (weight 4u + p)."""
+def _fp4_weights(c, s4, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """c int16 [BN, BKH] FP4 units, s4 uint8 [BN, BKH/4] e4m3 scale bytes -> the [BN, BKH] tiles of
+    W * 2^-8 for slots 0..3 (weight 4u + p)."""
     if USE_ASM >= 2:     # sm_89+: the GPU's own e4m3 conversion (cvt.rn.f16x2.e4m3x2), exact;
         m4 = s4.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118     # sm_90 AOT: FP4 loops -10..18%
     else:                # the interpreter and older GPUs (no e4m3 type in Triton before sm_89)
@@ -196,17 +187,97 @@ def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, U
         mb = m.to(tl.bfloat16).to(tl.int16, bitcast=True)
         w0, w1, w2, w3 = tl.inline_asm_elementwise(
             FP4_ASM, "=r,=r,=r,=r,r,r", [c, mb], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
-        acc = tl.dot(w0, tl.trans(x0), acc)
-        acc = tl.dot(w1, tl.trans(x1), acc)
-        acc = tl.dot(w2, tl.trans(x2), acc)
-        acc = tl.dot(w3, tl.trans(x3), acc)
     else:
         wi = c.to(tl.int32) & 0xFFFF
-        acc = tl.dot(_fp4_plain(wi, m, 0), tl.trans(x0), acc, input_precision="ieee")
-        acc = tl.dot(_fp4_plain(wi, m, 1), tl.trans(x1), acc, input_precision="ieee")
-        acc = tl.dot(_fp4_plain(wi, m, 2), tl.trans(x2), acc, input_precision="ieee")
-        acc = tl.dot(_fp4_plain(wi, m, 3), tl.trans(x3), acc, input_precision="ieee")
+        w0 = _fp4_plain(wi, m, 0)
+        w1 = _fp4_plain(wi, m, 1)
+        w2 = _fp4_plain(wi, m, 2)
+        w3 = _fp4_plain(wi, m, 3)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _dot(w, x, acc, USE_ASM: tl.constexpr):
+    """acc [BN, BM] += w [BN, BKH] @ x [BM, BKH]^T: bf16 operands on the GPU (fp32 accumulate),
+    fp32 "ieee" under the interpreter."""
+    if USE_ASM:
+        out = tl.dot(w, tl.trans(x), acc)
+    else:
+        out = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, BKH: tl.constexpr,
+             USE_ASM: tl.constexpr):
+    """acc [BN, BM] += W [BN, 8 BKH] @ x^T: c int16 [BN, BKH] nb8 units, s4 uint8 [BN, BKH/4]
+    scale bytes, x_p [BM, BKH] the activations of slot p (weight 8u + p), bf16 / fp32."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
+    acc = _dot(w0, x0, acc, USE_ASM)
+    acc = _dot(w1, x1, acc, USE_ASM)
+    acc = _dot(w2, x2, acc, USE_ASM)
+    acc = _dot(w3, x3, acc, USE_ASM)
+    acc = _dot(w4, x4, acc, USE_ASM)
+    acc = _dot(w5, x5, acc, USE_ASM)
+    acc = _dot(w6, x6, acc, USE_ASM)
+    acc = _dot(w7, x7, acc, USE_ASM)
     return acc
+
+
+@triton.jit
+def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc [BN, BM] += (W * 2^-8) [BN, 4 BKH] @ x^T: c int16 [BN, BKH] FP4 units, s4 uint8
+    [BN, BKH/4] e4m3 scale bytes, x_p [BM, BKH] the activations of slot p (weight 4u + p)."""
+    w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
+    acc = _dot(w0, x0, acc, USE_ASM)
+    acc = _dot(w1, x1, acc, USE_ASM)
+    acc = _dot(w2, x2, acc, USE_ASM)
+    acc = _dot(w3, x3, acc, USE_ASM)
+    return acc
+
+
+@triton.jit
+def _w2_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr,
+                  BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """_w2_dots for two row sets (gate and up) at once, their dots alternating: two independent
+    MMA chains in flight instead of one after the other; each accumulator gets the same dots in
+    the same order as from _w2_dots, so the same bits."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _w2_weights(c2, s42, BN, BKH, USE_ASM)
+    acc = _dot(w0, x0, acc, USE_ASM)
+    acc2 = _dot(v0, x0, acc2, USE_ASM)
+    acc = _dot(w1, x1, acc, USE_ASM)
+    acc2 = _dot(v1, x1, acc2, USE_ASM)
+    acc = _dot(w2, x2, acc, USE_ASM)
+    acc2 = _dot(v2, x2, acc2, USE_ASM)
+    acc = _dot(w3, x3, acc, USE_ASM)
+    acc2 = _dot(v3, x3, acc2, USE_ASM)
+    acc = _dot(w4, x4, acc, USE_ASM)
+    acc2 = _dot(v4, x4, acc2, USE_ASM)
+    acc = _dot(w5, x5, acc, USE_ASM)
+    acc2 = _dot(v5, x5, acc2, USE_ASM)
+    acc = _dot(w6, x6, acc, USE_ASM)
+    acc2 = _dot(v6, x6, acc2, USE_ASM)
+    acc = _dot(w7, x7, acc, USE_ASM)
+    acc2 = _dot(v7, x7, acc2, USE_ASM)
+    return acc, acc2
+
+
+@triton.jit
+def _fp4_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr,
+                   USE_ASM: tl.constexpr):
+    """_fp4_dots for two row sets at once, alternating (as _w2_dots_pair: the same bits)."""
+    w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
+    v0, v1, v2, v3 = _fp4_weights(c2, s42, BN, BKH, USE_ASM)
+    acc = _dot(w0, x0, acc, USE_ASM)
+    acc2 = _dot(v0, x0, acc2, USE_ASM)
+    acc = _dot(w1, x1, acc, USE_ASM)
+    acc2 = _dot(v1, x1, acc2, USE_ASM)
+    acc = _dot(w2, x2, acc, USE_ASM)
+    acc2 = _dot(v2, x2, acc2, USE_ASM)
+    acc = _dot(w3, x3, acc, USE_ASM)
+    acc2 = _dot(v3, x3, acc2, USE_ASM)
+    return acc, acc2
 
 
 @triton.jit
@@ -229,23 +300,46 @@ def _tile_ptrs(base, r64, col, st, COLS: tl.constexpr, STEP: tl.constexpr, TCOLS
 
 
 @triton.jit
-def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
-               UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-               USE_ASM: tl.constexpr, TILED: tl.constexpr = False):
-    """Step st (u = st * BKH + 0..BKH-1, g likewise in scale bytes) of rows' dots. TILED: a row-tiled
-    pool, nb8t or nvfp4t (256-weight tiles: 32 / 64 code units and 8 / 16 scale bytes a tile row)."""
+def _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS: tl.constexpr, G: tl.constexpr,
+                FMT: tl.constexpr, BKH: tl.constexpr, TILED: tl.constexpr):
+    """Step st's code units [rows, BKH] and scale bytes [rows, BKH/4] of rows (u = st * BKH +
+    0..BKH-1, g likewise in scale bytes; masked units read 0, masked scales a neutral byte).
+    TILED: a row-tiled pool, nb8t or nvfp4t (256-weight tiles: 32 / 64 code units and 8 / 16 scale
+    bytes a tile row)."""
     r64 = rows.to(tl.int64)
     TC: tl.constexpr = 32 if FMT == 0 else 64          # 16-bit units of a 256-weight tile row (8 / 4 weights each)
     c = tl.load(_tile_ptrs(wq, r64, u, st, UNITS, BKH, TC, TILED), mask=rmask[:, None] & umask[None, :], other=0)
+    s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, TC // 4, TILED), mask=rmask[:, None] & gmask[None, :],
+                 other=127 if FMT == 0 else 0x38)
+    return c, s4
+
+
+@triton.jit
+def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
+               UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+               USE_ASM: tl.constexpr, TILED: tl.constexpr = False):
+    """Step st of rows' dots (_rows_codes' tiles decoded and multiplied into acc)."""
+    c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
     if FMT == 0:
-        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, TC // 4, TILED), mask=rmask[:, None] & gmask[None, :],
-                     other=127)
         acc = _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
     else:
-        s4 = tl.load(_tile_ptrs(sc, r64, g, st, G, BKH // 4, TC // 4, TILED), mask=rmask[:, None] & gmask[None, :],
-                     other=0x38)
         acc = _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
     return acc
+
+
+@triton.jit
+def _rows_dots_pair(acc, acc2, wq, sc, rows, rows2, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
+                    st, UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+                    BKH: tl.constexpr, USE_ASM: tl.constexpr, TILED: tl.constexpr):
+    """_rows_dots for rows (into acc) and rows2 (into acc2) with their dots alternating
+    (GemmConfig.interleave): the same bits as two _rows_dots calls."""
+    c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
+    c2, s42 = _rows_codes(wq, sc, rows2, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
+    if FMT == 0:
+        acc, acc2 = _w2_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
+    else:
+        acc, acc2 = _fp4_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, BN, BKH, USE_ASM)
+    return acc, acc2
 
 
 @triton.jit
@@ -318,7 +412,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
-                     TILED: tl.constexpr = False):
+                     TILED: tl.constexpr = False, INTERLEAVE: tl.constexpr = False):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -361,6 +455,10 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         # be issued during the other's dots (with BM < 4 Triton loads x straight into the MMA
         # registers at the top of each step: the top stall in Nsight Compute, run 20; on the H200
         # it bought nothing at T = 1, run 21, so the tuner tries it). Same dots, same order, same bits.
+        # INTERLEAVE (GemmConfig.interleave, gate/up): the gate and up dots of a step alternate, two
+        # independent MMA chains instead of one after the other (sm_90 SASS otherwise chains all of
+        # a step's HMMAs; W2 has twice FP4's MMAs per byte and streams ~30% slower, run 28). Each
+        # accumulator gets the same dots in the same order: same bits.
         for i in tl.range(0, PER, loop_unroll_factor=UNROLL):
             st = ks * PER + i                              # steps past STEPS are fully masked
             u = st * BKH + hcols
@@ -371,11 +469,15 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, "")
-            acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
-                             UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
-            if GATE_UP:
-                acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
-                                  UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
+            if INTERLEAVE:               # gate/up only (the launch passes it for gate/up alone)
+                acc, acc2 = _rows_dots_pair(acc, acc2, wq, sc, n, n + N, nmask, u, umask, g, gmask,
+                                            x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
+            else:
+                acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
+                                 UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
+                if GATE_UP:
+                    acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6,
+                                      x7, st, UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
         if FMT == 1:   # per-tensor scale_2 (gate / up / down) and the 2^8 the decode left out
             if GATE_UP:
                 acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
@@ -872,7 +974,8 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
-        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, num_warps=cg.num_warps,
+        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, INTERLEAVE=cg.interleave,
+        num_warps=cg.num_warps,
         num_stages=cg.num_stages,
         **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
