@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Device run 29 (prepared in stop 24 for the next session). Results in $OUT/<mode>.tgz.
+#   bash tools/kernel_lab/run29.sh tests (~3 min) the MoE kernel GPU tests: the new interleaved gate/up
+#       (GemmConfig.interleave: the same bits as the one-after-the-other dots, checked so far under the
+#       interpreter and compiled by the sm_90 AOT build only) and the nvfp4t model pools
+#   bash tools/kernel_lab/run29.sh tune  (~9 min) decode retune, W2 and FP4 at DeepSeek-V3 T = 1 / 8 and
+#       Qwen3 T = 1, with the new candidates: interleaved gate/up, and the whole configs the greedy sweep
+#       could not reach (BM 4 + gate/up BKH 64 unsplit: FP4's run-28 winner, 93.1 -> 77.6 us, never timed
+#       for W2, whose sweep kept BM 1); the table merged into $R/moe_configs_merged.json (copy it to
+#       src/moet/kernels/moe_configs.json if the log shows gains)
+#   bash tools/kernel_lab/run29.sh short (~1 min) the GQA prefill launches at 512 and 2048 tokens (run 28
+#       adopted 256 rows x 16 warps from 8K; a 512-token Qwen3 prompt makes only 64 programs of it)
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+R=/tmp/r29; mkdir -p $R
+MODE=${1:-}
+save() { tar czf $OUT/${MODE}.tgz -C $R . 2>/dev/null; }
+case "$MODE" in
+tests)
+    timeout -k 5 300 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py \
+        tests/model/test_pool_layout.py > $R/pytest_moe.txt 2>&1; echo "tests rc=$?"; tail -3 $R/pytest_moe.txt
+    save ;;
+tune)
+    timeout -k 5 --signal=INT 540 python -m moet.bench.moe_kernel_tune --out $R/tune --budget-s 500 \
+        --shapes deepseek,qwen --formats w2,fp4 --tokens 1,8 --tune deepseek:1,deepseek:8,qwen:1 \
+        --write-table > $R/log_tune.txt 2>&1; echo "rc=$?"
+    cp src/moet/kernels/moe_configs.json $R/moe_configs_merged.json
+    grep -E "^\[.*(GB/s|failed)|interleave.: true|breakdown" $R/log_tune.txt | cut -c1-200 | tail -40
+    save ;;
+short)
+    for n in 512 2048; do
+        timeout -k 5 100 python tools/kernel_lab/gqa_decode_probe.py --out $R/gqa_prefill_$n --prefill $n \
+            --kv bf16,fp8,fp8-block > $R/log_gqa_prefill_$n.txt 2>&1; echo "prefill $n rc=$?"
+        grep -E "prefill .*(base|256 rows w16 s2|256 rows:|128 rows w8)" $R/log_gqa_prefill_$n.txt | cut -c1-150
+    done
+    save ;;
+*) echo "usage: run29.sh tests|tune|short"; exit 2 ;;
+esac
