@@ -8,6 +8,9 @@
 #       could not reach (BM 4 + gate/up BKH 64 unsplit: FP4's run-28 winner, 93.1 -> 77.6 us, never timed
 #       for W2, whose sweep kept BM 1); the table merged into $R/moe_configs_merged.json (copy it to
 #       src/moet/kernels/moe_configs.json if the log shows gains)
+#   bash tools/kernel_lab/run29.sh fp8   (~4 min) the FP8 block-128 dense GEMM bench (issue 4 item 3): its
+#       numbers were never written to docs/perf.md; DeepSeek-V3's dense shapes at T = 1 / 16 / 128 / 2048 / 8192,
+#       w8a8 and w8a16 against torch's bf16 F.linear and torch._scaled_mm, --sweep for the launch table
 #   bash tools/kernel_lab/run29.sh short (~1 min) the GQA prefill launches at 512 and 2048 tokens (run 28
 #       adopted 256 rows x 16 warps from 8K; a 512-token Qwen3 prompt makes only 64 programs of it)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -26,6 +29,10 @@ tune)
     cp src/moet/kernels/moe_configs.json $R/moe_configs_merged.json
     grep -E "^\[.*(GB/s|failed)|interleave.: true|breakdown" $R/log_tune.txt | cut -c1-200 | tail -40
     save ;;
+fp8)
+    timeout -k 5 --signal=INT 280 python -m moet.bench.fp8_gemm_bench --out $R/fp8 --budget-s 240 \
+        --tokens 1,16,128,2048,8192 --sweep > $R/log_fp8.txt 2>&1; echo "rc=$?"; tail -30 $R/log_fp8.txt | cut -c1-200
+    save ;;
 short)
     for n in 512 2048; do
         timeout -k 5 100 python tools/kernel_lab/gqa_decode_probe.py --out $R/gqa_prefill_$n --prefill $n \
@@ -33,5 +40,5 @@ short)
         grep -E "prefill .*(base|256 rows w16 s2|256 rows:|128 rows w8)" $R/log_gqa_prefill_$n.txt | cut -c1-150
     done
     save ;;
-*) echo "usage: run29.sh tests|tune|short"; exit 2 ;;
+*) echo "usage: run29.sh tests|tune|fp8|short"; exit 2 ;;
 esac
