@@ -26,6 +26,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"TILED": False, **const}
     if "INTERLEAVE" in fn.arg_names:                              # (likewise: gate and up dots one after the other)
         const = {"INTERLEAVE": False, **const}
+    if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch)
+        const = {"PREFETCH": 0, **const}
     for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)
         if flag in fn.arg_names:
             const = {flag: False, **const}
@@ -81,6 +83,11 @@ def main(quick: bool = False) -> None:
         const = dict(const, SPLIT_K=2, BM=1, BN=32, PDL=True, INTERLEAVE=True)
         c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
         print("gemm-interleave", name, "gate_up", "cubin bytes", len(c.asm["cubin"]))
+        # the down GEMM with its L2 prefetch before the PDL wait (MoEConfig.down_prefetch)
+        const = dict(const, N=7168, K=2048, GATE_UP=False, HAS_LIMIT=False, SPLIT_K=1, INTERLEAVE=False, PREFETCH=8)
+        ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
+        ok = 0 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
+        print("gemm-prefetch", name, "before-wait" if ok else "missing")
     # the split gate/up with the SwiGLU finish in its last program per (tile, row block)
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
         types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",

@@ -572,6 +572,8 @@ def test_kernels_compile_for_sm90():
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
     assert kinds.count("gemm-tiled") == 8, r.stdout          # nb8t / nvfp4t: whole- / half-tile steps, prefill
     assert kinds.count("gemm-interleave") == 2, r.stdout     # W2 / FP4 gate/up with alternating dots
+    pf = [line for line in r.stdout.splitlines() if line.startswith("gemm-prefetch")]
+    assert len(pf) == 2 and all(line.endswith(" before-wait") for line in pf), r.stdout
     # the split gate/up with its SwiGLU finish in its last programs: the hand-off compiled in
     for kind in ("gemm-fused-finish", "gemm-fused-combine"):
         ff = [line for line in r.stdout.splitlines() if line.startswith(kind)]
@@ -718,6 +720,41 @@ def test_interleaved_gate_up_dots_change_no_bits(poisoned, fmt):
         assert int(m1.item()) == int(m0.item()) > 0 and out.abs().max() > 0
         assert MoEConfig.from_json(cfg.to_json()) == cfg
     assert not GemmConfig().interleave
+
+
+def test_down_prefetch_config_and_points():
+    """MoEConfig.down_prefetch needs PDL (it prefetches before the PDL wait), survives the JSON, and
+    asks for one point per 128 bytes of a row-major row, one per tile row of a row-tiled one, over
+    the split's K span (a power of two: the prefetch tile)."""
+    mt = _mt()
+    with pytest.raises(ValueError, match="pdl=True"):
+        MoEConfig(1, GemmConfig(), GemmConfig(), down_prefetch=True)
+    c = MoEConfig(1, GemmConfig(32, 32, 2, 2, 4), GemmConfig(32, 32, 1, 2, 4), pdl=True, down_prefetch=True)
+    assert MoEConfig.from_json(c.to_json()) == c and "down_prefetch" not in replace(c, down_prefetch=False).to_json()
+    assert mt.prefetch_points(replace(c, down_prefetch=False), mt.FMT_W2, 2048, True) == 0
+    assert mt.prefetch_points(c, mt.FMT_W2, 2048, True) == 8       # 256 units, a tile row = 32 units
+    assert mt.prefetch_points(c, mt.FMT_W2, 2048, False) == 4      # 256 units, 64 units = 128 bytes a point
+    assert mt.prefetch_points(c, mt.FMT_FP4, 2048, True) == 8      # 512 units, a tile row = 64 units
+    split = replace(c, down=GemmConfig(32, 32, 2, 2, 4))
+    assert mt.prefetch_points(split, mt.FMT_W2, 2048, True) == 4   # half the K span each
+    assert mt.prefetch_points(split, mt.FMT_W2, 1408, False) == 2  # 176 units: 6 steps of 32, 3 a split: 96 units
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the prefetch is issued under PDL only, a GPU launch (the "
+                                             "interpreter has neither); its points are tested on the CPU above")
+@pytest.mark.parametrize("fmt", ["w2", "fp4"])
+def test_down_prefetch_changes_no_bits(poisoned, fmt):
+    """The L2 prefetch before the down GEMM's PDL wait is a hint: the same bits as PDL alone."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(55 if fmt == "w2" else 56)
+    pool, run = _pool_and_run(mt, fmt, g)
+    tab = _table([3, -1, 0, 5, -1, 1])
+    x, ids, w = _inputs(3, 2, 64, 6, g)
+    base = MoEConfig(1, GemmConfig(16, 16, 2, 2, 2), GemmConfig(32, 16, 2, 2, 2), pdl=True)
+    m0, m1 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
+    out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=replace(base, down_prefetch=True))
+    assert torch.equal(out, ref) and int(m1.item()) == int(m0.item()) > 0
 
 
 def _run_asm(asm: str, regs: dict) -> dict:

@@ -474,10 +474,11 @@ def main():
                             sweep(lambda b, c: c, [c for c in decode_whole_configs() if c.BM <= max(
                                 decode_tile_sizes(p, e))])
                         rep["tuning"][f"{key}/T{t}"] = tried
-                        def try_flag(flag: str, label: str):
-                            """The best config with one launch option on; kept when correct and >= 2% faster."""
+                        def try_flag(flag: str, label: str, **with_too):
+                            """The best config with one launch option on (and the options it needs,
+                            with_too); kept when correct and >= 2% faster."""
                             nonlocal best, best_us
-                            c = replace(best, **{flag: True})
+                            c = replace(best, **{flag: True}, **with_too)
                             try:
                                 on = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
@@ -496,6 +497,9 @@ def main():
                             try_flag("fused_finish", "fused finish")   # the split gate/up's SwiGLU finish fused
                         if tiled and regime == "decode" and left() > 0:
                             try_flag("fused_combine", "fused combine")  # the top-k combine in the down GEMM
+                        if tiled and regime == "decode" and left() > 0:
+                            # the down weights prefetched into L2 before its PDL wait (needs PDL)
+                            try_flag("down_prefetch", "down prefetch", pdl=True)
                         for alt, max_pairs, alt_candidates, flag in _alternatives():
                             # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
                             # each kept if clearly faster than the tiled best and correct

@@ -68,6 +68,14 @@ class MoEConfig:
     # decode regime: the top-k combine in the down GEMM's last program per (token, row block), so
     # the layer has one launch fewer (moe_triton FUSED_COMBINE)
     fused_combine: bool = False
+    # under PDL (pdl=True, the tiled path): each down program prefetches its weight slab into L2
+    # before it waits for the gate/up kernel, so the down's DRAM reads overlap gate/up's tail
+    # (moe_triton PREFETCH); the same bits
+    down_prefetch: bool = False
+
+    def __post_init__(self):
+        if self.down_prefetch and not self.pdl:
+            raise ValueError("MoEConfig.down_prefetch prefetches before the PDL wait: it needs pdl=True")
 
     def to_json(self) -> dict:
         d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
@@ -81,13 +89,16 @@ class MoEConfig:
             d["fused_finish"] = True
         if self.fused_combine:
             d["fused_combine"] = True
+        if self.down_prefetch:
+            d["down_prefetch"] = True
         return d
 
     @staticmethod
     def from_json(d: dict) -> "MoEConfig":
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
                          bool(d.get("token_major", False)), bool(d.get("fused", False)),
-                         bool(d.get("fused_finish", False)), bool(d.get("fused_combine", False)))
+                         bool(d.get("fused_finish", False)), bool(d.get("fused_combine", False)),
+                         bool(d.get("down_prefetch", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

@@ -396,6 +396,29 @@ def _pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """An L2 prefetch of each pointer's line (prefetch.global.L2: a hint; no register written,
+    nothing waits for it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_slab(wq, sc, rows, N: tl.constexpr, u0, UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+                   SPAN: tl.constexpr, POINTS: tl.constexpr, TILED: tl.constexpr):
+    """Prefetch into L2 the code units [u0, u0 + SPAN) and their scale bytes of rows (clamped into
+    the array: a duplicate point re-hits a line): POINTS per row, one per 128 bytes of a row-major
+    row, one per tile row (64 / 128 bytes) of a row-tiled one."""
+    TC: tl.constexpr = 32 if FMT == 0 else 64
+    PSTEP: tl.constexpr = TC if TILED else 64
+    r64 = tl.minimum(rows, N - 1).to(tl.int64)
+    j = tl.arange(0, POINTS)
+    u = tl.minimum(u0 + j * PSTEP, tl.minimum(u0 + SPAN, UNITS) - 1)
+    _prefetch_l2(_tile_ptrs(wq, r64, u, 0, UNITS, 1, TC, TILED))          # STEP 1: the per-element form
+    _prefetch_l2(_tile_ptrs(sc, r64, u // 4, 0, G, 1, TC // 4, TILED))
+
+
+@triton.jit
 def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
@@ -412,7 +435,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
-                     TILED: tl.constexpr = False, INTERLEAVE: tl.constexpr = False):
+                     TILED: tl.constexpr = False, INTERLEAVE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -423,7 +446,20 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
     the program that brings it to (resident pairs of the token) x SPLIT_K does _combine_kernel's
     sum for that token's rows into act_ptr (the layer output [T, N]) -- the same order, j then s --
     and re-zeroes the counter. Tokens with no resident pair get no arrival: the prep kernel zeroed
-    their rows."""
+    their rows.
+    PREFETCH (down under PDL only, MoEConfig.down_prefetch; points per row): before the PDL wait,
+    the program prefetches its weight slab into L2, so its DRAM reads overlap the kernels before
+    it. Safe: the weights and the tile's slot (bslot_ptr) were written before the gate/up launch,
+    and this kernel cannot launch before every gate/up program has passed its own wait."""
+    if PREFETCH:
+        slot_pf = tl.load(bslot_ptr + tl.program_id(1))
+        if slot_pf >= 0:
+            UPW_PF: tl.constexpr = 8 if FMT == 0 else 4
+            UNITS_PF: tl.constexpr = K // UPW_PF
+            PER_PF: tl.constexpr = ((UNITS_PF + BKH - 1) // BKH + SPLIT_K - 1) // SPLIT_K
+            _prefetch_slab(wq_ptr + slot_pf.to(tl.int64) * s_wq_slot, sc_ptr + slot_pf.to(tl.int64) * s_sc_slot,
+                           tl.program_id(0) * BN + tl.arange(0, BN), N, tl.program_id(2) * PER_PF * BKH, UNITS_PF,
+                           UNITS_PF // 4, FMT, PER_PF * BKH, PREFETCH, TILED)
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -991,12 +1027,24 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
         dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
         FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, num_warps=cd.num_warps,
-        num_stages=cd.num_stages,
+        num_stages=cd.num_stages, PREFETCH=prefetch_points(config, fmt, i, tiled) if pdl["PDL"] else 0,
         **common, **pdl)
     if not fuse_combine:
         bh = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K,
                                                  BH=bh, num_warps=4, **pdl)
+
+
+def prefetch_points(config: MoEConfig, fmt: int, k: int, tiled: bool) -> int:
+    """The down GEMM's L2 prefetch points per row (_prefetch_slab; 0 = none): MoEConfig.down_prefetch
+    over a K of k weights split as config.down says."""
+    if not config.down_prefetch:
+        return 0
+    c = config.down
+    units = k // (8 if fmt == FMT_W2 else 4)
+    per = triton.cdiv(triton.cdiv(units, c.BKH), c.SPLIT_K)
+    pstep = (32 if fmt == FMT_W2 else 64) if tiled else 64
+    return triton.next_power_of_2(triton.cdiv(per * c.BKH, pstep))
 
 
 def moe_experts_triton(
