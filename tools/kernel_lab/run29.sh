@@ -2,9 +2,11 @@
 # Device run 29 (prepared in stop 24 for the next session). Results in $OUT/<mode>.tgz.
 #   bash tools/kernel_lab/run29.sh tests (~3 min) the MoE kernel GPU tests: the new interleaved gate/up
 #       (GemmConfig.interleave: the same bits as the one-after-the-other dots, checked so far under the
-#       interpreter and compiled by the sm_90 AOT build only) and the nvfp4t model pools
+#       interpreter and compiled by the sm_90 AOT build only), the down prefetch (GPU-only test: same
+#       bits as PDL alone) and the nvfp4t model pools
 #   bash tools/kernel_lab/run29.sh tune  (~9 min) decode retune, W2 and FP4 at DeepSeek-V3 T = 1 / 8 and
-#       Qwen3 T = 1, with the new candidates: interleaved gate/up, and the whole configs the greedy sweep
+#       Qwen3 T = 1, with the new candidates: interleaved gate/up, the down L2 prefetch under PDL
+#       (MoEConfig.down_prefetch), and the whole configs the greedy sweep
 #       could not reach (BM 4 + gate/up BKH 64 unsplit: FP4's run-28 winner, 93.1 -> 77.6 us, never timed
 #       for W2, whose sweep kept BM 1); the table merged into $R/moe_configs_merged.json (copy it to
 #       src/moet/kernels/moe_configs.json if the log shows gains)
