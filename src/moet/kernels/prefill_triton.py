@@ -46,7 +46,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, 
 # GLM-4.5-Air heads, TFLOP/s against the 128 rows x 8 warps before: bf16 220 -> 291 / 178 -> 242,
 # fp8 174 -> 247 / 142 -> 206, fp8-block (8 warps) 108 -> 142 / 88 -> 117 (sm_90 AOT of 256 x 16
 # warps: 18 spilled ops, 1 in the loop; 128 rows x 16 warps and 512 rows were slower still).
-# Head dims over 128 keep the earlier 128 rows x 8 warps (not timed at 256 rows).
+# Head dims over 128 keep the earlier 128 rows x 8 warps (not timed at 256 rows). The launch
+# depends on the cache format and head dim only, never on the batch (the tile changes the last
+# bits, so a grid-size rule for short prompts would make a prompt's output depend on what else
+# is in the step).
 PREFILL_BLOCK_N = 64
 PREFILL_ROWS = 256
 PREFILL_NUM_WARPS = 16
