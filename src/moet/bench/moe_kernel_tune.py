@@ -252,10 +252,13 @@ def candidates(regime: str, fmt: str):
               GemmConfig(32, 64, 1, 2, 4),
               # gate and up dots alternating (two MMA chains; sm_90 AOT at the T = 1 tile: 114
               # registers against 96, so 8 programs an SM instead of 10; not timed before run 29)
-              GemmConfig(32, 32, 2, 2, 4, interleave=True), GemmConfig(32, 64, 1, 2, 4, interleave=True)]
+              GemmConfig(32, 32, 2, 2, 4, interleave=True), GemmConfig(32, 64, 1, 2, 4, interleave=True),
+              # deeper rings at the T = 1 tile (sm_90 AOT: 6 stages 96 registers, 23 KB; 8: 104, 32 KB)
+              GemmConfig(32, 32, 2, 2, 6), GemmConfig(32, 32, 2, 2, 8)]
         dn = [GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6), GemmConfig(32, 16, 1, 2, 6),
               GemmConfig(64, 32, 1, 2, 4), GemmConfig(32, 32, 2, 2, 4), GemmConfig(128, 32, 1, 4, 4),
-              GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 64, 1, 2, 4)]
+              GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 64, 1, 2, 4), GemmConfig(32, 32, 1, 2, 6),
+              GemmConfig(32, 32, 1, 2, 8)]
         base = MoEConfig(16, gu[0], dn[0])
         return base, gu, dn
     # prefill: tensor-core tiles; the weights are decoded once per (tile, K step) for BM tokens, so
