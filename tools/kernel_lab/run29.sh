@@ -10,6 +10,9 @@
 #       could not reach (BM 4 + gate/up BKH 64 unsplit: FP4's run-28 winner, 93.1 -> 77.6 us, never timed
 #       for W2, whose sweep kept BM 1); the table merged into $R/moe_configs_merged.json (copy it to
 #       src/moet/kernels/moe_configs.json if the log shows gains)
+#   bash tools/kernel_lab/run29.sh prefill (~5 min) prefill retune at DeepSeek-V3 T = 8192 on the row-tiled pools
+#       (W2 50.9%, FP4 44.6% of the GEMM in run 28 with tables tuned on row-major pools; the interleaved gate/up
+#       is a new prefill candidate), merged into the table
 #   bash tools/kernel_lab/run29.sh fp8   (~4 min) the FP8 block-128 dense GEMM bench (issue 4 item 3): its
 #       numbers were never written to docs/perf.md; DeepSeek-V3's dense shapes at T = 1 / 16 / 128 / 2048 / 8192,
 #       w8a8 and w8a16 against torch's bf16 F.linear and torch._scaled_mm, --sweep for the launch table
@@ -31,6 +34,13 @@ tune)
     cp src/moet/kernels/moe_configs.json $R/moe_configs_merged.json
     grep -E "^\[.*(GB/s|failed)|interleave.: true|breakdown" $R/log_tune.txt | cut -c1-200 | tail -40
     save ;;
+prefill)
+    timeout -k 5 --signal=INT 330 python -m moet.bench.moe_kernel_tune --out $R/prefill --budget-s 300 \
+        --shapes deepseek --formats w2,fp4 --tokens 8192 --tune deepseek:8192 --write-table \
+        > $R/log_prefill.txt 2>&1; echo "rc=$?"
+    cp src/moet/kernels/moe_configs.json $R/moe_configs_merged_prefill.json
+    grep -E "^\[.*(TFLOP|failed)" $R/log_prefill.txt | cut -c1-200 | tail -8
+    save ;;
 fp8)
     timeout -k 5 --signal=INT 280 python -m moet.bench.fp8_gemm_bench --out $R/fp8 --budget-s 240 \
         --tokens 1,16,128,2048,8192 --sweep > $R/log_fp8.txt 2>&1; echo "rc=$?"; tail -30 $R/log_fp8.txt | cut -c1-200
@@ -42,5 +52,5 @@ short)
         grep -E "prefill .*(base|256 rows w16 s2|256 rows:|128 rows w8)" $R/log_gqa_prefill_$n.txt | cut -c1-150
     done
     save ;;
-*) echo "usage: run29.sh tests|tune|fp8|short"; exit 2 ;;
+*) echo "usage: run29.sh tests|tune|prefill|fp8|short"; exit 2 ;;
 esac
