@@ -18,6 +18,9 @@
 #       w8a8 and w8a16 against torch's bf16 F.linear and torch._scaled_mm, --sweep for the launch table
 #   bash tools/kernel_lab/run29.sh short (~1 min) the GQA prefill launches at 512 and 2048 tokens (run 28
 #       adopted 256 rows x 16 warps from 8K; a 512-token Qwen3 prompt makes only 64 programs of it)
+# Each device call starts from this checkout's table, so tune and prefill each merge into their own
+# copy: merge their tuned entries ($R/tune/moe_configs.json, $R/prefill/moe_configs.json) here with
+# moet.bench.moe_kernel_tune.merge_table(new, "src/moet/kernels/moe_configs.json").
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r29; mkdir -p $R
 MODE=${1:-}
