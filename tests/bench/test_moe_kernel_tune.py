@@ -26,7 +26,7 @@ def test_candidates_are_valid_and_hold_the_new_forms():
             base, gus, dns = tune.candidates(regime, fmt)
             for g in gus + dns:
                 assert _pow2(g.BN) and _pow2(g.BKH) and g.SPLIT_K >= 1 and g.num_warps in (1, 2, 4, 8)
-            assert any(g.interleave for g in gus) and not any(d.interleave for d in dns)
+            assert any(g.chains == 2 for g in gus) and (regime == "prefill" or any(d.chains == 2 for d in dns))
     wholes = tune.decode_whole_configs()
     assert wholes and all(MoEConfig.from_json(c.to_json()) == c for c in wholes)
     assert all(c.BM <= 8 and not c.fused and not c.token_major for c in wholes)   # row-tiled pools take them
@@ -56,11 +56,11 @@ def test_check_passes_the_new_decode_forms_under_the_interpreter():
     g = torch.Generator().manual_seed(4)
     pool = tune.make_pool("w2", 8, 512, 256, "cpu", g)
     whole = tune.decode_whole_configs()
-    for cfg in (whole[0], whole[-1]):                      # BM 4 + BKH-64 gate/up; the same interleaved
+    for cfg in (whole[0], whole[-1]):                      # BM 4 + BKH-64 gate/up; the same, two chains
         rec = tune.check("w2", pool, 512, 8, 2, 1, 7.0, torch.device("cpu"), g, mt, moe_experts_reference,
                          config=cfg)
         assert rec["ok"] and rec["slot_invariant"] and rec["rerun_identical"], (cfg, rec)
-    assert whole[-1].gate_up.interleave
+    assert whole[-1].gate_up.chains == 2 and whole[-1].down.chains == 2
 
 
 def test_merge_table_keeps_what_it_did_not_tune(tmp_path):

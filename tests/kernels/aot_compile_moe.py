@@ -24,8 +24,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"UNROLL": 1, **const}
     if "TILED" in fn.arg_names:                                   # (likewise: the row-major nb8 pool unless asked)
         const = {"TILED": False, **const}
-    if "INTERLEAVE" in fn.arg_names:                              # (likewise: gate and up dots one after the other)
-        const = {"INTERLEAVE": False, **const}
+    if "CHAINS" in fn.arg_names:                                  # (likewise: one MMA chain a step)
+        const = {"CHAINS": 1, **const}
     if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch)
         const = {"PREFETCH": 0, **const}
     for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)
@@ -77,14 +77,18 @@ def main(quick: bool = False) -> None:
                      BN=128, BKH=32, PDL=False, UNROLL=1, TILED=True)
         c = _compile(m._moe_gemm_kernel, types, const, 8, 3)
         print("gemm-tiled", name, "prefill gate_up 32", "cubin bytes", len(c.asm["cubin"]))
-        # gate and up dots alternating (GemmConfig.interleave) on the tiled decode tile of the table
-        # at T = 1: the two-chain form compiles with the inline-asm decoders
+        # two MMA chains a step (GemmConfig.chains 2) on the tiled decode tile of the table at T = 1:
+        # gate/up with its gate and up dots alternating, down with even / odd slots apart; both
+        # compile with the inline-asm decoders
         types = dict(types, out_ptr="*fp32")
-        const = dict(const, SPLIT_K=2, BM=1, BN=32, PDL=True, INTERLEAVE=True)
+        const = dict(const, SPLIT_K=2, BM=1, BN=32, PDL=True, CHAINS=2)
         c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
-        print("gemm-interleave", name, "gate_up", "cubin bytes", len(c.asm["cubin"]))
+        print("gemm-chains2", name, "gate_up", "cubin bytes", len(c.asm["cubin"]))
+        const = dict(const, N=7168, K=2048, GATE_UP=False, HAS_LIMIT=False, SPLIT_K=1)
+        c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
+        print("gemm-chains2", name, "down", "cubin bytes", len(c.asm["cubin"]))
         # the down GEMM with its L2 prefetch before the PDL wait (MoEConfig.down_prefetch)
-        const = dict(const, N=7168, K=2048, GATE_UP=False, HAS_LIMIT=False, SPLIT_K=1, INTERLEAVE=False, PREFETCH=8)
+        const = dict(const, CHAINS=1, PREFETCH=8)
         ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
         ok = 0 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
         print("gemm-prefetch", name, "before-wait" if ok else "missing")

@@ -571,7 +571,7 @@ def test_kernels_compile_for_sm90():
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
     assert kinds.count("gemm-tiled") == 8, r.stdout          # nb8t / nvfp4t: whole- / half-tile steps, prefill
-    assert kinds.count("gemm-interleave") == 2, r.stdout     # W2 / FP4 gate/up with alternating dots
+    assert kinds.count("gemm-chains2") == 4, r.stdout        # W2 / FP4 gate/up and down, two MMA chains
     pf = [line for line in r.stdout.splitlines() if line.startswith("gemm-prefetch")]
     assert len(pf) == 2 and all(line.endswith(" before-wait") for line in pf), r.stdout
     # the split gate/up with its SwiGLU finish in its last programs: the hand-off compiled in
@@ -701,10 +701,11 @@ def test_unrolled_k_loop_and_wider_token_tile_change_no_bits(poisoned, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["w2", "fp4"])
-def test_interleaved_gate_up_dots_change_no_bits(poisoned, fmt):
-    """GemmConfig.interleave (the gate and up dots of a K step alternating: two MMA chains in
-    flight) gives each accumulator the same dots in the same order: the same bits, split and
-    unsplit K, with misses counted alike; the flag is gate/up's alone and survives the JSON."""
+def test_two_mma_chains(poisoned, fmt):
+    """GemmConfig.chains 2: on gate/up the gate and up dots of a K step alternate, each accumulator
+    getting the same dots in the same order (the same bits); on down even and odd slots go to two
+    accumulators summed after the K loop (the same sum in another fp32 order: close, and the same
+    bits run to run). Split and unsplit K, misses counted alike; the JSON round trip."""
     mt = _mt()
     g = torch.Generator().manual_seed(53 if fmt == "w2" else 54)
     pool, run = _pool_and_run(mt, fmt, g)
@@ -714,12 +715,20 @@ def test_interleaved_gate_up_dots_change_no_bits(poisoned, fmt):
                  MoEConfig(4, GemmConfig(16, 16, 2, 2, 2), GemmConfig(32, 16, 1, 2, 2))):
         m0, m1 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
         ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
-        cfg = replace(base, gate_up=replace(base.gate_up, interleave=True), down=replace(base.down, interleave=True))
+        cfg = replace(base, gate_up=replace(base.gate_up, chains=2))
         out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
         assert torch.equal(out, ref), cfg
         assert int(m1.item()) == int(m0.item()) > 0 and out.abs().max() > 0
         assert MoEConfig.from_json(cfg.to_json()) == cfg
-    assert not GemmConfig().interleave
+        both = replace(cfg, down=replace(base.down, chains=2))
+        m2 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        two = run(x, ids, w, tab, pool, m2, swiglu_limit=1.5, config=both)
+        assert _relerr(two, ref) <= (1e-6 if DEVICE == "cpu" else 1e-3) and int(m2.item()) == int(m0.item())
+        assert torch.equal(two, run(x, ids, w, tab, pool, torch.zeros_like(m2), swiglu_limit=1.5, config=both))
+        assert MoEConfig.from_json(both.to_json()) == both
+    assert GemmConfig().chains == 1
+    with pytest.raises(ValueError, match="chains"):
+        GemmConfig(chains=3)
 
 
 def test_down_prefetch_config_and_points():

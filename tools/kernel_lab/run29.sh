@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Device run 29 (prepared in stop 24 for the next session). Results in $OUT/<mode>.tgz.
-#   bash tools/kernel_lab/run29.sh tests (~3 min) the MoE kernel GPU tests: the new interleaved gate/up
-#       (GemmConfig.interleave: the same bits as the one-after-the-other dots, checked so far under the
+#   bash tools/kernel_lab/run29.sh tests (~3 min) the MoE kernel GPU tests: two MMA chains a step
+#       (GemmConfig.chains 2: gate/up the same bits as one chain, down close; checked so far under the
 #       interpreter and compiled by the sm_90 AOT build only), the down prefetch (GPU-only test: same
 #       bits as PDL alone) and the nvfp4t model pools
 #   bash tools/kernel_lab/run29.sh tune  (~9 min) decode retune, W2 and FP4 at DeepSeek-V3 T = 1 / 8 and
-#       Qwen3 T = 1, with the new candidates: interleaved gate/up, the down L2 prefetch under PDL
+#       Qwen3 T = 1, with the new candidates: two MMA chains (gate/up, down), the down L2 prefetch under PDL
 #       (MoEConfig.down_prefetch), and the whole configs the greedy sweep
 #       could not reach (BM 4 + gate/up BKH 64 unsplit: FP4's run-28 winner, 93.1 -> 77.6 us, never timed
 #       for W2, whose sweep kept BM 1); the table merged into $R/moe_configs_merged.json (copy it to
 #       src/moet/kernels/moe_configs.json if the log shows gains)
 #   bash tools/kernel_lab/run29.sh prefill (~5 min) prefill retune at DeepSeek-V3 T = 8192 on the row-tiled pools
-#       (W2 50.9%, FP4 44.6% of the GEMM in run 28 with tables tuned on row-major pools; the interleaved gate/up
+#       (W2 50.9%, FP4 44.6% of the GEMM in run 28 with tables tuned on row-major pools; two-chain gate/up
 #       is a new prefill candidate), merged into the table
 #   bash tools/kernel_lab/run29.sh fp8   (~4 min) the FP8 block-128 dense GEMM bench (issue 4 item 3): its
 #       numbers were never written to docs/perf.md; DeepSeek-V3's dense shapes at T = 1 / 16 / 128 / 2048 / 8192,
@@ -35,7 +35,7 @@ tune)
         --shapes deepseek,qwen --formats w2,fp4 --tokens 1,8 --tune deepseek:1,deepseek:8,qwen:1 \
         --write-table > $R/log_tune.txt 2>&1; echo "rc=$?"
     cp src/moet/kernels/moe_configs.json $R/moe_configs_merged.json
-    grep -E "^\[.*(GB/s|failed)|interleave.: true|breakdown" $R/log_tune.txt | cut -c1-200 | tail -40
+    grep -E "^\[.*(GB/s|failed)|chains.: 2|breakdown" $R/log_tune.txt | cut -c1-200 | tail -40
     save ;;
 prefill)
     timeout -k 5 --signal=INT 330 python -m moet.bench.moe_kernel_tune --out $R/prefill --budget-s 300 \

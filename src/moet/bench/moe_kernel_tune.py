@@ -250,15 +250,18 @@ def candidates(regime: str, fmt: str):
               GemmConfig(32, 16, 2, 2, 6), GemmConfig(32, 32, 4, 2, 4), GemmConfig(64, 32, 2, 2, 4),
               GemmConfig(64, 32, 1, 4, 4), GemmConfig(16, 32, 2, 1, 4), GemmConfig(32, 64, 2, 2, 4),
               GemmConfig(32, 64, 1, 2, 4),
-              # gate and up dots alternating (two MMA chains; sm_90 AOT at the T = 1 tile: 114
-              # registers against 96, so 8 programs an SM instead of 10; not timed before run 29)
-              GemmConfig(32, 32, 2, 2, 4, interleave=True), GemmConfig(32, 64, 1, 2, 4, interleave=True),
+              # gate and up dots alternating (chains 2; sm_90 AOT at the T = 1 tile: 114 registers
+              # against 96, so 8 programs an SM instead of 10; not timed before run 29)
+              GemmConfig(32, 32, 2, 2, 4, chains=2), GemmConfig(32, 64, 1, 2, 4, chains=2),
               # deeper rings at the T = 1 tile (sm_90 AOT: 6 stages 96 registers, 23 KB; 8: 104, 32 KB)
               GemmConfig(32, 32, 2, 2, 6), GemmConfig(32, 32, 2, 2, 8)]
         dn = [GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6), GemmConfig(32, 16, 1, 2, 6),
               GemmConfig(64, 32, 1, 2, 4), GemmConfig(32, 32, 2, 2, 4), GemmConfig(128, 32, 1, 4, 4),
               GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 64, 1, 2, 4), GemmConfig(32, 32, 1, 2, 6),
-              GemmConfig(32, 32, 1, 2, 8)]
+              GemmConfig(32, 32, 1, 2, 8),
+              # even / odd slots in two accumulators (chains 2: the down's 16 HMMAs a step are one
+              # dependent chain in the sm_90 SASS otherwise)
+              GemmConfig(32, 32, 1, 2, 4, chains=2), GemmConfig(16, 32, 1, 1, 4, chains=2)]
         base = MoEConfig(16, gu[0], dn[0])
         return base, gu, dn
     # prefill: tensor-core tiles; the weights are decoded once per (tile, K step) for BM tokens, so
@@ -272,7 +275,7 @@ def candidates(regime: str, fmt: str):
     gu = [GemmConfig(64, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(64, 32, 1, 8, 3),
           GemmConfig(128, 16, 1, 8, 3), GemmConfig(128, 32, 1, 8, 3), GemmConfig(64, 16, 1, 4, 4),
           GemmConfig(128, 16, 1, 8, 4), GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 2),
-          GemmConfig(64, 64, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3, interleave=True)]
+          GemmConfig(64, 64, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3, chains=2)]
     dn = [GemmConfig(128, 16, 1, 8, 3), GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3),
           GemmConfig(64, 32, 1, 4, 3), GemmConfig(128, 16, 1, 8, 4), GemmConfig(64, 16, 1, 8, 3),
           GemmConfig(128, 64, 1, 8, 3), GemmConfig(128, 64, 1, 8, 2), GemmConfig(256, 32, 1, 8, 2)]
@@ -330,11 +333,12 @@ def decode_whole_configs():
     59.1 at BM 4 with the base tiles) and so never timed that pair."""
     from moet.kernels.moe_configs import GemmConfig, MoEConfig
     gu = GemmConfig(32, 64, 1, 2, 4)
-    gi = GemmConfig(32, 64, 1, 2, 4, interleave=True)
+    gi = GemmConfig(32, 64, 1, 2, 4, chains=2)
     return [MoEConfig(4, gu, GemmConfig(16, 32, 1, 1, 4)), MoEConfig(4, gu, GemmConfig(32, 32, 1, 2, 4)),
             MoEConfig(8, gu, GemmConfig(32, 32, 1, 2, 4)), MoEConfig(4, gu, GemmConfig(64, 32, 1, 2, 4)),
             MoEConfig(4, GemmConfig(32, 64, 2, 2, 4), GemmConfig(16, 32, 1, 1, 4)),
-            MoEConfig(4, gi, GemmConfig(16, 32, 1, 1, 4)), MoEConfig(4, gi, GemmConfig(32, 32, 1, 2, 4))]
+            MoEConfig(4, gi, GemmConfig(16, 32, 1, 1, 4)), MoEConfig(4, gi, GemmConfig(32, 32, 1, 2, 4)),
+            MoEConfig(4, gi, GemmConfig(16, 32, 1, 1, 4, chains=2))]
 
 
 def prefill_whole_configs(fmt: str):

@@ -40,10 +40,14 @@ class GemmConfig:
     # the K loop unrolled this many times (moe_triton's UNROLL: one step's activation loads in
     # flight during another's dots); 1 = not unrolled
     unroll: int = 1
-    # the tiled path's gate/up only (moe_triton's INTERLEAVE): the gate and up dots of a K step
-    # alternate, two MMA chains in flight; the same bits either way. Ignored elsewhere (down, the
-    # fused and token-major decodes)
-    interleave: bool = False
+    # independent MMA accumulator chains a K step on the tiled path (moe_triton's CHAINS; the fused
+    # and token-major decodes ignore it): 1, or 2 = gate/up: the gate and up dots alternate (the
+    # same bits); down: even and odd slots in two accumulators summed after the K loop (other bits)
+    chains: int = 1
+
+    def __post_init__(self):
+        if self.chains not in (1, 2):
+            raise ValueError(f"GemmConfig.chains is 1 or 2, got {self.chains}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -331,14 +331,55 @@ def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4,
 def _rows_dots_pair(acc, acc2, wq, sc, rows, rows2, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                     st, UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
                     BKH: tl.constexpr, USE_ASM: tl.constexpr, TILED: tl.constexpr):
-    """_rows_dots for rows (into acc) and rows2 (into acc2) with their dots alternating
-    (GemmConfig.interleave): the same bits as two _rows_dots calls."""
+    """_rows_dots for rows (into acc) and rows2 (into acc2) with their dots alternating (gate/up
+    with GemmConfig.chains 2): the same bits as two _rows_dots calls."""
     c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
     c2, s42 = _rows_codes(wq, sc, rows2, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
     if FMT == 0:
         acc, acc2 = _w2_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
     else:
         acc, acc2 = _fp4_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, BN, BKH, USE_ASM)
+    return acc, acc2
+
+
+@triton.jit
+def _w2_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, BKH: tl.constexpr,
+                   USE_ASM: tl.constexpr):
+    """_w2_dots with the even slots into acc and the odd ones into acc2: two MMA chains."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
+    acc = _dot(w0, x0, acc, USE_ASM)
+    acc2 = _dot(w1, x1, acc2, USE_ASM)
+    acc = _dot(w2, x2, acc, USE_ASM)
+    acc2 = _dot(w3, x3, acc2, USE_ASM)
+    acc = _dot(w4, x4, acc, USE_ASM)
+    acc2 = _dot(w5, x5, acc2, USE_ASM)
+    acc = _dot(w6, x6, acc, USE_ASM)
+    acc2 = _dot(w7, x7, acc2, USE_ASM)
+    return acc, acc2
+
+
+@triton.jit
+def _fp4_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """_fp4_dots with the even slots into acc and the odd ones into acc2."""
+    w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
+    acc = _dot(w0, x0, acc, USE_ASM)
+    acc2 = _dot(w1, x1, acc2, USE_ASM)
+    acc = _dot(w2, x2, acc, USE_ASM)
+    acc2 = _dot(w3, x3, acc2, USE_ASM)
+    return acc, acc2
+
+
+@triton.jit
+def _rows_dots_split(acc, acc2, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
+                     UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+                     BKH: tl.constexpr, USE_ASM: tl.constexpr, TILED: tl.constexpr):
+    """_rows_dots over two accumulators (even / odd slots; down with GemmConfig.chains 2): acc +
+    acc2 is the one-chain sum in another fp32 order."""
+    c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
+    if FMT == 0:
+        acc, acc2 = _w2_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
+    else:
+        acc, acc2 = _fp4_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
     return acc, acc2
 
 
@@ -435,7 +476,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
-                     TILED: tl.constexpr = False, INTERLEAVE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                     TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -491,10 +532,11 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         # be issued during the other's dots (with BM < 4 Triton loads x straight into the MMA
         # registers at the top of each step: the top stall in Nsight Compute, run 20; on the H200
         # it bought nothing at T = 1, run 21, so the tuner tries it). Same dots, same order, same bits.
-        # INTERLEAVE (GemmConfig.interleave, gate/up): the gate and up dots of a step alternate, two
-        # independent MMA chains instead of one after the other (sm_90 SASS otherwise chains all of
-        # a step's HMMAs; W2 has twice FP4's MMAs per byte and streams ~30% slower, run 28). Each
-        # accumulator gets the same dots in the same order: same bits.
+        # CHAINS 2 (GemmConfig.chains): two independent MMA chains a step instead of one (sm_90 SASS
+        # otherwise chains all of a step's HMMAs; W2 has twice FP4's MMAs per byte and streams ~30%
+        # slower, run 28). Gate/up: the gate and up dots alternate, each accumulator getting the
+        # same dots in the same order (same bits). Down: even and odd slots go to two accumulators,
+        # summed after the K loop (other bits than CHAINS 1: the fp32 order of the sum changes).
         for i in tl.range(0, PER, loop_unroll_factor=UNROLL):
             st = ks * PER + i                              # steps past STEPS are fully masked
             u = st * BKH + hcols
@@ -505,15 +547,24 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, "")
-            if INTERLEAVE:               # gate/up only (the launch passes it for gate/up alone)
-                acc, acc2 = _rows_dots_pair(acc, acc2, wq, sc, n, n + N, nmask, u, umask, g, gmask,
-                                            x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
+            if CHAINS == 2:
+                if GATE_UP:
+                    acc, acc2 = _rows_dots_pair(acc, acc2, wq, sc, n, n + N, nmask, u, umask, g, gmask,
+                                                x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, BN, BKH, USE_ASM,
+                                                TILED)
+                else:
+                    acc, acc2 = _rows_dots_split(acc, acc2, wq, sc, n, nmask, u, umask, g, gmask,
+                                                 x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, BN, BKH, USE_ASM,
+                                                 TILED)
             else:
                 acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                                  UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
                 if GATE_UP:
                     acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6,
                                       x7, st, UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
+        if CHAINS == 2:
+            if not GATE_UP:
+                acc = acc + acc2                           # the odd slots' chain
         if FMT == 1:   # per-tensor scale_2 (gate / up / down) and the 2^8 the decode left out
             if GATE_UP:
                 acc = acc * (tl.load(s2_ptr + slot64 * 2) * 256.0)
@@ -1010,7 +1061,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(i, cg.BN), nb, cg.SPLIT_K)](
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
-        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, INTERLEAVE=cg.interleave,
+        FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, CHAINS=cg.chains,
         num_warps=cg.num_warps,
         num_stages=cg.num_stages,
         **common, **pdl)
@@ -1026,7 +1077,8 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     _moe_gemm_kernel[(triton.cdiv(h, cd.BN), nb, cd.SPLIT_K)](
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
         dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
-        FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, num_warps=cd.num_warps,
+        FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, CHAINS=cd.chains,
+        num_warps=cd.num_warps,
         num_stages=cd.num_stages, PREFETCH=prefetch_points(config, fmt, i, tiled) if pdl["PDL"] else 0,
         **common, **pdl)
     if not fuse_combine:
