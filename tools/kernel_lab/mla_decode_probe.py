@@ -80,6 +80,10 @@ PREFILL_VARIANTS = [
     ("prefill t32", {}),                                     # the launcher's default: transposed, 32 keys a step
     ("prefill hm n64", dict(heads_m=True)),
     ("prefill hm n32", dict(heads_m=True, block_n=32)),
+    # GQA's prefill won 32% with 16 warps (run 28); the MLA tile at 16 warps is register-bound
+    # (sm_90 AOT, bf16: 128 registers, 142 spilled ops, 106 in the loop; 32 keys: 60 / 37)
+    ("prefill hm w16", dict(heads_m=True, num_warps=16)),
+    ("prefill hm n32 w16", dict(heads_m=True, block_n=32, num_warps=16)),
 ]
 
 

@@ -16,6 +16,8 @@
 #   bash tools/kernel_lab/run29.sh fp8   (~4 min) the FP8 block-128 dense GEMM bench (issue 4 item 3): its
 #       numbers were never written to docs/perf.md; DeepSeek-V3's dense shapes at T = 1 / 16 / 128 / 2048 / 8192,
 #       w8a8 and w8a16 against torch's bf16 F.linear and torch._scaled_mm, --sweep for the launch table
+#   bash tools/kernel_lab/run29.sh mla   (~1 min) the MLA prefill at 8K with 16-warp variants (GQA's won 32% in
+#       run 28; the MLA tile spills at 16 warps in the sm_90 AOT build, so only a measurement can say)
 #   bash tools/kernel_lab/run29.sh short (~1 min) the GQA prefill launches at 512 and 2048 tokens (run 28
 #       adopted 256 rows x 16 warps from 8K; a 512-token Qwen3 prompt makes only 64 programs of it)
 # Each device call starts from this checkout's table, so tune and prefill each merge into their own
@@ -48,6 +50,10 @@ fp8)
     timeout -k 5 --signal=INT 280 python -m moet.bench.fp8_gemm_bench --out $R/fp8 --budget-s 240 \
         --tokens 1,16,128,2048,8192 --sweep > $R/log_fp8.txt 2>&1; echo "rc=$?"; tail -30 $R/log_fp8.txt | cut -c1-200
     save ;;
+mla)
+    timeout -k 5 150 python tools/kernel_lab/mla_decode_probe.py --out $R/mla --batches "" --prefill 8192 \
+        > $R/log_mla_prefill.txt 2>&1; echo "rc=$?"; grep -E "prefill" $R/log_mla_prefill.txt | cut -c1-170
+    save ;;
 short)
     for n in 512 2048; do
         timeout -k 5 100 python tools/kernel_lab/gqa_decode_probe.py --out $R/gqa_prefill_$n --prefill $n \
@@ -55,5 +61,5 @@ short)
         grep -E "prefill .*(base|256 rows w16 s2|256 rows:|128 rows w8)" $R/log_gqa_prefill_$n.txt | cut -c1-150
     done
     save ;;
-*) echo "usage: run29.sh tests|tune|prefill|fp8|short"; exit 2 ;;
+*) echo "usage: run29.sh tests|tune|prefill|fp8|mla|short"; exit 2 ;;
 esac

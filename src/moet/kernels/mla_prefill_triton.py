@@ -147,7 +147,8 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                       max_seqlen_q: int | None = None, block_h: int | None = None, block_m: int = 1,
                       out: torch.Tensor | None = None, rescale_slack: float | None = None,
-                      heads_m: bool | None = None, block_n: int | None = None) -> torch.Tensor:
+                      heads_m: bool | None = None, block_n: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_prefill_mla: q_latent [Tq, H, R], q_rope [Tq, H, P] ->
     [Tq, H, R] in q_latent.dtype. max_seqlen_q: an upper bound on any sequence's query count (grid
     size; a host sync computes it when None). block_h, block_m: heads and query tokens per program
@@ -158,7 +159,8 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     64 keys a step) or the transposed tile. By
     default the decode's choice (mla_decode_triton.mla_decode_form) unless a rescale_slack > 0 is
     given: H200 run 25d, one 8K prompt, +34% bf16 / +49% fp8_ds_mla over the transposed tile.
-    block_n: keys a step (default MLA_HM_BLOCK_N with heads_m, else MLA_BLOCK_N)."""
+    block_n: keys a step (default MLA_HM_BLOCK_N with heads_m, else MLA_BLOCK_N). num_warps,
+    num_stages: the launch (default the decode's MLA_NUM_WARPS / MLA_NUM_STAGES; for probes)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     tq, h, r = q_latent.shape
     p = q_rope.shape[-1]
@@ -200,6 +202,6 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
         out.stride(0), out.stride(1), float(scale),
         H=h, BLOCK_H=block_h, BLOCK_M=block_m, R=r, BLOCK_R=_pow2(r), P=p, BLOCK_P=_pow2(p), BLOCK_N=block_n,
         BLOCK_SIZE=bs, SCALE_KIND=kind, GROUP=group, NG=r // group, INTERPRET=_INTERPRET,
-        BF16_DOT=_bf16_dots(q_latent), SLACK=slack, HEADS_M=heads_m, num_warps=MLA_NUM_WARPS,
-        num_stages=MLA_NUM_STAGES)
+        BF16_DOT=_bf16_dots(q_latent), SLACK=slack, HEADS_M=heads_m, num_warps=num_warps or MLA_NUM_WARPS,
+        num_stages=num_stages or MLA_NUM_STAGES)
     return out
