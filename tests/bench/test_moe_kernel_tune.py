@@ -75,8 +75,9 @@ def test_merge_table_keeps_what_it_did_not_tune(tmp_path):
     assert got["H"] == {"x": {"1": {}}}
 
 
-def test_row_major_runs_refuse_to_write_the_table(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["moe_kernel_tune", "--row-major", "--write-table"])
+@pytest.mark.parametrize("ab_flag", ["--row-major", "--masked-tiles"])
+def test_ab_runs_refuse_to_write_the_table(monkeypatch, capsys, ab_flag):
+    monkeypatch.setattr(sys, "argv", ["moe_kernel_tune", ab_flag, "--write-table"])
     with pytest.raises(SystemExit):
         tune.main()
     assert "--write-table" in capsys.readouterr().err

@@ -28,6 +28,9 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"CHAINS": 1, **const}
     if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch)
         const = {"PREFETCH": 0, **const}
+    for flag in ("EVEN_K", "EVEN_N"):                             # (likewise: masked K steps and rows)
+        if flag in fn.arg_names:
+            const = {flag: False, **const}
     for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)
         if flag in fn.arg_names:
             const = {flag: False, **const}
@@ -87,6 +90,13 @@ def main(quick: bool = False) -> None:
         const = dict(const, N=7168, K=2048, GATE_UP=False, HAS_LIMIT=False, SPLIT_K=1)
         c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
         print("gemm-chains2", name, "down", "cubin bytes", len(c.asm["cubin"]))
+        # tiles that divide the GEMM (EVEN_K / EVEN_N: constant masks), what the launcher picks at
+        # these shapes: gate/up split in two and down, the table's T = 1 tiles
+        for gu, n_, k_, split in ((True, 2048, 7168, 2), (False, 7168, 2048, 1)):
+            even = dict(const, N=n_, K=k_, GATE_UP=gu, HAS_LIMIT=gu, SPLIT_K=split, CHAINS=1, EVEN_K=True,
+                        EVEN_N=True)
+            c = _compile(m._moe_gemm_kernel, types, even, 2, 4)
+            print("gemm-even", name, "gate_up" if gu else "down", "cubin bytes", len(c.asm["cubin"]))
         # the down GEMM with its L2 prefetch before the PDL wait (MoEConfig.down_prefetch)
         const = dict(const, CHAINS=1, PREFETCH=8)
         ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]

@@ -572,6 +572,7 @@ def test_kernels_compile_for_sm90():
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
     assert kinds.count("gemm-tiled") == 8, r.stdout          # nb8t / nvfp4t: whole- / half-tile steps, prefill
     assert kinds.count("gemm-chains2") == 4, r.stdout        # W2 / FP4 gate/up and down, two MMA chains
+    assert kinds.count("gemm-even") == 4, r.stdout           # W2 / FP4 gate/up and down, constant masks
     pf = [line for line in r.stdout.splitlines() if line.startswith("gemm-prefetch")]
     assert len(pf) == 2 and all(line.endswith(" before-wait") for line in pf), r.stdout
     # the split gate/up with its SwiGLU finish in its last programs: the hand-off compiled in
@@ -729,6 +730,34 @@ def test_two_mma_chains(poisoned, fmt):
     assert GemmConfig().chains == 1
     with pytest.raises(ValueError, match="chains"):
         GemmConfig(chains=3)
+
+
+@pytest.mark.parametrize("fmt", ["w2", "fp4"])
+def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
+    """Tiles that divide their GEMM exactly (EVEN_K: whole K steps, as many per split; EVEN_N: whole
+    row blocks) load with constant masks: the same values, so the same bits as the masked form,
+    misses alike; a split that leaves one split a step short, or a partial row block, keeps masks."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(57 if fmt == "w2" else 58)
+    h, i = 512, 256
+    pool = _w2_pool(4, h, i, g) if fmt == "w2" else _fp4_pool(4, h, i, g)
+    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    f = mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4
+    cfg = MoEConfig(1, GemmConfig(32, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
+    assert mt._even_tiles(i, h, f, cfg.gate_up) == {"EVEN_K": True, "EVEN_N": True}
+    assert mt._even_tiles(h, i, f, cfg.down) == {"EVEN_K": True, "EVEN_N": True}
+    assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2))["EVEN_K"]        # 2 or 4 steps over 3 splits
+    assert not mt._even_tiles(100, h, f, cfg.gate_up)["EVEN_N"]
+    tab = _table([2, -1, 0, 3, 1])
+    x, ids, w = _inputs(3, 2, h, 5, g)
+    ids[0] = torch.tensor([1, 3])                                   # expert 1 is not resident: a miss
+    outs = []
+    for unmask in (True, False):
+        monkeypatch.setattr(mt, "UNMASK_EVEN_TILES", unmask)
+        m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        outs.append((run(x, ids, w, tab, pool, m, swiglu_limit=2.0, config=cfg), int(m.item())))
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] > 0 and outs[0][0].abs().max() > 0
+    assert mt._even_tiles(i, h, f, cfg.gate_up) == {}                                # the switch is off
 
 
 def test_down_prefetch_config_and_points():

@@ -476,7 +476,8 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
-                     TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
+                     TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
+                     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -519,7 +520,10 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         else:
             xrow = pair.to(tl.int64)
         n = pid_n * BN + tl.arange(0, BN)
-        nmask = n < N
+        if EVEN_N:                                         # N % BN == 0: every row is in (a constant
+            nmask = tl.full([BN], 1, tl.int1)              # mask: the loads lose their predicates)
+        else:
+            nmask = n < N
         slot64 = slot.to(tl.int64)
         wq = wq_ptr + slot64 * s_wq_slot
         sc = sc_ptr + slot64 * s_sc_slot
@@ -540,9 +544,13 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         for i in tl.range(0, PER, loop_unroll_factor=UNROLL):
             st = ks * PER + i                              # steps past STEPS are fully masked
             u = st * BKH + hcols
-            umask = u < UNITS
             g = st * (BKH // 4) + gcols
-            gmask = g < G
+            if EVEN_K:                                     # whole steps, as many for every split: no
+                umask = tl.full([BKH], 1, tl.int1)         # unit is out of range (constant masks)
+                gmask = tl.full([BKH // 4], 1, tl.int1)
+            else:
+                umask = u < UNITS
+                gmask = g < G
             xm = pmask[:, None] & umask[None, :]
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
@@ -1062,7 +1070,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
         FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, CHAINS=cg.chains,
-        num_warps=cg.num_warps,
+        **_even_tiles(i, h, fmt, cg), num_warps=cg.num_warps,
         num_stages=cg.num_stages,
         **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
@@ -1078,13 +1086,27 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
         dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
         FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, CHAINS=cd.chains,
-        num_warps=cd.num_warps,
+        **_even_tiles(h, i, fmt, cd), num_warps=cd.num_warps,
         num_stages=cd.num_stages, PREFETCH=prefetch_points(config, fmt, i, tiled) if pdl["PDL"] else 0,
         **common, **pdl)
     if not fuse_combine:
         bh = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, bh))](y, ids, table, tw, out, p, H=h, TOPK=k, SPLIT_K=cd.SPLIT_K,
                                                  BH=bh, num_warps=4, **pdl)
+
+
+# Tiles that divide their GEMM exactly run with constant (all-true) K / row masks, so the loads lose
+# their predicates and selects (moe_triton EVEN_K / EVEN_N; the same values are loaded, the same
+# bits). A switch for A/B timing (moe_kernel_tune --masked-tiles), not a user setting.
+UNMASK_EVEN_TILES = True
+
+
+def _even_tiles(n: int, k: int, fmt: int, c) -> dict:
+    """EVEN_K / EVEN_N for a GEMM of N rows (each half, for gate/up) over K weights with launch c."""
+    if not UNMASK_EVEN_TILES:
+        return {}
+    units = k // (8 if fmt == FMT_W2 else 4)
+    return dict(EVEN_K=units % c.BKH == 0 and triton.cdiv(units, c.BKH) % c.SPLIT_K == 0, EVEN_N=n % c.BN == 0)
 
 
 def prefetch_points(config: MoEConfig, fmt: int, k: int, tiled: bool) -> int:
