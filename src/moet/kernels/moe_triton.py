@@ -208,75 +208,75 @@ def _dot(w, x, acc, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, BKH: tl.constexpr,
-             USE_ASM: tl.constexpr):
-    """acc [BN, BM] += W [BN, 8 BKH] @ x^T: c int16 [BN, BKH] nb8 units, s4 uint8 [BN, BKH/4]
-    scale bytes, x_p [BM, BKH] the activations of slot p (weight 8u + p), bf16 / fp32."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
+def _slot_weights(c, s4, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """The weight tiles of slots 0..7 (W2; FP4 has 0..3, the rest alias slot 0 and are never
+    multiplied, as _x_slots' x4..x7)."""
+    if FMT == 0:
+        w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
+    else:
+        w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
+        w4 = w0
+        w5 = w0
+        w6 = w0
+        w7 = w0
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _dot2(acc, acc2, w, x, v, y, USE_ASM: tl.constexpr):
+    """One dot into each of two accumulators, issued back to back (two independent MMA chains)."""
+    return _dot(w, x, acc, USE_ASM), _dot(v, y, acc2, USE_ASM)
+
+
+@triton.jit
+def _dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+          USE_ASM: tl.constexpr):
+    """acc [BN, BM] += W [BN, UPW BKH] @ x^T: c int16 [BN, BKH] code units, s4 uint8 [BN, BKH/4]
+    scale bytes, x_p [BM, BKH] the activations of slot p (weight UPW u + p), bf16 / fp32. FP4's
+    product is W * 2^-8 (the caller's scale_2 multiply restores it)."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM)
     acc = _dot(w0, x0, acc, USE_ASM)
     acc = _dot(w1, x1, acc, USE_ASM)
     acc = _dot(w2, x2, acc, USE_ASM)
     acc = _dot(w3, x3, acc, USE_ASM)
-    acc = _dot(w4, x4, acc, USE_ASM)
-    acc = _dot(w5, x5, acc, USE_ASM)
-    acc = _dot(w6, x6, acc, USE_ASM)
-    acc = _dot(w7, x7, acc, USE_ASM)
+    if FMT == 0:
+        acc = _dot(w4, x4, acc, USE_ASM)
+        acc = _dot(w5, x5, acc, USE_ASM)
+        acc = _dot(w6, x6, acc, USE_ASM)
+        acc = _dot(w7, x7, acc, USE_ASM)
     return acc
 
 
 @triton.jit
-def _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
-    """acc [BN, BM] += (W * 2^-8) [BN, 4 BKH] @ x^T: c int16 [BN, BKH] FP4 units, s4 uint8
-    [BN, BKH/4] e4m3 scale bytes, x_p [BM, BKH] the activations of slot p (weight 4u + p)."""
-    w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
-    acc = _dot(w0, x0, acc, USE_ASM)
-    acc = _dot(w1, x1, acc, USE_ASM)
-    acc = _dot(w2, x2, acc, USE_ASM)
-    acc = _dot(w3, x3, acc, USE_ASM)
-    return acc
-
-
-@triton.jit
-def _w2_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr,
-                  BKH: tl.constexpr, USE_ASM: tl.constexpr):
-    """_w2_dots for two row sets (gate and up) at once, their dots alternating: two independent
-    MMA chains in flight instead of one after the other; each accumulator gets the same dots in
-    the same order as from _w2_dots, so the same bits."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _w2_weights(c2, s42, BN, BKH, USE_ASM)
-    acc = _dot(w0, x0, acc, USE_ASM)
-    acc2 = _dot(v0, x0, acc2, USE_ASM)
-    acc = _dot(w1, x1, acc, USE_ASM)
-    acc2 = _dot(v1, x1, acc2, USE_ASM)
-    acc = _dot(w2, x2, acc, USE_ASM)
-    acc2 = _dot(v2, x2, acc2, USE_ASM)
-    acc = _dot(w3, x3, acc, USE_ASM)
-    acc2 = _dot(v3, x3, acc2, USE_ASM)
-    acc = _dot(w4, x4, acc, USE_ASM)
-    acc2 = _dot(v4, x4, acc2, USE_ASM)
-    acc = _dot(w5, x5, acc, USE_ASM)
-    acc2 = _dot(v5, x5, acc2, USE_ASM)
-    acc = _dot(w6, x6, acc, USE_ASM)
-    acc2 = _dot(v6, x6, acc2, USE_ASM)
-    acc = _dot(w7, x7, acc, USE_ASM)
-    acc2 = _dot(v7, x7, acc2, USE_ASM)
+def _dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr, BN: tl.constexpr,
+               BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """_dots for two row sets (gate into acc, up into acc2) at once, their dots alternating: each
+    accumulator gets the same dots in the same order as from _dots, so the same bits."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _slot_weights(c2, s42, FMT, BN, BKH, USE_ASM)
+    acc, acc2 = _dot2(acc, acc2, w0, x0, v0, x0, USE_ASM)
+    acc, acc2 = _dot2(acc, acc2, w1, x1, v1, x1, USE_ASM)
+    acc, acc2 = _dot2(acc, acc2, w2, x2, v2, x2, USE_ASM)
+    acc, acc2 = _dot2(acc, acc2, w3, x3, v3, x3, USE_ASM)
+    if FMT == 0:
+        acc, acc2 = _dot2(acc, acc2, w4, x4, v4, x4, USE_ASM)
+        acc, acc2 = _dot2(acc, acc2, w5, x5, v5, x5, USE_ASM)
+        acc, acc2 = _dot2(acc, acc2, w6, x6, v6, x6, USE_ASM)
+        acc, acc2 = _dot2(acc, acc2, w7, x7, v7, x7, USE_ASM)
     return acc, acc2
 
 
 @triton.jit
-def _fp4_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr,
-                   USE_ASM: tl.constexpr):
-    """_fp4_dots for two row sets at once, alternating (as _w2_dots_pair: the same bits)."""
-    w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
-    v0, v1, v2, v3 = _fp4_weights(c2, s42, BN, BKH, USE_ASM)
-    acc = _dot(w0, x0, acc, USE_ASM)
-    acc2 = _dot(v0, x0, acc2, USE_ASM)
-    acc = _dot(w1, x1, acc, USE_ASM)
-    acc2 = _dot(v1, x1, acc2, USE_ASM)
-    acc = _dot(w2, x2, acc, USE_ASM)
-    acc2 = _dot(v2, x2, acc2, USE_ASM)
-    acc = _dot(w3, x3, acc, USE_ASM)
-    acc2 = _dot(v3, x3, acc2, USE_ASM)
+def _dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr, BN: tl.constexpr,
+                BKH: tl.constexpr, USE_ASM: tl.constexpr):
+    """_dots with the even slots into acc and the odd ones into acc2 (two MMA chains; acc + acc2
+    is _dots' sum in another fp32 order)."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM)
+    acc, acc2 = _dot2(acc, acc2, w0, x0, w1, x1, USE_ASM)
+    acc, acc2 = _dot2(acc, acc2, w2, x2, w3, x3, USE_ASM)
+    if FMT == 0:
+        acc, acc2 = _dot2(acc, acc2, w4, x4, w5, x5, USE_ASM)
+        acc, acc2 = _dot2(acc, acc2, w6, x6, w7, x7, USE_ASM)
     return acc, acc2
 
 
@@ -320,11 +320,7 @@ def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4,
                USE_ASM: tl.constexpr, TILED: tl.constexpr = False):
     """Step st of rows' dots (_rows_codes' tiles decoded and multiplied into acc)."""
     c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
-    if FMT == 0:
-        acc = _w2_dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
-    else:
-        acc = _fp4_dots(acc, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
-    return acc
+    return _dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM)
 
 
 @triton.jit
@@ -335,38 +331,7 @@ def _rows_dots_pair(acc, acc2, wq, sc, rows, rows2, rmask, u, umask, g, gmask, x
     with GemmConfig.chains 2): the same bits as two _rows_dots calls."""
     c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
     c2, s42 = _rows_codes(wq, sc, rows2, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
-    if FMT == 0:
-        acc, acc2 = _w2_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
-    else:
-        acc, acc2 = _fp4_dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, BN, BKH, USE_ASM)
-    return acc, acc2
-
-
-@triton.jit
-def _w2_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN: tl.constexpr, BKH: tl.constexpr,
-                   USE_ASM: tl.constexpr):
-    """_w2_dots with the even slots into acc and the odd ones into acc2: two MMA chains."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
-    acc = _dot(w0, x0, acc, USE_ASM)
-    acc2 = _dot(w1, x1, acc2, USE_ASM)
-    acc = _dot(w2, x2, acc, USE_ASM)
-    acc2 = _dot(w3, x3, acc2, USE_ASM)
-    acc = _dot(w4, x4, acc, USE_ASM)
-    acc2 = _dot(w5, x5, acc2, USE_ASM)
-    acc = _dot(w6, x6, acc, USE_ASM)
-    acc2 = _dot(w7, x7, acc2, USE_ASM)
-    return acc, acc2
-
-
-@triton.jit
-def _fp4_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
-    """_fp4_dots with the even slots into acc and the odd ones into acc2."""
-    w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
-    acc = _dot(w0, x0, acc, USE_ASM)
-    acc2 = _dot(w1, x1, acc2, USE_ASM)
-    acc = _dot(w2, x2, acc, USE_ASM)
-    acc2 = _dot(w3, x3, acc2, USE_ASM)
-    return acc, acc2
+    return _dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM)
 
 
 @triton.jit
@@ -376,11 +341,7 @@ def _rows_dots_split(acc, acc2, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1,
     """_rows_dots over two accumulators (even / odd slots; down with GemmConfig.chains 2): acc +
     acc2 is the one-chain sum in another fp32 order."""
     c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
-    if FMT == 0:
-        acc, acc2 = _w2_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, BN, BKH, USE_ASM)
-    else:
-        acc, acc2 = _fp4_dots_split(acc, acc2, c, s4, x0, x1, x2, x3, BN, BKH, USE_ASM)
-    return acc, acc2
+    return _dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM)
 
 
 @triton.jit
