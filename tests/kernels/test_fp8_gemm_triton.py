@@ -101,3 +101,21 @@ def test_rejects_bad_shapes():
         tri.fp8_block_gemm_triton(torch.randn(1, 128, device=DEVICE), w, s[:, :0])
     with pytest.raises(ValueError, match="K="):
         tri.fp8_block_gemm_triton(torch.randn(1, 100, device=DEVICE), w, s)
+
+
+def test_decode_config_quantizes_x_once_when_many_tiles_share_it(monkeypatch):
+    """Few rows: inline quantization only while few N tiles repeat it (a wide weight would redo
+    the divisions in every tile); a measured table entry still wins over the rule."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_table", lambda: {})
+    dev = torch.device(DEVICE)
+    narrow = tri.pick_config(1, 576, 7168, "w8a8", dev)            # 9 tiles of 64
+    wide = tri.pick_config(1, 18432, 7168, "w8a8", dev)            # 288 tiles
+    assert narrow.inline_quant and not wide.inline_quant
+    edge = tri.INLINE_QUANT_MAX_N_TILES * narrow.block_n
+    assert tri.pick_config(4, edge, 512, "w8a8", dev).inline_quant
+    assert not tri.pick_config(4, edge + 1, 512, "w8a8", dev).inline_quant
+    entry = dict(block_m=16, block_n=64, split=2, num_warps=4, num_stages=4, group_m=8, inline_quant=True)
+    table = {tri._device_name(dev): {"18432x7168": {"w8a8": {"16": entry}}}}
+    monkeypatch.setattr(tri, "_table", lambda: table)
+    assert tri.pick_config(1, 18432, 7168, "w8a8", dev) == tri.Fp8GemmConfig(**entry)

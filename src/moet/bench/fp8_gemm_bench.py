@@ -8,9 +8,13 @@
    rows of varied scale) and activations, split-K partials poisoned with NaN, rerun bit-identical;
    the w8a8 error against the exact product (w8a16 reference) is reported too. A failure stops
    the run before any timing.
-2. Timing (triton do_bench: L2 flushed before every call, median): per shape and T, both modes
-   next to torch's bf16 F.linear of the same shape in the same run, and torch._scaled_mm with
-   block scales where this torch/cuBLAS has it (checked against the reference first).
+2. Timing (triton do_bench: L2 flushed before every call, median) of CUDA-graph replays, as a
+   served decode step runs them (the engine captures its decode steps), so host launch overhead
+   is left out; at T <= 128 the eager time of each mode is recorded too ({mode}_eager_ms: our
+   wrapper's Python and two launches cost tens of us, which a graph does not pay). Per shape and
+   T, both modes next to torch's bf16 F.linear of the same shape in the same run, and
+   torch._scaled_mm with block scales where this torch/cuBLAS has it (checked against the
+   reference first; its activations are quantized before the timing, ours inside it).
    Small T: GB/s on the weight bytes (e4m3 + scales; bf16: 2 bytes/weight), with the bf16 GEMV
    bandwidth of W [32768, 7168] measured in the same run as the bound. Large T: TFLOP/s, with
    a bf16 8192^3 GEMM measured in the same run as the bound.
@@ -28,8 +32,8 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from moet.bench.timing import (Budget, bench_device, bf16_gemm_tflops, bf16_gemv_bandwidth, device_info, fail, log,
-                               out_dir, time_ms, write_json)
+from moet.bench.timing import (Budget, bench_device, bf16_gemm_tflops, bf16_gemv_bandwidth, device_info, fail, graphed,
+                               log, out_dir, time_ms, write_json)
 from moet.formats import fp8_block
 from moet.kernels.fp8_gemm_reference import act_quant_reference, fp8_block_gemm_reference
 
@@ -124,6 +128,17 @@ def check(shapes, modes, device, gemm, smoke: bool) -> list[dict]:
     return rows
 
 
+def _time(fn, device, **kw) -> float:
+    """ms of one call: a CUDA-graph replay on CUDA (time_ms of the eager call where capture
+    fails, which is logged), time_ms on CPU."""
+    if device.type != "cuda":
+        return time_ms(fn, device, **kw)
+    run, err = graphed(fn)
+    if err is not None:
+        log(f"    CUDA graph capture failed ({type(err).__name__}: {str(err)[:120]}); timed eagerly")
+    return time_ms(run, device, **kw)
+
+
 def _sweep_configs(t: int, n: int, k: int, mode: str, device):
     """A few candidates around the built-in default (each distinct one costs a compile)."""
     from dataclasses import replace
@@ -134,6 +149,8 @@ def _sweep_configs(t: int, n: int, k: int, mode: str, device):
         out = [base] + [replace(base, split=max(1, base.split * f // 2)) for f in (1, 4)]
         out += [replace(base, block_n=bn) for bn in (32, 128) if bn != base.block_n]
         out += [replace(base, num_stages=6), replace(base, num_warps=8)]
+        if mode == "w8a8":                       # x quantized inside the GEMM or by a launch before it
+            out.append(replace(base, inline_quant=not base.inline_quant))
         if t > 16:
             out += [replace(base, block_m=32 if base.block_m > 32 else 64), replace(base, split=1)]
         return list(dict.fromkeys(out))          # without repeats
@@ -155,14 +172,16 @@ def bench(shapes, tokens, modes, device, gemm, budget: Budget, smoke: bool, swee
                 return
             x = torch.randn(t, k, device=device).to(torch.bfloat16)
             row = {"shape": name, "N": n, "K": k, "T": t, "flop": 2 * t * n * k}
-            row["bf16_ms"] = time_ms(lambda: F.linear(x, wb), device)
+            row["bf16_ms"] = _time(lambda: F.linear(x, wb), device)
             for mode in modes:
-                row[f"{mode}_ms"] = time_ms(lambda: gemm(x, w, s, mode), device)
+                row[f"{mode}_ms"] = _time(lambda: gemm(x, w, s, mode), device)
+                if t <= SMALL_T:
+                    row[f"{mode}_eager_ms"] = time_ms(lambda: gemm(x, w, s, mode), device)
             if device.type == "cuda":
                 fn, how = _scaled_mm_fn(x, w, s)
                 row["scaled_mm"] = how
                 if fn is not None:
-                    row["scaled_mm_ms"] = time_ms(fn, device)
+                    row["scaled_mm_ms"] = _time(fn, device)
                 if sweep and not smoke and budget.ok(60):
                     for mode in modes:
                         best = None
@@ -170,7 +189,7 @@ def bench(shapes, tokens, modes, device, gemm, budget: Budget, smoke: bool, swee
                             if not budget.ok(30):
                                 break
                             try:
-                                ms = time_ms(lambda: gemm(x, w, s, mode, config=cfg), device, warmup_ms=5, rep_ms=20)
+                                ms = _time(lambda: gemm(x, w, s, mode, config=cfg), device, warmup_ms=5, rep_ms=20)
                             except Exception as exc:  # a config the compiler rejects (shared memory)
                                 log(f"    sweep {cfg}: {type(exc).__name__}")
                                 continue
@@ -182,14 +201,15 @@ def bench(shapes, tokens, modes, device, gemm, budget: Budget, smoke: bool, swee
                             table = result.setdefault("config_table", {}).setdefault(
                                 result["info"].get("gpu", "cpu"), {})
                             table.setdefault(f"{n}x{k}", {}).setdefault(mode, {})[str(t)] = asdict(best[1])
-            for key in [kk for kk in row if kk.endswith("_ms")]:
+            for key in [kk for kk in row if kk.endswith("_ms") and not kk.endswith("_eager_ms")]:
                 label = key[:-3]
                 if t <= SMALL_T:
                     nbytes = 2 * n * k if label == "bf16" else fp8_bytes
                     row[f"{label}_GBps"] = nbytes / row[key] / 1e6
                 row[f"{label}_TFLOPs"] = row["flop"] / row[key] / 1e9
             log(f"  {name:26s} T={t:<5d} bf16 {row['bf16_ms'] * 1e3:8.1f} us  " +
-                "  ".join(f"{m} {row[m + '_ms'] * 1e3:8.1f} us" for m in modes) +
+                "  ".join(f"{m} {row[m + '_ms'] * 1e3:8.1f} us" +
+                          (f" (eager {row[m + '_eager_ms'] * 1e3:.1f})" if m + "_eager_ms" in row else "") for m in modes) +
                 (f"  scaled_mm {row['scaled_mm_ms'] * 1e3:8.1f} us" if "scaled_mm_ms" in row else ""))
             rows.append(row)
         write_json(path, result)
@@ -204,9 +224,10 @@ def markdown(result: dict) -> str:
              f"torch {result['info']['torch']}, triton {result['info'].get('triton', '-')}",
              f"bf16 GEMV reference: {ref_bw and round(ref_bw)} GB/s ({result.get('bf16_gemv', {}).get('what')}); "
              f"bf16 GEMM reference: {ref_tf and round(ref_tf)} TFLOP/s ({result.get('bf16_gemm', {}).get('what')})", "",
-             "| shape | T | bf16 us | " + " | ".join(f"{m} us | {m} GB/s or TFLOP/s (% of bound)" for m in modes)
-             + " | scaled_mm us |",
-             "|---|---|---|" + "---|---|" * len(modes) + "---|"]
+             "Times are CUDA-graph replays; 'eager' is the same call launched from Python.", "",
+             "| shape | T | bf16 us | " + " | ".join(f"{m} us | {m} GB/s or TFLOP/s (% of bound) | {m} eager us"
+                                                   for m in modes) + " | scaled_mm us |",
+             "|---|---|---|" + "---|---|---|" * len(modes) + "---|"]
     for r in result.get("timing", []):
         cells = []
         for m in modes:
@@ -216,7 +237,8 @@ def markdown(result: dict) -> str:
                 perf = f"{r[m + '_TFLOPs']:.0f} TF ({100 * r[m + '_TFLOPs'] / ref_tf:.0f}%)"
             else:
                 perf = "-"
-            cells.append(f"{r[m + '_ms'] * 1e3:.1f} | {perf}")
+            eager = f"{r[m + '_eager_ms'] * 1e3:.1f}" if m + "_eager_ms" in r else "-"
+            cells.append(f"{r[m + '_ms'] * 1e3:.1f} | {perf} | {eager}")
         sm = f"{r['scaled_mm_ms'] * 1e3:.1f}" if "scaled_mm_ms" in r else "-"
         lines.append(f"| {r['shape']} | {r['T']} | {r['bf16_ms'] * 1e3:.1f} | " + " | ".join(cells) + f" | {sm} |")
     return "\n".join(lines) + "\n"

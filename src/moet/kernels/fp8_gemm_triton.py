@@ -194,6 +194,15 @@ def table_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8
     return Fp8GemmConfig(**entry[str(t)])
 
 
+# w8a8 with few rows: quantize x inside the GEMM (A_MODE 2) only while few programs share each
+# K block of x. Every N tile requantizes the same x, and the quantization's IEEE divisions are a
+# software routine: the sm_90 AOT loop step of the 16 x 64 tile is 737 instructions inline
+# against 178 reading x pre-quantized (A_MODE 1), whose cost is one more small launch (~2 us in a
+# CUDA graph). Run 29 (H200): w8a8 at T = 1 took 1.0 ms on a 129280 x 7168 weight inline, w8a16
+# 0.27 ms.
+INLINE_QUANT_MAX_N_TILES = 16
+
+
 def pick_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8GemmConfig:
     """Launch config: the measured table (table_config) where it has the shape, else by row
     count (first guesses sized for the H200). Few rows: split K until ~2 programs per SM."""
@@ -206,7 +215,8 @@ def pick_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8G
         bn = 64
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         split = max(1, min(num_kb, triton.cdiv(2 * _num_sms(device), tiles)))
-        return Fp8GemmConfig(bm, bn, split, num_warps=4, num_stages=4, inline_quant=True)
+        inline = triton.cdiv(n, bn) <= INLINE_QUANT_MAX_N_TILES
+        return Fp8GemmConfig(bm, bn, split, num_warps=4, num_stages=4, inline_quant=inline)
     if m <= 256:
         tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
         split = max(1, min(num_kb, triton.cdiv(_num_sms(device), tiles)))
