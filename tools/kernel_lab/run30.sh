@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Device run 30 (stop 26). Results in $OUT/<mode>.tgz.
+#   bash tools/kernel_lab/run30.sh a  (~7 min) the FP8 GEMM GPU tests (the w8a8 decode rule of stop 25: x
+#       quantized once by its own launch when the weight has > 16 N tiles), fp8_gemm_bench --sweep with
+#       CUDA-graph timing (the decode numbers of run 29 were host-bound eager calls), and
+#       moe_layer_prefix.py: the table's decode layers cut after each launch (where the 51 us of the
+#       DeepSeek-V3 W2 T = 1 layer go), with and without PDL
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+R=/tmp/r30; mkdir -p $R
+MODE=${1:-}
+save() { tar czf $OUT/${MODE}.tgz -C $R . 2>/dev/null; }
+case "$MODE" in
+a)
+    timeout -k 5 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm_triton.py \
+        tests/kernels/test_fp8_gemm_compiles.py > $R/pytest_fp8.txt 2>&1; echo "fp8 tests rc=$?"; tail -2 $R/pytest_fp8.txt
+    timeout -k 5 120 python tools/kernel_lab/moe_layer_prefix.py --out $R/prefix > $R/log_prefix.txt 2>&1
+    echo "prefix rc=$?"; grep -E "^\[" $R/log_prefix.txt | cut -c1-220; tail -3 $R/log_prefix.txt | grep -i error
+    save
+    timeout -k 5 --signal=INT 290 python -m moet.bench.fp8_gemm_bench --out $R/fp8 --budget-s 250 \
+        --tokens 1,16,128,2048,8192 --sweep > $R/log_fp8.txt 2>&1; echo "fp8 rc=$?"; tail -40 $R/log_fp8.txt | cut -c1-200
+    save ;;
+*) echo "usage: run30.sh a"; exit 2 ;;
+esac
