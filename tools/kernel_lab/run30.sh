@@ -5,6 +5,9 @@
 #       CUDA-graph timing (the decode numbers of run 29 were host-bound eager calls), and
 #       moe_layer_prefix.py: the table's decode layers cut after each launch (where the 51 us of the
 #       DeepSeek-V3 W2 T = 1 layer go), with and without PDL
+#   bash tools/kernel_lab/run30.sh b  (~9 min) moe_bench, the issue-4 side-by-side on the current tables: moet's
+#       W2 / FP4 layers, the transformers-style bf16 loop and torch._grouped_mm, all three models, decode
+#       T = 1, 4, 8, 16, 32 and prefill 512 / 2048 / 8192 (last run in full: run 4, 2026-11-29, DeepSeek-V3 only)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r30; mkdir -p $R
 MODE=${1:-}
@@ -19,5 +22,9 @@ a)
     timeout -k 5 --signal=INT 290 python -m moet.bench.fp8_gemm_bench --out $R/fp8 --budget-s 250 \
         --tokens 1,16,128,2048,8192 --sweep > $R/log_fp8.txt 2>&1; echo "fp8 rc=$?"; tail -40 $R/log_fp8.txt | cut -c1-200
     save ;;
-*) echo "usage: run30.sh a"; exit 2 ;;
+b)
+    timeout -k 5 --signal=INT 560 python -m moet.bench.moe_bench --out $R/bench --budget-s 520 > $R/log_bench.txt 2>&1
+    echo "bench rc=$?"; tail -60 $R/log_bench.txt | cut -c1-200
+    save ;;
+*) echo "usage: run30.sh a|b"; exit 2 ;;
 esac
