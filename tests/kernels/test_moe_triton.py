@@ -744,8 +744,8 @@ def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
     run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
     f = mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4
     cfg = MoEConfig(1, GemmConfig(32, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
-    assert mt._even_tiles(i, h, f, cfg.gate_up) == {"EVEN_K": True, "EVEN_N": True}
-    assert mt._even_tiles(h, i, f, cfg.down) == {"EVEN_K": True, "EVEN_N": True}
+    assert mt._even_tiles(i, h, f, cfg.gate_up) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
+    assert mt._even_tiles(h, i, f, cfg.down) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
     assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2))["EVEN_K"]        # 2 or 4 steps over 3 splits
     assert not mt._even_tiles(100, h, f, cfg.gate_up)["EVEN_N"]
     tab = _table([2, -1, 0, 3, 1])
@@ -758,6 +758,36 @@ def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
         outs.append((run(x, ids, w, tab, pool, m, swiglu_limit=2.0, config=cfg), int(m.item())))
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] > 0 and outs[0][0].abs().max() > 0
     assert mt._even_tiles(i, h, f, cfg.gate_up) == {}                                # the switch is off
+
+
+@pytest.mark.parametrize("fmt", ["w2", "fp4"])
+def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
+    """X_CLAMP: on constant-mask tiles the padding rows of a token tile read pair P - 1's x row
+    unmasked. Here pair P - 1 is a miss, so its act row is never written (NaN-poisoned) and the
+    down's padding columns multiply NaN: the stored output is still bit-identical to the masked
+    loads, misses alike, with BM 4 tiles that hold 1-3 pairs and padding."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(61 if fmt == "w2" else 62)
+    h, i = 512, 256
+    pool = _w2_pool(4, h, i, g) if fmt == "w2" else _fp4_pool(4, h, i, g)
+    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    f = mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4
+    cfg = MoEConfig(4, GemmConfig(32, 32, 1, 2, 2), GemmConfig(64, 32, 1, 2, 2))
+    assert mt._even_tiles(i, h, f, cfg.gate_up)["X_CLAMP"] and mt._even_tiles(h, i, f, cfg.down)["X_CLAMP"]
+    tab = _table([2, -1, 0, 3, 1])
+    x, ids, w = _inputs(3, 2, h, 5, g)
+    ids[2] = torch.tensor([0, 1])                                   # the last pair (P - 1) a miss
+    ids[0] = torch.tensor([0, 2])                                   # expert 0 three times: a tile of 3
+    ids[1] = torch.tensor([3, 0])                                   # pairs and padding
+    outs = []
+    for clamp in (True, False):
+        monkeypatch.setattr(mt, "CLAMP_X_ROWS", clamp)
+        m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        outs.append((run(x, ids, w, tab, pool, m, swiglu_limit=2.0, config=cfg), int(m.item())))
+    assert torch.isfinite(outs[0][0]).all() and outs[0][0].abs().max() > 0
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] == 1
+    assert not mt._even_tiles(i, h, f, cfg.gate_up)["X_CLAMP"]                       # the switch is off
+    assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2))["X_CLAMP"]      # no constant K masks
 
 
 def test_down_prefetch_config_and_points():

@@ -22,9 +22,14 @@ TILES = [
     ("fp4 gate/up T=1 table", m.FMT_FP4, True, 4, 32, 64, 1, 2, 4, {}),
     ("fp4 down T=1 table", m.FMT_FP4, False, 4, 16, 32, 1, 1, 4, {}),
     ("w2 gate/up prefill", m.FMT_W2, True, 64, 128, 32, 1, 8, 3, {}),
+    # run 29's T = 1 table (pairs bucket 8): BM 8, gate/up unsplit BKH 64
+    ("w2 gate/up T=1 run29", m.FMT_W2, True, 8, 32, 64, 1, 2, 4, {}),
+    ("w2 down T=1 run29", m.FMT_W2, False, 8, 32, 32, 1, 2, 4, {}),
 ]
 FORMS = [("masked", {}), ("even", dict(EVEN_K=True, EVEN_N=True)),
-         ("even chains2", dict(EVEN_K=True, EVEN_N=True, CHAINS=2))]
+         ("even chains2", dict(EVEN_K=True, EVEN_N=True, CHAINS=2)),
+         ("even xclamp", dict(EVEN_K=True, EVEN_N=True, X_CLAMP=True)),
+         ("even xclamp c2", dict(EVEN_K=True, EVEN_N=True, X_CLAMP=True, CHAINS=2))]
 
 
 def compile_tile(fmt, gate_up, bm, bn, bkh, split, warps, stages, extra):
@@ -34,7 +39,7 @@ def compile_tile(fmt, gate_up, bm, bn, bkh, split, warps, stages, extra):
                  s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
     const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=split, HAS_LIMIT=gate_up, USE_ASM=2, BM=bm,
                  BN=bn, BKH=bkh, PDL=True, UNROLL=1, TILED=True, FUSED_FINISH=False, FUSED_COMBINE=False, CHAINS=1,
-                 PREFETCH=0, EVEN_K=False, EVEN_N=False)
+                 PREFETCH=0, EVEN_K=False, EVEN_N=False, X_CLAMP=False)
     const.update(extra)
     const = {name: v for name, v in const.items() if name in m._moe_gemm_kernel.arg_names}
     # every constexpr given (an omitted defaulted one would compile as a runtime argument) and the

@@ -8,6 +8,10 @@
 #   bash tools/kernel_lab/run30.sh b  (~9 min) moe_bench, the issue-4 side-by-side on the current tables: moet's
 #       W2 / FP4 layers, the transformers-style bf16 loop and torch._grouped_mm, all three models, decode
 #       T = 1, 4, 8, 16, 32 and prefill 512 / 2048 / 8192 (last run in full: run 4, 2026-11-29, DeepSeek-V3 only)
+#   bash tools/kernel_lab/run30.sh c  (~8 min) the MoE GPU tests (X_CLAMP: padding rows of a token tile read a real
+#       x row unmasked, the same bits), then X_CLAMP on (default) against --masked-x, the table configs at
+#       DeepSeek-V3 / Qwen3 T = 1, 8 and DeepSeek-V3 T = 8192 (sm_90 AOT: W2 T = 1 gate/up 927 -> 917 loop
+#       instructions, down 283 -> 279; the prefill gate/up 161 -> 181 registers)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r30; mkdir -p $R
 MODE=${1:-}
@@ -26,5 +30,18 @@ b)
     timeout -k 5 --signal=INT 560 python -m moet.bench.moe_bench --out $R/bench --budget-s 520 > $R/log_bench.txt 2>&1
     echo "bench rc=$?"; tail -60 $R/log_bench.txt | cut -c1-200
     save ;;
-*) echo "usage: run30.sh a|b"; exit 2 ;;
+c)
+    timeout -k 5 300 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py \
+        tests/model/test_pool_layout.py > $R/pytest_moe.txt 2>&1; echo "tests rc=$?"; tail -3 $R/pytest_moe.txt
+    for ab in clamp masked; do
+        flag=""; [ $ab = masked ] && flag="--masked-x"
+        timeout -k 5 --signal=INT 80 python -m moet.bench.moe_kernel_tune --out $R/x_$ab --budget-s 70 \
+            --shapes deepseek,qwen --formats w2,fp4 --tokens 1,8 --tune "" $flag > $R/log_x_$ab.txt 2>&1
+        echo "$ab rc=$?"; grep -E "^\[.*(GB/s|failed)" $R/log_x_$ab.txt | grep -v check | cut -c1-120
+        timeout -k 5 --signal=INT 60 python -m moet.bench.moe_kernel_tune --out $R/xp_$ab --budget-s 50 \
+            --shapes deepseek --formats w2,fp4 --tokens 8192 --tune "" $flag > $R/log_xp_$ab.txt 2>&1
+        echo "$ab prefill rc=$?"; grep -E "^\[.*(TFLOP|failed)" $R/log_xp_$ab.txt | grep -v check | cut -c1-120
+    done
+    save ;;
+*) echo "usage: run30.sh a|b|c"; exit 2 ;;
 esac

@@ -372,14 +372,17 @@ def main():
     ap.add_argument("--masked-tiles", action="store_true",
                     help="keep the K / row masks on tiles that divide their GEMM (moe_triton.UNMASK_EVEN_TILES "
                          "off): A/B runs; not with --write-table")
+    ap.add_argument("--masked-x", action="store_true",
+                    help="keep the pair mask on the x loads of such tiles (moe_triton.CLAMP_X_ROWS off): A/B runs; "
+                         "not with --write-table")
     ap.add_argument("--model-check", default="", help="checkpoint dir: run its MoE layers through the kernels")
     ap.add_argument("--write-table", action="store_true",
                     help="also merge the tuned entries into the repo's table (moet/kernels/moe_configs.json)")
     args = ap.parse_args()
     if args.row_major and args.write_table:
         ap.error("--row-major times pools the model does not serve; leave out --write-table")
-    if args.masked_tiles and args.write_table:
-        ap.error("--masked-tiles times kernels the model does not run; leave out --write-table")
+    if (args.masked_tiles or args.masked_x) and args.write_table:
+        ap.error("--masked-tiles / --masked-x time kernels the model does not run; leave out --write-table")
     t0 = time.time()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -387,6 +390,7 @@ def main():
     from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, TABLE_PATH, MoEConfig, lookup, shape_key
     from moet.kernels.reference import moe_experts_reference
     mt.UNMASK_EVEN_TILES = not args.masked_tiles
+    mt.CLAMP_X_ROWS = not args.masked_x
     import triton
     name = torch.cuda.get_device_name(dev)
     rep = {"device": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,

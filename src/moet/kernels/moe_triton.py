@@ -438,7 +438,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
                      TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
-                     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False):
+                     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, X_CLAMP: tl.constexpr = False):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -476,10 +476,17 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         PER: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
         pair = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
         pmask = pair < P
-        if GATE_UP:
-            xrow = (pair // TOPK).to(tl.int64)
+        # X_CLAMP (with EVEN_K): a padding row (pair P) reads the x row of pair P - 1 instead of
+        # zeros, so the x loads need no predicate; its column of the product is never stored
+        # (omask), and an MMA's columns do not mix, so the stored bits are the same
+        if X_CLAMP:
+            xpair = tl.minimum(pair, P - 1)
         else:
-            xrow = pair.to(tl.int64)
+            xpair = pair
+        if GATE_UP:
+            xrow = (xpair // TOPK).to(tl.int64)
+        else:
+            xrow = xpair.to(tl.int64)
         n = pid_n * BN + tl.arange(0, BN)
         if EVEN_N:                                         # N % BN == 0: every row is in (a constant
             nmask = tl.full([BN], 1, tl.int1)              # mask: the loads lose their predicates)
@@ -512,7 +519,10 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             else:
                 umask = u < UNITS
                 gmask = g < G
-            xm = pmask[:, None] & umask[None, :]
+            if X_CLAMP:
+                xm = tl.full([BM, BKH], 1, tl.int1)
+            else:
+                xm = pmask[:, None] & umask[None, :]
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, "")
@@ -1060,6 +1070,9 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
 # their predicates and selects (moe_triton EVEN_K / EVEN_N; the same values are loaded, the same
 # bits). A switch for A/B timing (moe_kernel_tune --masked-tiles), not a user setting.
 UNMASK_EVEN_TILES = True
+# On such tiles the x loads lose their pair mask too (X_CLAMP: padding rows read a real row whose
+# product column is dropped): the same bits. A/B switch (moe_kernel_tune --masked-x), not a setting.
+CLAMP_X_ROWS = True
 
 
 def _even_tiles(n: int, k: int, fmt: int, c) -> dict:
@@ -1067,7 +1080,8 @@ def _even_tiles(n: int, k: int, fmt: int, c) -> dict:
     if not UNMASK_EVEN_TILES:
         return {}
     units = k // (8 if fmt == FMT_W2 else 4)
-    return dict(EVEN_K=units % c.BKH == 0 and triton.cdiv(units, c.BKH) % c.SPLIT_K == 0, EVEN_N=n % c.BN == 0)
+    even_k = units % c.BKH == 0 and triton.cdiv(units, c.BKH) % c.SPLIT_K == 0
+    return dict(EVEN_K=even_k, EVEN_N=n % c.BN == 0, X_CLAMP=even_k and CLAMP_X_ROWS)
 
 
 def prefetch_points(config: MoEConfig, fmt: int, k: int, tiled: bool) -> int:
