@@ -744,10 +744,10 @@ def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
     run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
     f = mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4
     cfg = MoEConfig(1, GemmConfig(32, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
-    assert mt._even_tiles(i, h, f, cfg.gate_up) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
-    assert mt._even_tiles(h, i, f, cfg.down) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
-    assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2))["EVEN_K"]        # 2 or 4 steps over 3 splits
-    assert not mt._even_tiles(100, h, f, cfg.gate_up)["EVEN_N"]
+    assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
+    assert mt._even_tiles(h, i, f, cfg.down, cfg.BM) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
+    assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2), cfg.BM)["EVEN_K"]   # 2 or 4 steps, 3 splits
+    assert not mt._even_tiles(100, h, f, cfg.gate_up, cfg.BM)["EVEN_N"]
     tab = _table([2, -1, 0, 3, 1])
     x, ids, w = _inputs(3, 2, h, 5, g)
     ids[0] = torch.tensor([1, 3])                                   # expert 1 is not resident: a miss
@@ -757,7 +757,7 @@ def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
         m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         outs.append((run(x, ids, w, tab, pool, m, swiglu_limit=2.0, config=cfg), int(m.item())))
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] > 0 and outs[0][0].abs().max() > 0
-    assert mt._even_tiles(i, h, f, cfg.gate_up) == {}                                # the switch is off
+    assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM) == {}                                # the switch is off
 
 
 @pytest.mark.parametrize("fmt", ["w2", "fp4"])
@@ -773,7 +773,8 @@ def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
     run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
     f = mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4
     cfg = MoEConfig(4, GemmConfig(32, 32, 1, 2, 2), GemmConfig(64, 32, 1, 2, 2))
-    assert mt._even_tiles(i, h, f, cfg.gate_up)["X_CLAMP"] and mt._even_tiles(h, i, f, cfg.down)["X_CLAMP"]
+    assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM)["X_CLAMP"]
+    assert mt._even_tiles(h, i, f, cfg.down, cfg.BM)["X_CLAMP"]
     tab = _table([2, -1, 0, 3, 1])
     x, ids, w = _inputs(3, 2, h, 5, g)
     ids[2] = torch.tensor([0, 1])                                   # the last pair (P - 1) a miss
@@ -786,8 +787,10 @@ def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
         outs.append((run(x, ids, w, tab, pool, m, swiglu_limit=2.0, config=cfg), int(m.item())))
     assert torch.isfinite(outs[0][0]).all() and outs[0][0].abs().max() > 0
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] == 1
-    assert not mt._even_tiles(i, h, f, cfg.gate_up)["X_CLAMP"]                       # the switch is off
-    assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2))["X_CLAMP"]      # no constant K masks
+    assert not mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM)["X_CLAMP"]                       # the switch is off
+    assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2), cfg.BM)["X_CLAMP"]      # no constant K masks
+    monkeypatch.setattr(mt, "CLAMP_X_ROWS", True)
+    assert not mt._even_tiles(i, h, f, cfg.gate_up, mt.X_CLAMP_MAX_BM * 2)["X_CLAMP"]  # a prefill tile
 
 
 def test_down_prefetch_config_and_points():

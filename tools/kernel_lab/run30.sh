@@ -8,10 +8,12 @@
 #   bash tools/kernel_lab/run30.sh b  (~9 min) moe_bench, the issue-4 side-by-side on the current tables: moet's
 #       W2 / FP4 layers, the transformers-style bf16 loop and torch._grouped_mm, all three models, decode
 #       T = 1, 4, 8, 16, 32 and prefill 512 / 2048 / 8192 (last run in full: run 4, 2026-11-29, DeepSeek-V3 only)
-#   bash tools/kernel_lab/run30.sh c  (~8 min) the MoE GPU tests (X_CLAMP: padding rows of a token tile read a real
-#       x row unmasked, the same bits), then X_CLAMP on (default) against --masked-x, the table configs at
-#       DeepSeek-V3 / Qwen3 T = 1, 8 and DeepSeek-V3 T = 8192 (sm_90 AOT: W2 T = 1 gate/up 927 -> 917 loop
-#       instructions, down 283 -> 279; the prefill gate/up 161 -> 181 registers)
+#   bash tools/kernel_lab/run30.sh c  (~8 min) the MoE GPU tests (X_CLAMP: padding rows of a decode token tile read a
+#       real x row unmasked, the same bits), X_CLAMP on (default) against --masked-x at the table configs
+#       (DeepSeek-V3 / Qwen3 T = 1, 8; sm_90 AOT: W2 T = 1 gate/up 927 -> 917 loop instructions, down 283 -> 279),
+#       then moe_config_probe.py: DeepSeek-V3 T = 1 variants of the run-29 table the tuner never timed (a split
+#       gate/up at BM 8 / BKH 64: twice the warps, the gate/up grid holds only ~2 warps a scheduler; two chains;
+#       ring depth; down tiles)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r30; mkdir -p $R
 MODE=${1:-}
@@ -38,10 +40,16 @@ c)
         timeout -k 5 --signal=INT 80 python -m moet.bench.moe_kernel_tune --out $R/x_$ab --budget-s 70 \
             --shapes deepseek,qwen --formats w2,fp4 --tokens 1,8 --tune "" $flag > $R/log_x_$ab.txt 2>&1
         echo "$ab rc=$?"; grep -E "^\[.*(GB/s|failed)" $R/log_x_$ab.txt | grep -v check | cut -c1-120
-        timeout -k 5 --signal=INT 60 python -m moet.bench.moe_kernel_tune --out $R/xp_$ab --budget-s 50 \
-            --shapes deepseek --formats w2,fp4 --tokens 8192 --tune "" $flag > $R/log_xp_$ab.txt 2>&1
-        echo "$ab prefill rc=$?"; grep -E "^\[.*(TFLOP|failed)" $R/log_xp_$ab.txt | grep -v check | cut -c1-120
     done
+    save
+    timeout -k 5 100 python tools/kernel_lab/moe_config_probe.py --out $R/probe --shape deepseek --fmt w2 --tokens 1 \
+        --variants "gu.SPLIT_K=2;fused_finish=1" "gu.SPLIT_K=2" "gu.SPLIT_K=2;gu.BKH=32;fused_finish=1" \
+        "gu.chains=2" "gu.SPLIT_K=2;gu.chains=2;fused_finish=1" "gu.num_stages=3" "gu.num_stages=5" \
+        "dn.BN=16;dn.num_warps=1" "dn.BKH=64" "dn.SPLIT_K=2" > $R/log_probe_w2.txt 2>&1
+    echo "probe w2 rc=$?"; grep -E "^\[" $R/log_probe_w2.txt | cut -c1-160
+    timeout -k 5 60 python tools/kernel_lab/moe_config_probe.py --out $R/probe --shape deepseek --fmt fp4 --tokens 1 \
+        --variants "gu.SPLIT_K=2;fused_finish=1" "BM=8" "gu.SPLIT_K=2;gu.BKH=32;fused_finish=1" > $R/log_probe_fp4.txt 2>&1
+    echo "probe fp4 rc=$?"; grep -E "^\[" $R/log_probe_fp4.txt | cut -c1-160
     save ;;
 *) echo "usage: run30.sh a|b|c"; exit 2 ;;
 esac

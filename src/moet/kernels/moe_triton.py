@@ -1041,7 +1041,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
         FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, CHAINS=cg.chains,
-        **_even_tiles(i, h, fmt, cg), num_warps=cg.num_warps,
+        **_even_tiles(i, h, fmt, cg, bm), num_warps=cg.num_warps,
         num_stages=cg.num_stages,
         **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
@@ -1057,7 +1057,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
         dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
         FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, CHAINS=cd.chains,
-        **_even_tiles(h, i, fmt, cd), num_warps=cd.num_warps,
+        **_even_tiles(h, i, fmt, cd, bm), num_warps=cd.num_warps,
         num_stages=cd.num_stages, PREFETCH=prefetch_points(config, fmt, i, tiled) if pdl["PDL"] else 0,
         **common, **pdl)
     if not fuse_combine:
@@ -1070,18 +1070,22 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
 # their predicates and selects (moe_triton EVEN_K / EVEN_N; the same values are loaded, the same
 # bits). A switch for A/B timing (moe_kernel_tune --masked-tiles), not a user setting.
 UNMASK_EVEN_TILES = True
-# On such tiles the x loads lose their pair mask too (X_CLAMP: padding rows read a real row whose
-# product column is dropped): the same bits. A/B switch (moe_kernel_tune --masked-x), not a setting.
+# On such tiles with at most X_CLAMP_MAX_BM pairs (decode: at T = 1 all but one row of a tile is
+# padding) the x loads lose their pair mask too (X_CLAMP: padding rows read a real row whose product
+# column is dropped): the same bits. Not on prefill tiles, where padding is rare and the sm_90 build
+# of the W2 gate/up grew 161 -> 181 registers. A/B switch (moe_kernel_tune --masked-x), not a setting.
 CLAMP_X_ROWS = True
+X_CLAMP_MAX_BM = 16
 
 
-def _even_tiles(n: int, k: int, fmt: int, c) -> dict:
-    """EVEN_K / EVEN_N for a GEMM of N rows (each half, for gate/up) over K weights with launch c."""
+def _even_tiles(n: int, k: int, fmt: int, c, bm: int) -> dict:
+    """EVEN_K / EVEN_N / X_CLAMP for a GEMM of N rows (each half, for gate/up) over K weights with
+    launch c and bm pairs a tile."""
     if not UNMASK_EVEN_TILES:
         return {}
     units = k // (8 if fmt == FMT_W2 else 4)
     even_k = units % c.BKH == 0 and triton.cdiv(units, c.BKH) % c.SPLIT_K == 0
-    return dict(EVEN_K=even_k, EVEN_N=n % c.BN == 0, X_CLAMP=even_k and CLAMP_X_ROWS)
+    return dict(EVEN_K=even_k, EVEN_N=n % c.BN == 0, X_CLAMP=even_k and CLAMP_X_ROWS and bm <= X_CLAMP_MAX_BM)
 
 
 def prefetch_points(config: MoEConfig, fmt: int, k: int, tiled: bool) -> int:
