@@ -25,11 +25,11 @@ a)
     timeout -k 5 120 python tools/kernel_lab/moe_layer_prefix.py --out $R/prefix > $R/log_prefix.txt 2>&1
     echo "prefix rc=$?"; grep -E "^\[" $R/log_prefix.txt | cut -c1-220; tail -3 $R/log_prefix.txt | grep -i error
     save
-    timeout -k 5 --signal=INT 290 python -m moet.bench.fp8_gemm_bench --out $R/fp8 --budget-s 250 \
+    timeout -k 5 --signal=INT 260 python -m moet.bench.fp8_gemm_bench --out $R/fp8 --budget-s 225 \
         --tokens 1,16,128,2048,8192 --sweep > $R/log_fp8.txt 2>&1; echo "fp8 rc=$?"; tail -40 $R/log_fp8.txt | cut -c1-200
     save ;;
 b)
-    timeout -k 5 --signal=INT 560 python -m moet.bench.moe_bench --out $R/bench --budget-s 520 > $R/log_bench.txt 2>&1
+    timeout -k 5 --signal=INT 480 python -m moet.bench.moe_bench --out $R/bench --budget-s 440 > $R/log_bench.txt 2>&1
     echo "bench rc=$?"; tail -60 $R/log_bench.txt | cut -c1-200
     save ;;
 c)
