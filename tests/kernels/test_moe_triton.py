@@ -732,17 +732,32 @@ def test_two_mma_chains(poisoned, fmt):
         GemmConfig(chains=3)
 
 
+def _mask_case(mt, fmt: str, seed: int):
+    """(generator, H, I, a 4-slot pool, its layer function, FMT) at shapes every test tile divides."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = 512, 256
+    pool = _w2_pool(4, h, i, g) if fmt == "w2" else _fp4_pool(4, h, i, g)
+    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
+    return g, h, i, pool, run, (mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4)
+
+
+def _switched(monkeypatch, mt, switch: str, call) -> list:
+    """[(output, misses)] of call(miss_counter) with moe_triton's A/B switch on, then off."""
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(mt, switch, on)
+        m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        outs.append((call(m), int(m.item())))
+    return outs
+
+
 @pytest.mark.parametrize("fmt", ["w2", "fp4"])
 def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
     """Tiles that divide their GEMM exactly (EVEN_K: whole K steps, as many per split; EVEN_N: whole
     row blocks) load with constant masks: the same values, so the same bits as the masked form,
     misses alike; a split that leaves one split a step short, or a partial row block, keeps masks."""
     mt = _mt()
-    g = torch.Generator().manual_seed(57 if fmt == "w2" else 58)
-    h, i = 512, 256
-    pool = _w2_pool(4, h, i, g) if fmt == "w2" else _fp4_pool(4, h, i, g)
-    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
-    f = mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4
+    g, h, i, pool, run, f = _mask_case(mt, fmt, 57 if fmt == "w2" else 58)
     cfg = MoEConfig(1, GemmConfig(32, 32, 2, 2, 2), GemmConfig(64, 32, 1, 2, 2))
     assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
     assert mt._even_tiles(h, i, f, cfg.down, cfg.BM) == {"EVEN_K": True, "EVEN_N": True, "X_CLAMP": True}
@@ -751,11 +766,8 @@ def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
     tab = _table([2, -1, 0, 3, 1])
     x, ids, w = _inputs(3, 2, h, 5, g)
     ids[0] = torch.tensor([1, 3])                                   # expert 1 is not resident: a miss
-    outs = []
-    for unmask in (True, False):
-        monkeypatch.setattr(mt, "UNMASK_EVEN_TILES", unmask)
-        m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-        outs.append((run(x, ids, w, tab, pool, m, swiglu_limit=2.0, config=cfg), int(m.item())))
+    outs = _switched(monkeypatch, mt, "UNMASK_EVEN_TILES", lambda m: run(x, ids, w, tab, pool, m, swiglu_limit=2.0,
+                                                                         config=cfg))
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] > 0 and outs[0][0].abs().max() > 0
     assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM) == {}                                # the switch is off
 
@@ -767,11 +779,7 @@ def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
     down's padding columns multiply NaN: the stored output is still bit-identical to the masked
     loads, misses alike, with BM 4 tiles that hold 1-3 pairs and padding."""
     mt = _mt()
-    g = torch.Generator().manual_seed(61 if fmt == "w2" else 62)
-    h, i = 512, 256
-    pool = _w2_pool(4, h, i, g) if fmt == "w2" else _fp4_pool(4, h, i, g)
-    run = mt.moe_experts_w2_triton if fmt == "w2" else mt.moe_experts_fp4_triton
-    f = mt.FMT_W2 if fmt == "w2" else mt.FMT_FP4
+    g, h, i, pool, run, f = _mask_case(mt, fmt, 61 if fmt == "w2" else 62)
     cfg = MoEConfig(4, GemmConfig(32, 32, 1, 2, 2), GemmConfig(64, 32, 1, 2, 2))
     assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM)["X_CLAMP"]
     assert mt._even_tiles(h, i, f, cfg.down, cfg.BM)["X_CLAMP"]
@@ -780,11 +788,8 @@ def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
     ids[2] = torch.tensor([0, 1])                                   # the last pair (P - 1) a miss
     ids[0] = torch.tensor([0, 2])                                   # expert 0 three times: a tile of 3
     ids[1] = torch.tensor([3, 0])                                   # pairs and padding
-    outs = []
-    for clamp in (True, False):
-        monkeypatch.setattr(mt, "CLAMP_X_ROWS", clamp)
-        m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-        outs.append((run(x, ids, w, tab, pool, m, swiglu_limit=2.0, config=cfg), int(m.item())))
+    outs = _switched(monkeypatch, mt, "CLAMP_X_ROWS", lambda m: run(x, ids, w, tab, pool, m, swiglu_limit=2.0,
+                                                                    config=cfg))
     assert torch.isfinite(outs[0][0]).all() and outs[0][0].abs().max() > 0
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] == 1
     assert not mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM)["X_CLAMP"]                       # the switch is off

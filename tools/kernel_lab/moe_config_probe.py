@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 
 import torch
+from moe_probe_common import start
 
 
 def patch(cfg, spec: str):
@@ -40,17 +41,11 @@ def main() -> int:
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--variants", nargs="+", required=True)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    from moet.bench.moe_kernel_tune import SHAPES, bf16_gemv_gbps, expert_bytes, make_pool, relerr, routing, time_layer
+    from moet.bench.moe_kernel_tune import SHAPES, expert_bytes, make_pool, relerr, routing, time_layer
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
-    dev = torch.device("cuda")
-    t0 = time.time()
-    gemv = bf16_gemv_gbps(dev)
-    rep = {"device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "bf16_gemv_GBps": gemv, "rows": []}
-    print(f"[{time.time() - t0:4.0f}s] bf16 GEMV {gemv:.0f} GB/s", flush=True)
+    dev, t0, gemv, rep = start(args.out)
     gen = torch.Generator(device=dev).manual_seed(0)
     h, i, e, k = SHAPES[args.shape]
     pool = make_pool(args.fmt, e, h, i, dev, gen)

@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 
 import torch
+from moe_probe_common import start
 
 
 def main() -> int:
@@ -35,17 +36,11 @@ def main() -> int:
     ap.add_argument("--bms", default="1,4,8")
     ap.add_argument("--unrolls", default="1,2")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    from moet.bench.moe_kernel_tune import SHAPES, bf16_gemv_gbps, expert_bytes, make_pool, routing, time_layer
+    from moet.bench.moe_kernel_tune import SHAPES, expert_bytes, make_pool, routing, time_layer
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
-    dev = torch.device("cuda")
-    t0 = time.time()
-    gemv = bf16_gemv_gbps(dev)
-    rep = {"device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "bf16_gemv_GBps": gemv, "rows": []}
-    print(f"[{time.time() - t0:4.0f}s] bf16 GEMV {gemv:.0f} GB/s", flush=True)
+    dev, t0, gemv, rep = start(args.out)
     lines = ["| shape | fmt | T | BM | unroll gu/dn | us | GB/s | % GEMV | same bits as table |", "|---" * 9 + "|"]
     gen = torch.Generator(device=dev).manual_seed(0)
     for sname in args.shapes.split(","):

@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 
 import torch
+from moe_probe_common import start
 
 
 class _Cut:
@@ -48,17 +49,11 @@ def main() -> int:
     ap.add_argument("--formats", default="w2,fp4")
     ap.add_argument("--tokens", default="1,8")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    from moet.bench.moe_kernel_tune import SHAPES, bf16_gemv_gbps, expert_bytes, graph_time_ms, make_pool, routing
+    from moet.bench.moe_kernel_tune import SHAPES, expert_bytes, graph_time_ms, make_pool, routing
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
-    dev = torch.device("cuda")
-    t0 = time.time()
-    gemv = bf16_gemv_gbps(dev)
-    rep = {"device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "bf16_gemv_GBps": gemv, "rows": []}
-    print(f"[{time.time() - t0:4.0f}s] bf16 GEMV {gemv:.0f} GB/s", flush=True)
+    dev, t0, gemv, rep = start(args.out)
     names = ["_prep_small_kernel", "_moe_gemm_kernel", "_swiglu_finish_kernel", "_combine_kernel"]
     log: list = []
     cuts = {n: _Cut(getattr(mt, n), n, log) for n in names}

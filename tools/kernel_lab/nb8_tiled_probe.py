@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 import torch
+from moe_probe_common import start
 
 
 def main() -> int:
@@ -30,18 +31,12 @@ def main() -> int:
     ap.add_argument("--formats", default="w2", help="w2 (nb8 vs nb8t) and / or fp4 (nvfp4 vs nvfp4t)")
     ap.add_argument("--budget-s", type=float, default=200)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    from moet.bench.moe_kernel_tune import SHAPES, bf16_gemv_gbps, expert_bytes, make_pool, routing, time_layer
+    from moet.bench.moe_kernel_tune import SHAPES, expert_bytes, make_pool, routing, time_layer
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
     from moet.kernels.pools import row_major, row_tiled
-    dev = torch.device("cuda")
-    t0 = time.time()
-    gemv = bf16_gemv_gbps(dev)
-    rep = {"device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "bf16_gemv_GBps": gemv, "rows": []}
-    print(f"[{time.time() - t0:4.0f}s] bf16 GEMV {gemv:.0f} GB/s", flush=True)
+    dev, t0, gemv, rep = start(args.out)
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def row_major_and_tiled(fmt, e, h, i):
