@@ -40,12 +40,15 @@ def main() -> int:
     ap.add_argument("--fmt", default="w2")
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--variants", nargs="+", required=True)
+    ap.add_argument("--masked-x", action="store_true", help="moe_triton.CLAMP_X_ROWS off (as moe_kernel_tune's)")
     args = ap.parse_args()
     from moet.bench.moe_kernel_tune import SHAPES, expert_bytes, make_pool, relerr, routing, time_layer
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
+    mt.CLAMP_X_ROWS = not args.masked_x
     dev, t0, gemv, rep = start(args.out)
+    rep["clamp_x_rows"] = mt.CLAMP_X_ROWS
     gen = torch.Generator(device=dev).manual_seed(0)
     h, i, e, k = SHAPES[args.shape]
     pool = make_pool(args.fmt, e, h, i, dev, gen)

@@ -48,12 +48,15 @@ def main() -> int:
     ap.add_argument("--shapes", default="deepseek,qwen")
     ap.add_argument("--formats", default="w2,fp4")
     ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--masked-x", action="store_true", help="moe_triton.CLAMP_X_ROWS off (as moe_kernel_tune's)")
     args = ap.parse_args()
     from moet.bench.moe_kernel_tune import SHAPES, expert_bytes, graph_time_ms, make_pool, routing
     from moet.kernels import moe_triton as mt
     from moet.kernels.launch_tables import device_name
     from moet.kernels.moe_configs import lookup
+    mt.CLAMP_X_ROWS = not args.masked_x
     dev, t0, gemv, rep = start(args.out)
+    rep["clamp_x_rows"] = mt.CLAMP_X_ROWS
     names = ["_prep_small_kernel", "_moe_gemm_kernel", "_swiglu_finish_kernel", "_combine_kernel"]
     log: list = []
     cuts = {n: _Cut(getattr(mt, n), n, log) for n in names}
@@ -81,7 +84,7 @@ def main() -> int:
                     seq = list(log)
                     prefix, prefix_nopdl = [], []
                     for cut, c_ in [(c, cfg) for c in range(1, len(seq) + 1)] + \
-                            [(c, replace(cfg, pdl=False)) for c in range(1, len(seq) + 1)]:
+                            [(c, replace(cfg, pdl=False, down_prefetch=False)) for c in range(1, len(seq) + 1)]:
                         fns = [lambda ids=ids, w=w, c_=c_: mt.moe_experts_triton(x, ids, w, table, pool, miss,
                                                                                  config=c_) for ids, w in sets]
                         allowed = {}

@@ -33,23 +33,22 @@ b)
     echo "bench rc=$?"; tail -60 $R/log_bench.txt | cut -c1-200
     save ;;
 c)
-    timeout -k 5 300 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py \
+    timeout -k 5 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py \
         tests/model/test_pool_layout.py > $R/pytest_moe.txt 2>&1; echo "tests rc=$?"; tail -3 $R/pytest_moe.txt
     for ab in clamp masked; do
         flag=""; [ $ab = masked ] && flag="--masked-x"
-        timeout -k 5 --signal=INT 80 python -m moet.bench.moe_kernel_tune --out $R/x_$ab --budget-s 70 \
-            --shapes deepseek,qwen --formats w2,fp4 --tokens 1,8 --tune "" $flag > $R/log_x_$ab.txt 2>&1
+        timeout -k 5 --signal=INT 60 python -m moet.bench.moe_kernel_tune --out $R/x_$ab --budget-s 50 \
+            --shapes deepseek --formats w2,fp4 --tokens 1,8 --tune "" $flag > $R/log_x_$ab.txt 2>&1
         echo "$ab rc=$?"; grep -E "^\[.*(GB/s|failed)" $R/log_x_$ab.txt | grep -v check | cut -c1-120
     done
     save
+    timeout -k 5 60 python tools/kernel_lab/moe_layer_prefix.py --out $R/prefix_masked --shapes deepseek --formats w2 \
+        --tokens 1 --masked-x > $R/log_prefix_masked.txt 2>&1; echo "prefix rc=$?"; grep -E "^\[" $R/log_prefix_masked.txt | cut -c1-200
     timeout -k 5 100 python tools/kernel_lab/moe_config_probe.py --out $R/probe --shape deepseek --fmt w2 --tokens 1 \
-        --variants "gu.SPLIT_K=2;fused_finish=1" "gu.SPLIT_K=2" "gu.SPLIT_K=2;gu.BKH=32;fused_finish=1" \
+        --masked-x --variants "gu.SPLIT_K=2;fused_finish=1" "gu.SPLIT_K=2" "gu.SPLIT_K=2;gu.BKH=32;fused_finish=1" \
         "gu.chains=2" "gu.SPLIT_K=2;gu.chains=2;fused_finish=1" "gu.num_stages=3" "gu.num_stages=5" \
-        "dn.BN=16;dn.num_warps=1" "dn.BKH=64" "dn.SPLIT_K=2" > $R/log_probe_w2.txt 2>&1
+        "dn.BN=16;dn.num_warps=1" "dn.BKH=64" "BM=4" > $R/log_probe_w2.txt 2>&1
     echo "probe w2 rc=$?"; grep -E "^\[" $R/log_probe_w2.txt | cut -c1-160
-    timeout -k 5 60 python tools/kernel_lab/moe_config_probe.py --out $R/probe --shape deepseek --fmt fp4 --tokens 1 \
-        --variants "gu.SPLIT_K=2;fused_finish=1" "BM=8" "gu.SPLIT_K=2;gu.BKH=32;fused_finish=1" > $R/log_probe_fp4.txt 2>&1
-    echo "probe fp4 rc=$?"; grep -E "^\[" $R/log_probe_fp4.txt | cut -c1-160
     save ;;
 *) echo "usage: run30.sh a|b|c"; exit 2 ;;
 esac
