@@ -119,3 +119,23 @@ def test_decode_config_quantizes_x_once_when_many_tiles_share_it(monkeypatch):
     table = {tri._device_name(dev): {"18432x7168": {"w8a8": {"16": entry}}}}
     monkeypatch.setattr(tri, "_table", lambda: table)
     assert tri.pick_config(1, 18432, 7168, "w8a8", dev) == tri.Fp8GemmConfig(**entry)
+
+
+def test_table_entries_stand_in_past_their_largest_t_only_from_prefill_sizes(monkeypatch):
+    """A sweep cut short (entries up to T = 16) must not give its 16-row decode tile to a prefill;
+    an entry swept up to a prefill size covers the larger T too."""
+    tri = _tri()
+    dev = torch.device(DEVICE)
+    small = dict(block_m=16, block_n=64, split=3, num_warps=4, num_stages=4, group_m=8, inline_quant=False)
+    big = dict(block_m=128, block_n=64, split=1, num_warps=4, num_stages=3, group_m=8, inline_quant=False)
+    table = {tri._device_name(dev): {"7168x18432": {"w8a8": {"1": small, "16": small}},
+                                      "24576x1536": {"w8a8": {"16": small, str(tri.TABLE_EXTRAPOLATE_FROM_T): big}}}}
+    monkeypatch.setattr(tri, "_table", lambda: table)
+    assert tri.pick_config(16, 7168, 18432, "w8a8", dev) == tri.Fp8GemmConfig(**small)
+    assert tri.pick_config(2048, 7168, 18432, "w8a8", dev).block_m == 128          # the default, not `small`
+    assert tri.pick_config(17, 7168, 18432, "w8a8", dev) != tri.Fp8GemmConfig(**small)
+    assert tri.pick_config(8192, 24576, 1536, "w8a8", dev) == tri.Fp8GemmConfig(**big)
+    assert tri.pick_config(100, 24576, 1536, "w8a8", dev) == tri.Fp8GemmConfig(**big)
+    monkeypatch.setattr(tri, "_table", lambda: {})
+    assert tri.pick_config(128, 7168, 18432, "w8a16", dev).block_m == 32
+    assert tri.pick_config(128, 7168, 18432, "w8a8", dev).block_m == 64

@@ -777,17 +777,17 @@ def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
     """X_CLAMP: on constant-mask tiles the padding rows of a token tile read pair P - 1's x row
     unmasked. Here pair P - 1 is a miss, so its act row is never written (NaN-poisoned) and the
     down's padding columns multiply NaN: the stored output is still bit-identical to the masked
-    loads, misses alike, with BM 4 tiles that hold 1-3 pairs and padding."""
+    loads, misses alike, with BM 2 tiles that hold 1-2 pairs and padding."""
     mt = _mt()
     g, h, i, pool, run, f = _mask_case(mt, fmt, 61 if fmt == "w2" else 62)
-    cfg = MoEConfig(4, GemmConfig(32, 32, 1, 2, 2), GemmConfig(64, 32, 1, 2, 2))
+    cfg = MoEConfig(2, GemmConfig(32, 32, 1, 2, 2), GemmConfig(64, 32, 1, 2, 2))
     assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM)["X_CLAMP"]
     assert mt._even_tiles(h, i, f, cfg.down, cfg.BM)["X_CLAMP"]
     tab = _table([2, -1, 0, 3, 1])
     x, ids, w = _inputs(3, 2, h, 5, g)
     ids[2] = torch.tensor([0, 1])                                   # the last pair (P - 1) a miss
-    ids[0] = torch.tensor([0, 2])                                   # expert 0 three times: a tile of 3
-    ids[1] = torch.tensor([3, 0])                                   # pairs and padding
+    ids[0] = torch.tensor([0, 2])                                   # expert 0 three times: a full tile
+    ids[1] = torch.tensor([3, 0])                                   # and one of a pair and padding
     outs = _switched(monkeypatch, mt, "CLAMP_X_ROWS", lambda m: run(x, ids, w, tab, pool, m, swiglu_limit=2.0,
                                                                     config=cfg))
     assert torch.isfinite(outs[0][0]).all() and outs[0][0].abs().max() > 0
@@ -795,7 +795,7 @@ def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
     assert not mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM)["X_CLAMP"]                       # the switch is off
     assert not mt._even_tiles(i, h, f, GemmConfig(32, 32, 3, 2, 2), cfg.BM)["X_CLAMP"]      # no constant K masks
     monkeypatch.setattr(mt, "CLAMP_X_ROWS", True)
-    assert not mt._even_tiles(i, h, f, cfg.gate_up, mt.X_CLAMP_MAX_BM * 2)["X_CLAMP"]  # a prefill tile
+    assert not mt._even_tiles(i, h, f, cfg.gate_up, mt.X_CLAMP_MAX_BM * 2)["X_CLAMP"]  # x via shared memory
 
 
 def test_down_prefetch_config_and_points():

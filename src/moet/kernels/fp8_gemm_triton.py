@@ -183,13 +183,21 @@ def _table() -> dict:
     return json.loads(TABLE_PATH.read_text()) if TABLE_PATH.exists() else {}
 
 
+# Past the largest swept T a shape's entry stands in only if that T is a prefill size: a sweep cut
+# short by its time budget (run 30 reached T = 16 on some shapes) must not hand a 16-row decode
+# tile to a 2048-row prefill; the defaults below take it instead.
+TABLE_EXTRAPOLATE_FROM_T = 2048
+
+
 def table_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8GemmConfig | None:
-    """The measured config of the smallest swept T >= m (else the largest), if the table has
-    this device, shape and mode."""
+    """The measured config of the smallest swept T >= m (past the largest, that one's if it is a
+    prefill size, TABLE_EXTRAPOLATE_FROM_T), if the table has this device, shape and mode."""
     entry = _table().get(_device_name(device), {}).get(f"{n}x{k}", {}).get(mode)
     if not entry:
         return None
     ts = sorted(int(t) for t in entry)
+    if m > ts[-1] and ts[-1] < TABLE_EXTRAPOLATE_FROM_T:
+        return None
     t = next((t for t in ts if t >= m), ts[-1])
     return Fp8GemmConfig(**entry[str(t)])
 
@@ -218,9 +226,12 @@ def pick_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8G
         inline = triton.cdiv(n, bn) <= INLINE_QUANT_MAX_N_TILES
         return Fp8GemmConfig(bm, bn, split, num_warps=4, num_stages=4, inline_quant=inline)
     if m <= 256:
-        tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
+        # w8a16's TF32 dots: 32-row tiles (run 30, H200, T = 128: 1.6-1.8x over 64 rows on every
+        # swept shape); w8a8's f16 dots keep 64
+        bm = 32 if mode == "w8a16" else 64
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, 128)
         split = max(1, min(num_kb, triton.cdiv(_num_sms(device), tiles)))
-        return Fp8GemmConfig(64, 128, split, num_warps=4, num_stages=4, inline_quant=False)
+        return Fp8GemmConfig(bm, 128, split, num_warps=4, num_stages=4, inline_quant=False)
     return Fp8GemmConfig(128, 128, 1, num_warps=8, num_stages=3, inline_quant=False)
 
 

@@ -1075,7 +1075,7 @@ UNMASK_EVEN_TILES = True
 # column is dropped): the same bits. Not on prefill tiles, where padding is rare and the sm_90 build
 # of the W2 gate/up grew 161 -> 181 registers. A/B switch (moe_kernel_tune --masked-x), not a setting.
 CLAMP_X_ROWS = True
-X_CLAMP_MAX_BM = 16
+X_CLAMP_MAX_BM = 2
 
 
 def _even_tiles(n: int, k: int, fmt: int, c, bm: int) -> dict:
