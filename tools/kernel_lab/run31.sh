@@ -8,6 +8,12 @@
 #       - run 20, the GQA decode at batch 1: one warp a scheduler, 21% issue, 4.2 cycles an instruction.
 #       Kernels profiled: the MoE gate/up and down (moe_decode_once.py, the 2nd call's launches), and the
 #       GQA decode split kernel at batch 1, 32K, bf16.
+#   bash tools/kernel_lab/run31.sh twohalf (~2 min) issue 5, batch 1: the lab split kernel gqa_two_half.py, each split
+#       walked as two independent halves by the two 4-warp halves of an 8-warp program (the halves stacked
+#       along the dots' M / N, cross-half scores masked). Its GPU check against the reference, then 32K at batch
+#       1 / 8 / 32 against paged_decode_gqa. sm_90 AOT, stacked at 8 warps: 156-188 registers, no spills, 628-657
+#       loop instructions a step (the batched-dot form: 255 registers with spills, Triton puts every warp
+#       on the batch dimension)
 #   bash tools/kernel_lab/run31.sh prefix (~1 min) moe_layer_prefix.py on the merged tables, every shape (run 30
 #       cut only DeepSeek-V3 W2 / FP4 on the run-29 tables; its Qwen3 rows failed on a down_prefetch entry,
 #       fixed since)
@@ -41,5 +47,9 @@ prefix)
     timeout -k 5 150 python tools/kernel_lab/moe_layer_prefix.py --out $R/prefix --shapes deepseek,glm,qwen \
         > $R/log_prefix.txt 2>&1; echo "prefix rc=$?"; grep -E "^\[" $R/log_prefix.txt | cut -c1-220
     save ;;
-*) echo "usage: run31.sh ncu|prefix"; exit 2 ;;
+twohalf)
+    timeout -k 5 150 python tools/kernel_lab/gqa_two_half.py --check --bench --out $R/twohalf > $R/log_twohalf.txt 2>&1
+    echo "twohalf rc=$?"; cat $R/log_twohalf.txt | cut -c1-160 | tail -30
+    save ;;
+*) echo "usage: run31.sh ncu|twohalf|prefix"; exit 2 ;;
 esac
