@@ -1070,10 +1070,11 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
 # their predicates and selects (moe_triton EVEN_K / EVEN_N; the same values are loaded, the same
 # bits). A switch for A/B timing (moe_kernel_tune --masked-tiles), not a user setting.
 UNMASK_EVEN_TILES = True
-# On such tiles with at most X_CLAMP_MAX_BM pairs (decode: at T = 1 all but one row of a tile is
-# padding) the x loads lose their pair mask too (X_CLAMP: padding rows read a real row whose product
-# column is dropped): the same bits. Not on prefill tiles, where padding is rare and the sm_90 build
-# of the W2 gate/up grew 161 -> 181 registers. A/B switch (moe_kernel_tune --masked-x), not a setting.
+# On such tiles with at most X_CLAMP_MAX_BM pairs the x loads lose their pair mask too (X_CLAMP:
+# padding rows read a real row whose product column is dropped): the same bits. Only below BM 4,
+# where x goes straight to registers: from BM 4 on it is staged by cp.async, which zero-fills a
+# masked row without reading it, so a clamped row costs a real read (H200 run 30: +17% at BM 8,
+# DeepSeek-V3 W2 T = 1; -2% at BM 1). A/B switch (moe_kernel_tune --masked-x), not a setting.
 CLAMP_X_ROWS = True
 X_CLAMP_MAX_BM = 2
 
