@@ -11,9 +11,9 @@
 #   bash tools/kernel_lab/run31.sh twohalf (~2 min) issue 5, batch 1: the lab split kernel gqa_two_half.py, each split
 #       walked as two independent halves by the two 4-warp halves of an 8-warp program (the halves stacked
 #       along the dots' M / N, cross-half scores masked). Its GPU check against the reference, then 32K at batch
-#       1 / 8 / 32 against paged_decode_gqa. sm_90 AOT, stacked at 8 warps: 156-188 registers, no spills, 628-657
-#       loop instructions a step (the batched-dot form: 255 registers with spills, Triton puts every warp
-#       on the batch dimension)
+#       1 / 8 / 32 against paged_decode_gqa, at 3 / 5 / 7 stages (1 / 2 / 3 K-V buffers). sm_90 AOT, stacked at
+#       8 warps: 156-209 registers, no spills (the batched-dot form: 255 registers with spills, because Triton
+#       puts every warp on the batch dimension)
 #   bash tools/kernel_lab/run31.sh prefix (~1 min) moe_layer_prefix.py on the merged tables, every shape (run 30
 #       cut only DeepSeek-V3 W2 / FP4 on the run-29 tables; its Qwen3 rows failed on a down_prefetch entry,
 #       fixed since)
