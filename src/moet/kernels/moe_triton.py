@@ -519,8 +519,8 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             else:
                 umask = u < UNITS
                 gmask = g < G
-            if X_CLAMP:
-                xm = tl.full([BM, BKH], 1, tl.int1)
+            if X_CLAMP:                                    # no pair mask (umask: constant with EVEN_K)
+                xm = tl.broadcast_to(umask[None, :], (BM, BKH))
             else:
                 xm = pmask[:, None] & umask[None, :]
             xp = xb + u[None, :]
