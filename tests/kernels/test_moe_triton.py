@@ -575,6 +575,9 @@ def test_kernels_compile_for_sm90():
     assert kinds.count("gemm-even") == 4, r.stdout           # W2 / FP4 gate/up and down, constant masks
     pf = [line for line in r.stdout.splitlines() if line.startswith("gemm-prefetch")]
     assert len(pf) == 2 and all(line.endswith(" before-wait") for line in pf), r.stdout
+    # the chunked decode: W2 at a chunk below and at a whole tile row, FP4; none spills
+    ck = [line.split() for line in r.stdout.splitlines() if line.startswith("chunked ")]
+    assert len(ck) == 3 and all(int(f[-1]) == 0 and int(f[4]) <= 255 for f in ck), r.stdout
     # the split gate/up with its SwiGLU finish in its last programs: the hand-off compiled in
     for kind in ("gemm-fused-finish", "gemm-fused-combine"):
         ff = [line for line in r.stdout.splitlines() if line.startswith(kind)]
@@ -961,3 +964,74 @@ def test_asm_level_follows_the_device(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cap=cap: cap)
         assert mt.asm_level(torch.device("cuda", 0)) == want, cap
     mt._cuda_asm_level.cache_clear()
+
+
+# ------------------------------------------------------------------ chunked decode (one launch)
+# MoEConfig.chunked: gate_up.BN = the intermediate chunk (C / UPW >= 16 units), down.BN = down rows
+# a step. Chunks of 128 over I 192 leave a half chunk (the masked tail); K 96 = 12 W2 units is a
+# K tail at BKH 16; FP4's 64-row chunks over I 96 likewise.
+CFG_CHUNK = MoEConfig(2, GemmConfig(128, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2), chunked=True)
+CFG_CHUNK_C2 = MoEConfig(4, GemmConfig(128, 16, 1, 2, 2, chains=2), GemmConfig(64, 16, 1, 2, 3), chunked=True)
+CFG_CHUNK_FP4 = MoEConfig(2, GemmConfig(64, 32, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2), chunked=True)
+
+
+@pytest.mark.parametrize("fmt,h,i,limit,cfg", [("w2", 64, 256, None, CFG_CHUNK), ("w2", 96, 192, 1.0, CFG_CHUNK_C2),
+                                               ("fp4", 96, 96, 1.0, CFG_CHUNK_FP4)])
+def test_chunked_decode_matches_reference_misses_slot_invariant_bit_identical(poisoned, fmt, h, i, limit, cfg):
+    mt = _mt()
+    g = torch.Generator().manual_seed(41 + h + i)
+    pool = (_w2_pool if fmt == "w2" else _fp4_pool)(6, h, i, g)
+    tab = _table([3, -1, 0, 5, -1, 1])
+    x, ids, w = _inputs(3, 2, h, 6, g)
+    ids[0] = torch.tensor([1, 4])                               # token 0: no resident expert, exactly zero
+    ids[1, 0] = 2
+    m = torch.full((1,), 5, dtype=torch.int64, device=DEVICE)
+    out = mt.moe_experts_triton(x, ids, w, tab, pool, m, swiglu_limit=limit, config=cfg)
+    misses = int((tab.long()[ids.long()] < 0).sum())
+    assert int(m.item()) == 5 + misses and misses >= 2
+    assert poisoned and not torch.isnan(out).any() and (out[0] == 0).all()
+    ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                swiglu_limit=limit)
+    assert _relerr(out, ref) <= BOUND
+    if limit is not None:
+        assert not torch.allclose(ref, moe_experts_reference(x, ids, w, tab, pool, torch.zeros_like(m)))
+    assert torch.equal(out, mt.moe_experts_triton(x, ids, w, tab, pool, m, swiglu_limit=limit, config=cfg))
+    perm = torch.tensor([4, 2, 5, 0, 3, 1], device=DEVICE)
+    inv = torch.argsort(perm).to(torch.int32)
+    names = ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales") if fmt == "w2" else \
+        ("gate_up_weight", "gate_up_scale", "gate_up_scale_2", "down_weight", "down_scale", "down_scale_2")
+    pool2 = type(pool)(*(getattr(pool, f)[perm] for f in names), **({"layout": "nb8"} if fmt == "w2" else {}))
+    tab2 = torch.where(tab >= 0, inv[tab.clamp(min=0).long()], tab)
+    assert torch.equal(out, mt.moe_experts_triton(x, ids, w, tab2, pool2, m, swiglu_limit=limit, config=cfg))
+
+
+def test_chunked_decode_on_row_tiled_pools_and_its_limits(poisoned, monkeypatch):
+    """nb8t gives the nb8 bits under the chunked decode, with chunks below a tile row (per-element
+    addressing) and of one (the scalar one); a chunk whose down K is under one dot is refused; above
+    the decode regime the tiled path runs (the same bits as the same config unchunked)."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(43)
+    pool = _w2_pool(4, 512, 512, g)
+    tp = row_tiled(pool)
+    tab = _table([2, -1, 0, 3, 1])
+    x, ids, w = _inputs(2, 2, 512, 5, g)
+    ids[0] = torch.tensor([1, 3])
+    for bc in (128, 256):
+        cfg = MoEConfig(2, GemmConfig(bc, 32, 1, 2, 2), GemmConfig(64, 16, 1, 2, 2), chunked=True)
+        m1, m2 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        a = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, swiglu_limit=3.0, config=cfg)
+        b = mt.moe_experts_w2_triton(x, ids, w, tab, tp, m2, swiglu_limit=3.0, config=cfg)
+        assert torch.equal(a, b) and torch.equal(m1, m2) and int(m1.item()) == 1
+    with pytest.raises(ValueError, match="chunk"):
+        mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, config=replace(cfg, gate_up=GemmConfig(64, 32, 1, 2, 2)))
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, config=replace(cfg, down=GemmConfig(64, 16, 2, 2, 2)))
+    monkeypatch.setattr(mt, "SMALL_ALIGN_MAX_PAIRS", 2)
+    assert torch.equal(mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, config=cfg),
+                       mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, config=replace(cfg, chunked=False)))
+    assert MoEConfig.from_json(cfg.to_json()) == cfg and cfg.to_json()["chunked"] is True
+
+
+def test_chunked_combine_block_keeps_the_gpu_busy():
+    from moet.kernels.moe_chunked_decode import combine_block
+    assert combine_block(1, 7168) == 128 and combine_block(64, 7168) == 1024 and combine_block(1, 64) == 64

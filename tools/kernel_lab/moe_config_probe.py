@@ -29,7 +29,7 @@ def patch(cfg, spec: str):
         elif key.startswith("dn."):
             dn[key[3:]] = v
         else:
-            top[key] = bool(v) if key in ("pdl", "fused_finish", "fused_combine", "down_prefetch") else v
+            top[key] = bool(v) if key in ("pdl", "fused_finish", "fused_combine", "down_prefetch", "chunked") else v
     return replace(cfg, gate_up=replace(cfg.gate_up, **gu), down=replace(cfg.down, **dn), **top)
 
 

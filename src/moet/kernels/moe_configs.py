@@ -76,6 +76,10 @@ class MoEConfig:
     # before it waits for the gate/up kernel, so the down's DRAM reads overlap gate/up's tail
     # (moe_triton PREFETCH); the same bits
     down_prefetch: bool = False
+    # decode regime: gate/up + SwiGLU and the down projection of one chunk of gate_up.BN intermediate
+    # rows per program, one launch, fp32 partials per chunk summed by the combine
+    # (moe_chunked_decode; down.BN / down.num_stages: its down loop's rows a step and stages)
+    chunked: bool = False
 
     def __post_init__(self):
         if self.down_prefetch and not self.pdl:
@@ -95,6 +99,8 @@ class MoEConfig:
             d["fused_combine"] = True
         if self.down_prefetch:
             d["down_prefetch"] = True
+        if self.chunked:
+            d["chunked"] = True
         return d
 
     @staticmethod
@@ -102,7 +108,7 @@ class MoEConfig:
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
                          bool(d.get("token_major", False)), bool(d.get("fused", False)),
                          bool(d.get("fused_finish", False)), bool(d.get("fused_combine", False)),
-                         bool(d.get("down_prefetch", False)))
+                         bool(d.get("down_prefetch", False)), bool(d.get("chunked", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

@@ -1009,9 +1009,12 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
             num_warps=cd.num_warps, num_stages=cd.num_stages, **pdl)
         return
     x_perm = _workspace((t, upw, h // upw), op_dtype, dev)
+    # gate/up and down of one intermediate chunk per program (MoEConfig.chunked, moe_chunked_decode):
+    # decode regime only (its fp32 partials grow with chunks x pairs)
+    chunked = config.chunked and p <= SMALL_ALIGN_MAX_PAIRS
     # the top-k combine in the down GEMM's last programs (MoEConfig.fused_combine): one launch fewer;
     # decode regime only (the prep kernel zeroes the rows of tokens no pair writes)
-    fuse_combine = (config.fused_combine and p <= SMALL_ALIGN_MAX_PAIRS
+    fuse_combine = (config.fused_combine and not chunked and p <= SMALL_ALIGN_MAX_PAIRS
                     and t * triton.cdiv(h, cd.BN) <= FINISH_COUNTERS)
     if p <= SMALL_ALIGN_MAX_PAIRS:
         nb = min(p, p // bm + min(p, num_slots))
@@ -1028,6 +1031,11 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         sorted_ids, bslot, nb = aligned.sorted_ids, aligned.block_slot, aligned.num_blocks
         miss_counter += aligned.num_misses.to(miss_counter.dtype)
         x_perm.copy_(hidden.view(t, h // upw, upw).transpose(1, 2))
+    if chunked:
+        from moet.kernels.moe_chunked_decode import run_chunked_decode
+        run_chunked_decode(x_perm, ops, fmt, sorted_ids, bslot, nb, ids, table, tw, t, k, h, i, limit, has_limit,
+                           config, out, _workspace, use_asm, tiled, op_dtype, pdl)
+        return
     act = _workspace((p, i), op_dtype, dev)
     common = dict(TOPK=k, FMT=fmt, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=bm)
     if cg.SPLIT_K == 1:
