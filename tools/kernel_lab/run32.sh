@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device run 32 (stop 27). Results in $OUT/<mode>.tgz.
+#   bash tools/kernel_lab/run32.sh chunk  (~6 min) the chunked decode (MoEConfig.chunked, moe_chunked_decode.py:
+#       gate/up + SwiGLU and that chunk's down in one program, one launch, fp32 partials per chunk summed by the
+#       combine): its GPU tests, then moe_config_probe.py at DeepSeek-V3 W2 T = 1 (the table: 49.3 us, run 30),
+#       chunk rows / warps / stages / down rows against the table config in the same process
+#   bash tools/kernel_lab/run32.sh chunk2 (~6 min) the same for DeepSeek-V3 FP4 T = 1, W2 T = 4 / 8, Qwen3 and
+#       GLM-4.5-Air W2 T = 1 (fewer chunks: I 768 / 1408)
+#   bash tools/kernel_lab/run32.sh twohalf|ncu|prefix: run31.sh's modes (issue 5's two-half split kernel; Nsight
+#       Compute on the decode GEMMs; the layer cut on every shape)
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+R=/tmp/r32; mkdir -p $R
+MODE=${1:-}
+save() { tar czf $OUT/${MODE}.tgz -C $R . 2>/dev/null; }
+C="chunked=1;gu.BKH=32;gu.num_warps=8;gu.num_stages=4;dn.BN=128;dn.num_stages=3"   # the base chunk variant
+probe() {  # name, timeout, shape, fmt, tokens, variants...
+    local n=$1 to=$2 sh=$3 f=$4 tk=$5; shift 5
+    timeout -k 5 $to python tools/kernel_lab/moe_config_probe.py --out $R/probe_$n --shape $sh --fmt $f --tokens $tk \
+        --variants "$@" > $R/log_probe_$n.txt 2>&1
+    echo "probe $n rc=$?"; grep -E "^\[" $R/log_probe_$n.txt | cut -c1-190; save
+}
+case "$MODE" in
+chunk)
+    timeout -k 5 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py -k "chunked or matches_reference or row_tiled" \
+        > $R/pytest_chunk.txt 2>&1; echo "tests rc=$?"; tail -3 $R/pytest_chunk.txt; save
+    probe w2_t1 330 deepseek w2 1 "$C;gu.BN=128" "$C;gu.BN=128;gu.num_warps=4" "$C;gu.BN=128;gu.BKH=64;gu.num_stages=3" \
+        "$C;gu.BN=128;gu.chains=2" "$C;gu.BN=128;dn.BN=256" "$C;gu.BN=128;dn.BN=64;dn.num_stages=4" \
+        "$C;gu.BN=128;dn.num_stages=2" "$C;gu.BN=128;dn.num_stages=5" "$C;gu.BN=256;gu.num_stages=3" \
+        "$C;gu.BN=128;BM=1" "$C;gu.BN=128;BM=4" "$C;gu.BN=128;gu.num_stages=6" "$C;gu.BN=128;pdl=0;fused_combine=0"
+    ;;
+chunk2)
+    probe fp4_t1 170 deepseek fp4 1 "$C;gu.BN=128" "$C;gu.BN=128;gu.num_warps=4" "$C;gu.BN=64;gu.num_warps=4" \
+        "$C;gu.BN=128;gu.chains=2" "$C;gu.BN=128;dn.BN=64" "$C;gu.BN=256;gu.num_stages=3"
+    probe w2_t48 150 deepseek w2 4,8 "$C;gu.BN=128" "$C;gu.BN=256;gu.num_stages=3" "$C;gu.BN=128;gu.num_warps=4"
+    probe qwen_t1 100 qwen w2 1 "$C;gu.BN=128" "$C;gu.BN=128;gu.num_warps=4" "$C;gu.BN=128;dn.BN=64"
+    probe glm_t1 100 glm w2 1 "$C;gu.BN=128" "$C;gu.BN=128;gu.num_warps=4" "$C;gu.BN=128;dn.BN=64"
+    ;;
+twohalf|ncu|prefix) OUT=$OUT bash tools/kernel_lab/run31.sh $MODE ;;
+*) echo "usage: run32.sh chunk|chunk2|twohalf|ncu|prefix"; exit 2 ;;
+esac
