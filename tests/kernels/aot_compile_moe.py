@@ -30,7 +30,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"CHAINS": 1, **const}
     if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch)
         const = {"PREFETCH": 0, **const}
-    for flag in ("EVEN_K", "EVEN_N"):                             # (likewise: masked K steps and rows)
+    for flag in ("EVEN_K", "EVEN_N", "X_CLAMP", "STACKED"):       # (likewise: masked K steps and rows, x
+                                                                  # rows masked, gate and up apart)
         if flag in fn.arg_names:
             const = {flag: False, **const}
     for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)

@@ -1035,3 +1035,30 @@ def test_chunked_decode_on_row_tiled_pools_and_its_limits(poisoned, monkeypatch)
 def test_chunked_combine_block_keeps_the_gpu_busy():
     from moet.kernels.moe_chunked_decode import combine_block
     assert combine_block(1, 7168) == 128 and combine_block(64, 7168) == 1024 and combine_block(1, 64) == 64
+
+
+@pytest.mark.parametrize("fmt,cfg", [
+    ("w2", MoEConfig(8, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2))),
+    ("w2", MoEConfig(2, GemmConfig(32, 16, 2, 2, 2), GemmConfig(32, 16, 1, 2, 2), fused_finish=True)),
+    ("fp4", MoEConfig(4, GemmConfig(16, 32, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2)))])
+def test_stacked_gate_up_gives_the_same_bits(poisoned, fmt, cfg):
+    """GemmConfig.stacked (gate and up rows one MMA tile, split after the K loop) on nb8 / nvfp4 and
+    their row-tiled twins, split-K with the fused finish included: the same bits as unstacked, the
+    same misses; at chains 2 (even / odd slots) close; a stacked down is refused."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(47)
+    pool = (_w2_pool if fmt == "w2" else _fp4_pool)(4, 256, 256, g)
+    tab = _table([2, -1, 0, 3, 1])
+    x, ids, w = _inputs(3, 2, 256, 5, g)
+    ids[0] = torch.tensor([1, 3])
+    stacked = replace(cfg, gate_up=replace(cfg.gate_up, stacked=True))
+    for p in (pool, row_tiled(pool)):
+        m1, m2 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        a = mt.moe_experts_triton(x, ids, w, tab, p, m1, swiglu_limit=2.0, config=cfg)
+        b = mt.moe_experts_triton(x, ids, w, tab, p, m2, swiglu_limit=2.0, config=stacked)
+        assert torch.equal(a, b) and torch.equal(m1, m2) and int(m1.item()) == 1
+    c2 = replace(stacked, gate_up=replace(stacked.gate_up, chains=2))
+    assert _relerr(mt.moe_experts_triton(x, ids, w, tab, pool, m1, swiglu_limit=2.0, config=c2), a) <= BOUND
+    assert MoEConfig.from_json(stacked.to_json()) == stacked and "stacked" not in cfg.to_json()["gate_up"]
+    with pytest.raises(ValueError, match="stacked"):
+        replace(cfg, down=replace(cfg.down, stacked=True))

@@ -25,7 +25,7 @@ def patch(cfg, spec: str):
         key, val = item.split("=")
         v = int(val)
         if key.startswith("gu."):
-            gu[key[3:]] = v
+            gu[key[3:]] = bool(v) if key == "gu.stacked" else v
         elif key.startswith("dn."):
             dn[key[3:]] = v
         else:

@@ -35,6 +35,18 @@ chunk2)
     probe qwen_t1 100 qwen w2 1 "$C;gu.BN=128" "$C;gu.BN=128;gu.num_warps=4" "$C;gu.BN=128;dn.BN=64"
     probe glm_t1 100 glm w2 1 "$C;gu.BN=128" "$C;gu.BN=128;gu.num_warps=4" "$C;gu.BN=128;dn.BN=64"
     ;;
+stacked)
+    timeout -k 5 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py -k "stacked or chunked or matches_reference" \
+        > $R/pytest_stacked.txt 2>&1; echo "tests rc=$?"; tail -3 $R/pytest_stacked.txt; save
+    S="gu.stacked=1;gu.BN=16"
+    probe st_w2_t1 200 deepseek w2 1 "$S" "$S;gu.num_stages=3" "$S;gu.BKH=32" "$S;gu.BKH=32;gu.num_stages=6" \
+        "gu.stacked=1;gu.num_warps=4" "$S;gu.chains=2" "$S;gu.num_stages=3;dn.num_warps=4" "dn.num_warps=4" \
+        "$S;gu.BKH=32;BM=4" "$S;gu.num_stages=2"
+    probe st_fp4_t1 120 deepseek fp4 1 "$S" "$S;gu.num_stages=3" "$S;gu.BKH=32" "gu.stacked=1;gu.num_warps=4" \
+        "$S;gu.chains=1" "dn.num_warps=4"
+    probe st_w2_t8 120 deepseek w2 4,8 "$S" "$S;gu.num_stages=3" "$S;gu.BKH=32" "gu.stacked=1;gu.num_warps=4"
+    probe st_qwen 90 qwen w2 1,8 "$S" "$S;gu.num_stages=3" "$S;gu.BKH=32"
+    ;;
 twohalf|ncu|prefix) OUT=$OUT bash tools/kernel_lab/run31.sh $MODE ;;
 *) echo "usage: run32.sh chunk|chunk2|twohalf|ncu|prefix"; exit 2 ;;
 esac

@@ -44,6 +44,9 @@ class GemmConfig:
     # and token-major decodes ignore it): 1, or 2 = gate/up: the gate and up dots alternate (the
     # same bits); down: even and odd slots in two accumulators summed after the K loop (other bits)
     chains: int = 1
+    # gate/up on the tiled path only (moe_triton's STACKED): the gate and up rows one stacked MMA tile,
+    # one 16-row tile a warp, so the same rows take twice the warps; the same bits at chains 1
+    stacked: bool = False
 
     def __post_init__(self):
         if self.chains not in (1, 2):
@@ -82,11 +85,15 @@ class MoEConfig:
     chunked: bool = False
 
     def __post_init__(self):
+        if self.down.stacked:
+            raise ValueError("GemmConfig.stacked stacks the gate and up rows: a gate_up setting, not a down one")
         if self.down_prefetch and not self.pdl:
             raise ValueError("MoEConfig.down_prefetch prefetches before the PDL wait: it needs pdl=True")
 
     def to_json(self) -> dict:
-        d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+        def gemm(c: GemmConfig) -> dict:    # stacked only where set: older entries stay as written
+            return {f: v for f, v in asdict(c).items() if f != "stacked" or v}
+        d = {"BM": self.BM, "gate_up": gemm(self.gate_up), "down": gemm(self.down)}
         if self.pdl:
             d["pdl"] = True
         if self.token_major:
