@@ -28,8 +28,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"TILED": False, **const}
     if "CHAINS" in fn.arg_names:                                  # (likewise: one MMA chain a step)
         const = {"CHAINS": 1, **const}
-    if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch)
-        const = {"PREFETCH": 0, **const}
+    if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch, all its steps)
+        const = {"PREFETCH": 0, "PREFETCH_STEPS": 0, **const}
     for flag in ("EVEN_K", "EVEN_N", "X_CLAMP", "STACKED"):       # (likewise: masked K steps and rows, x
                                                                   # rows masked, gate and up apart)
         if flag in fn.arg_names:
@@ -101,7 +101,7 @@ def main(quick: bool = False) -> None:
             c = _compile(m._moe_gemm_kernel, types, even, 2, 4)
             print("gemm-even", name, "gate_up" if gu else "down", "cubin bytes", len(c.asm["cubin"]))
         # the down GEMM with its L2 prefetch before the PDL wait (MoEConfig.down_prefetch)
-        const = dict(const, CHAINS=1, PREFETCH=8)
+        const = dict(const, CHAINS=1, PREFETCH=8, PREFETCH_STEPS=2)
         ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
         ok = 0 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
         print("gemm-prefetch", name, "before-wait" if ok else "missing")

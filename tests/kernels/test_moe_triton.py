@@ -817,6 +817,11 @@ def test_down_prefetch_config_and_points():
     split = replace(c, down=GemmConfig(32, 32, 2, 2, 4))
     assert mt.prefetch_points(split, mt.FMT_W2, 2048, True) == 4   # half the K span each
     assert mt.prefetch_points(split, mt.FMT_W2, 1408, False) == 2  # 176 units: 6 steps of 32, 3 a split: 96 units
+    first = replace(c, down_prefetch_steps=2)                        # the first 2 steps only: 64 units
+    assert mt.prefetch_points(first, mt.FMT_W2, 2048, True) == 2 and MoEConfig.from_json(first.to_json()) == first
+    assert mt.prefetch_points(replace(c, down_prefetch_steps=99), mt.FMT_W2, 2048, True) == 8
+    with pytest.raises(ValueError, match="down_prefetch_steps"):
+        replace(c, down_prefetch=False, down_prefetch_steps=2)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the prefetch is issued under PDL only, a GPU launch (the "
@@ -834,6 +839,9 @@ def test_down_prefetch_changes_no_bits(poisoned, fmt):
     ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
     out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=replace(base, down_prefetch=True))
     assert torch.equal(out, ref) and int(m1.item()) == int(m0.item()) > 0
+    first = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5,
+                config=replace(base, down_prefetch=True, down_prefetch_steps=1))
+    assert torch.equal(first, ref)
 
 
 def _run_asm(asm: str, regs: dict) -> dict:

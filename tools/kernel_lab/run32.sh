@@ -47,6 +47,17 @@ stacked)
     probe st_w2_t8 120 deepseek w2 4,8 "$S" "$S;gu.num_stages=3" "$S;gu.BKH=32" "gu.stacked=1;gu.num_warps=4"
     probe st_qwen 90 qwen w2 1,8 "$S" "$S;gu.num_stages=3" "$S;gu.BKH=32"
     ;;
+pf)
+    timeout -k 5 100 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py -k "prefetch" \
+        > $R/pytest_pf.txt 2>&1; echo "tests rc=$?"; tail -3 $R/pytest_pf.txt; save
+    P="down_prefetch=1;down_prefetch_steps"
+    probe pf_w2_t1 150 deepseek w2 1 "$P=1" "$P=2" "$P=3" "$P=4" "down_prefetch=1" "$P=2;dn.num_stages=3"
+    probe pf_fp4_t1 150 deepseek fp4 1 "pdl=1" "pdl=1;$P=1" "pdl=1;$P=2" "pdl=1;$P=4" "pdl=1;fused_combine=1" \
+        "pdl=1;$P=2;fused_combine=1"
+    probe pf_w2_t8 100 deepseek w2 8 "pdl=1" "pdl=1;$P=1" "pdl=1;$P=2"
+    probe pf_qwen 60 qwen w2 1 "$P=1" "$P=2"
+    probe pf_qwen_fp4 60 qwen fp4 1 "pdl=1" "pdl=1;$P=1" "pdl=1;$P=2"
+    ;;
 twohalf|ncu|prefix) OUT=$OUT bash tools/kernel_lab/run31.sh $MODE ;;
 *) echo "usage: run32.sh chunk|chunk2|twohalf|ncu|prefix"; exit 2 ;;
 esac

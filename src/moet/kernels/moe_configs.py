@@ -79,6 +79,8 @@ class MoEConfig:
     # before it waits for the gate/up kernel, so the down's DRAM reads overlap gate/up's tail
     # (moe_triton PREFETCH); the same bits
     down_prefetch: bool = False
+    # with down_prefetch: only the first this many K steps of each down program's slab (0 = all of it)
+    down_prefetch_steps: int = 0
     # decode regime: gate/up + SwiGLU and the down projection of one chunk of gate_up.BN intermediate
     # rows per program, one launch, fp32 partials per chunk summed by the combine
     # (moe_chunked_decode; down.BN / down.num_stages: its down loop's rows a step and stages)
@@ -87,6 +89,8 @@ class MoEConfig:
     def __post_init__(self):
         if self.down.stacked:
             raise ValueError("GemmConfig.stacked stacks the gate and up rows: a gate_up setting, not a down one")
+        if self.down_prefetch_steps < 0 or (self.down_prefetch_steps and not self.down_prefetch):
+            raise ValueError("MoEConfig.down_prefetch_steps (>= 0) limits down_prefetch: set that too")
         if self.down_prefetch and not self.pdl:
             raise ValueError("MoEConfig.down_prefetch prefetches before the PDL wait: it needs pdl=True")
 
@@ -106,6 +110,8 @@ class MoEConfig:
             d["fused_combine"] = True
         if self.down_prefetch:
             d["down_prefetch"] = True
+        if self.down_prefetch_steps:
+            d["down_prefetch_steps"] = self.down_prefetch_steps
         if self.chunked:
             d["chunked"] = True
         return d
@@ -115,7 +121,8 @@ class MoEConfig:
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
                          bool(d.get("token_major", False)), bool(d.get("fused", False)),
                          bool(d.get("fused_finish", False)), bool(d.get("fused_combine", False)),
-                         bool(d.get("down_prefetch", False)), bool(d.get("chunked", False)))
+                         bool(d.get("down_prefetch", False)), int(d.get("down_prefetch_steps", 0)),
+                         bool(d.get("chunked", False)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

@@ -439,7 +439,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
                      TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
                      EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, X_CLAMP: tl.constexpr = False,
-                     STACKED: tl.constexpr = False):
+                     STACKED: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -459,16 +459,20 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
     PREFETCH (down under PDL only, MoEConfig.down_prefetch; points per row): before the PDL wait,
     the program prefetches its weight slab into L2, so its DRAM reads overlap the kernels before
     it. Safe: the weights and the tile's slot (bslot_ptr) were written before the gate/up launch,
-    and this kernel cannot launch before every gate/up program has passed its own wait."""
+    and this kernel cannot launch before every gate/up program has passed its own wait.
+    PREFETCH_STEPS (MoEConfig.down_prefetch_steps; 0 = the whole slab): only the slab's first K steps,
+    the bytes the program's pipeline asks for first (the whole down did not fit in L2 beside
+    gate/up's reads at T = 1, run 29)."""
     if PREFETCH:
         slot_pf = tl.load(bslot_ptr + tl.program_id(1))
         if slot_pf >= 0:
             UPW_PF: tl.constexpr = 8 if FMT == 0 else 4
             UNITS_PF: tl.constexpr = K // UPW_PF
             PER_PF: tl.constexpr = ((UNITS_PF + BKH - 1) // BKH + SPLIT_K - 1) // SPLIT_K
+            SPAN_PF: tl.constexpr = PER_PF if PREFETCH_STEPS == 0 else min(PER_PF, PREFETCH_STEPS)
             _prefetch_slab(wq_ptr + slot_pf.to(tl.int64) * s_wq_slot, sc_ptr + slot_pf.to(tl.int64) * s_sc_slot,
                            tl.program_id(0) * BN + tl.arange(0, BN), N, tl.program_id(2) * PER_PF * BKH, UNITS_PF,
-                           UNITS_PF // 4, FMT, PER_PF * BKH, PREFETCH, TILED)
+                           UNITS_PF // 4, FMT, SPAN_PF * BKH, PREFETCH, TILED)
     _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -1096,6 +1100,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, CHAINS=cd.chains,
         **_even_tiles(h, i, fmt, cd, bm), num_warps=cd.num_warps,
         num_stages=cd.num_stages, PREFETCH=prefetch_points(config, fmt, i, tiled) if pdl["PDL"] else 0,
+        PREFETCH_STEPS=config.down_prefetch_steps,
         **common, **pdl)
     if not fuse_combine:
         bh = min(1024, triton.next_power_of_2(h))
@@ -1134,6 +1139,8 @@ def prefetch_points(config: MoEConfig, fmt: int, k: int, tiled: bool) -> int:
     c = config.down
     units = k // (8 if fmt == FMT_W2 else 4)
     per = triton.cdiv(triton.cdiv(units, c.BKH), c.SPLIT_K)
+    if config.down_prefetch_steps:
+        per = min(per, config.down_prefetch_steps)
     pstep = (32 if fmt == FMT_W2 else 64) if tiled else 64
     return triton.next_power_of_2(triton.cdiv(per * c.BKH, pstep))
 
