@@ -12,8 +12,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moet.kernels import moe_triton as m
-from tests.kernels import aot_compile as aot
-from tests.kernels.aot_compile import sass_report
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -30,8 +28,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"CHAINS": 1, **const}
     if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch, all its steps)
         const = {"PREFETCH": 0, "PREFETCH_STEPS": 0, **const}
-    for flag in ("EVEN_K", "EVEN_N", "X_CLAMP", "STACKED"):       # (likewise: masked K steps and rows, x
-                                                                  # rows masked, gate and up apart)
+    for flag in ("EVEN_K", "EVEN_N", "X_CLAMP"):                  # (likewise: masked K steps and rows, x
+                                                                  # rows masked)
         if flag in fn.arg_names:
             const = {flag: False, **const}
     for flag in ("SWAP_AB", "F8_WORDS"):                          # (the GQA decode's, likewise)
@@ -125,20 +123,6 @@ def main(quick: bool = False) -> None:
         ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
         ok = "fence.acq_rel.gpu" in ptx and "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
         print("gemm-fused-combine", name, "handoff" if ok else "no-handoff")
-    # the chunked decode (MoEConfig.chunked): gate/up and the chunk's down in one program, row-tiled
-    # pools, both down addressings (the chunk's units below and at a whole tile row), no spills
-    from moet.kernels import moe_chunked_decode as mc
-    ck_types = dict(x_ptr="*bf16", gq_ptr="*i16", gs_ptr="*u8", gs2_ptr="*fp32", dq_ptr="*i16", ds_ptr="*u8",
-                    ds2_ptr="*fp32", sorted_ptr="*i32", bslot_ptr="*i32", act_ptr="*bf16", y_ptr="*fp32", s_x="i32",
-                    s_gq="i32", s_gs="i32", s_dq="i32", s_ds="i32", limit="fp32", P="i32")
-    for fmt, name, bc, chains in ((m.FMT_W2, "w2", 128, 1), (m.FMT_W2, "w2", 256, 2), (m.FMT_FP4, "fp4", 128, 1)):
-        const = dict(H=7168, I=2048, TOPK=8, FMT=fmt, HAS_LIMIT=True, USE_ASM=2, BM=8, BC=bc, BKH=32, BND=128,
-                     DN_STAGES=3, TILED=True, CHAINS=chains, EVEN_K=True, EVEN_C=True, EVEN_H=True, PDL=True)
-        # the JIT's divisibility of the integer strides (as a launch compiles: vector loads)
-        c = aot._compile(mc._moe_chunk_kernel, ck_types, const, dict(num_warps=8, num_stages=3),
-                         div16=("s_x", "s_gq", "s_gs", "s_dq", "s_ds"))
-        r = sass_report(c)
-        print("chunked", name, bc, "regs", r["regs"], "spills", r["spill_ops"])
     c = _compile(m._prep_small_kernel, dict(ids_ptr="*i64", table_ptr="*i32", sorted_ptr="*i32", bslot_ptr="*i32",
                                             nblk_ptr="*i32", miss_ptr="*i64", P="i32", NB="i32", x_ptr="*bf16",
                                             xp_ptr="*bf16", s_x="i32"),

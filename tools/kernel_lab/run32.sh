@@ -6,6 +6,10 @@
 #       chunk rows / warps / stages / down rows against the table config in the same process
 #   bash tools/kernel_lab/run32.sh chunk2 (~6 min) the same for DeepSeek-V3 FP4 T = 1, W2 T = 4 / 8, Qwen3 and
 #       GLM-4.5-Air W2 T = 1 (fewer chunks: I 768 / 1408)
+#   bash tools/kernel_lab/run32.sh stacked (~2 min) GemmConfig.stacked (gate and up rows one MMA tile): its tests, probes
+#   bash tools/kernel_lab/run32.sh pf (~1.5 min) MoEConfig.down_prefetch_steps: the down's L2 prefetch, first K steps only
+# The chunk / chunk2 / stacked modes ran at commits bc49aa9 / 1c1a0f8; both forms lost (docs/perf.md, MoE "Stop 27 /
+# run 32") and were removed after, so those modes no longer run on main.
 #   bash tools/kernel_lab/run32.sh twohalf|ncu|prefix: run31.sh's modes (issue 5's two-half split kernel; Nsight
 #       Compute on the decode GEMMs; the layer cut on every shape)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1

@@ -44,9 +44,6 @@ class GemmConfig:
     # and token-major decodes ignore it): 1, or 2 = gate/up: the gate and up dots alternate (the
     # same bits); down: even and odd slots in two accumulators summed after the K loop (other bits)
     chains: int = 1
-    # gate/up on the tiled path only (moe_triton's STACKED): the gate and up rows one stacked MMA tile,
-    # one 16-row tile a warp, so the same rows take twice the warps; the same bits at chains 1
-    stacked: bool = False
 
     def __post_init__(self):
         if self.chains not in (1, 2):
@@ -81,23 +78,15 @@ class MoEConfig:
     down_prefetch: bool = False
     # with down_prefetch: only the first this many K steps of each down program's slab (0 = all of it)
     down_prefetch_steps: int = 0
-    # decode regime: gate/up + SwiGLU and the down projection of one chunk of gate_up.BN intermediate
-    # rows per program, one launch, fp32 partials per chunk summed by the combine
-    # (moe_chunked_decode; down.BN / down.num_stages: its down loop's rows a step and stages)
-    chunked: bool = False
 
     def __post_init__(self):
-        if self.down.stacked:
-            raise ValueError("GemmConfig.stacked stacks the gate and up rows: a gate_up setting, not a down one")
         if self.down_prefetch_steps < 0 or (self.down_prefetch_steps and not self.down_prefetch):
             raise ValueError("MoEConfig.down_prefetch_steps (>= 0) limits down_prefetch: set that too")
         if self.down_prefetch and not self.pdl:
             raise ValueError("MoEConfig.down_prefetch prefetches before the PDL wait: it needs pdl=True")
 
     def to_json(self) -> dict:
-        def gemm(c: GemmConfig) -> dict:    # stacked only where set: older entries stay as written
-            return {f: v for f, v in asdict(c).items() if f != "stacked" or v}
-        d = {"BM": self.BM, "gate_up": gemm(self.gate_up), "down": gemm(self.down)}
+        d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
         if self.pdl:
             d["pdl"] = True
         if self.token_major:
@@ -112,8 +101,6 @@ class MoEConfig:
             d["down_prefetch"] = True
         if self.down_prefetch_steps:
             d["down_prefetch_steps"] = self.down_prefetch_steps
-        if self.chunked:
-            d["chunked"] = True
         return d
 
     @staticmethod
@@ -121,8 +108,7 @@ class MoEConfig:
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
                          bool(d.get("token_major", False)), bool(d.get("fused", False)),
                          bool(d.get("fused_finish", False)), bool(d.get("fused_combine", False)),
-                         bool(d.get("down_prefetch", False)), int(d.get("down_prefetch_steps", 0)),
-                         bool(d.get("chunked", False)))
+                         bool(d.get("down_prefetch", False)), int(d.get("down_prefetch_steps", 0)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:

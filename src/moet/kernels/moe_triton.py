@@ -439,7 +439,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
                      TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
                      EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, X_CLAMP: tl.constexpr = False,
-                     STACKED: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 0):
+                     PREFETCH_STEPS: tl.constexpr = 0):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -451,11 +451,6 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
     sum for that token's rows into act_ptr (the layer output [T, N]) -- the same order, j then s --
     and re-zeroes the counter. Tokens with no resident pair get no arrival: the prep kernel zeroed
     their rows.
-    STACKED (GATE_UP, GemmConfig.stacked): the BN gate rows and their BN up rows are one [2 BN, BKH]
-    weight tile and one dot a slot, split into gate and up after the K loop: each warp then holds
-    one 16-row MMA tile instead of a gate and an up one, so the same rows take twice the warps
-    (the T = 1 gate/up grid held 1.9 warps a scheduler, Nsight run 32). The same dots per output
-    row in the same order: the same bits (CHAINS 2 here: even / odd slots, other bits).
     PREFETCH (down under PDL only, MoEConfig.down_prefetch; points per row): before the PDL wait,
     the program prefetches its weight slab into L2, so its DRAM reads overlap the kernels before
     it. Safe: the weights and the tile's slot (bslot_ptr) were written before the gate/up launch,
@@ -508,18 +503,8 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         hcols = tl.arange(0, BKH)
         gcols = tl.arange(0, BKH // 4)
         xb = x_ptr + xrow[:, None] * s_x                   # x rows in slot-major order [UPW, UNITS]
-        if STACKED:
-            r2 = tl.arange(0, 2 * BN)
-            srows = pid_n * BN + r2 % BN + (r2 // BN) * N      # gate rows, then their up rows
-            if EVEN_N:
-                smask = tl.full([2 * BN], 1, tl.int1)
-            else:
-                smask = pid_n * BN + r2 % BN < N
-            acc = tl.zeros([2 * BN, BM], dtype=tl.float32)
-            acc2 = tl.zeros([2 * BN, BM], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BN, BM], dtype=tl.float32)
-            acc2 = tl.zeros([BN, BM], dtype=tl.float32)
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BM], dtype=tl.float32)
         # UNROLL (GemmConfig.unroll): the K loop body repeated, so one copy's activation loads can
         # be issued during the other's dots (with BM < 4 Triton loads x straight into the MMA
         # registers at the top of each step: the top stall in Nsight Compute, run 20; on the H200
@@ -546,15 +531,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
             xp = xb + u[None, :]
             # one [BM, BKH] tile per slot, contiguous along u: cp.async-able, no shuffles
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots(xp, UNITS, xm, FMT, False, USE_ASM, "")
-            if STACKED:
-                if CHAINS == 2:
-                    acc, acc2 = _rows_dots_split(acc, acc2, wq, sc, srows, smask, u, umask, g, gmask,
-                                                 x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, 2 * BN, BKH,
-                                                 USE_ASM, TILED)
-                else:
-                    acc = _rows_dots(acc, wq, sc, srows, smask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
-                                     st, UNITS, G, FMT, 2 * BN, BKH, USE_ASM, TILED)
-            elif CHAINS == 2:
+            if CHAINS == 2:
                 if GATE_UP:
                     acc, acc2 = _rows_dots_pair(acc, acc2, wq, sc, n, n + N, nmask, u, umask, g, gmask,
                                                 x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, BN, BKH, USE_ASM,
@@ -569,11 +546,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                 if GATE_UP:
                     acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6,
                                       x7, st, UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
-        if STACKED:
-            if CHAINS == 2:
-                acc = acc + acc2
-            acc, acc2 = tl.split(tl.permute(tl.reshape(acc, (2, BN, BM)), (1, 2, 0)))   # gate, up
-        elif CHAINS == 2:
+        if CHAINS == 2:
             if not GATE_UP:
                 acc = acc + acc2                           # the odd slots' chain
         if FMT == 1:   # per-tensor scale_2 (gate / up / down) and the 2^8 the decode left out
@@ -1041,12 +1014,9 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
             num_warps=cd.num_warps, num_stages=cd.num_stages, **pdl)
         return
     x_perm = _workspace((t, upw, h // upw), op_dtype, dev)
-    # gate/up and down of one intermediate chunk per program (MoEConfig.chunked, moe_chunked_decode):
-    # decode regime only (its fp32 partials grow with chunks x pairs)
-    chunked = config.chunked and p <= SMALL_ALIGN_MAX_PAIRS
     # the top-k combine in the down GEMM's last programs (MoEConfig.fused_combine): one launch fewer;
     # decode regime only (the prep kernel zeroes the rows of tokens no pair writes)
-    fuse_combine = (config.fused_combine and not chunked and p <= SMALL_ALIGN_MAX_PAIRS
+    fuse_combine = (config.fused_combine and p <= SMALL_ALIGN_MAX_PAIRS
                     and t * triton.cdiv(h, cd.BN) <= FINISH_COUNTERS)
     if p <= SMALL_ALIGN_MAX_PAIRS:
         nb = min(p, p // bm + min(p, num_slots))
@@ -1063,11 +1033,6 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         sorted_ids, bslot, nb = aligned.sorted_ids, aligned.block_slot, aligned.num_blocks
         miss_counter += aligned.num_misses.to(miss_counter.dtype)
         x_perm.copy_(hidden.view(t, h // upw, upw).transpose(1, 2))
-    if chunked:
-        from moet.kernels.moe_chunked_decode import run_chunked_decode
-        run_chunked_decode(x_perm, ops, fmt, sorted_ids, bslot, nb, ids, table, tw, t, k, h, i, limit, has_limit,
-                           config, out, _workspace, use_asm, tiled, op_dtype, pdl)
-        return
     act = _workspace((p, i), op_dtype, dev)
     common = dict(TOPK=k, FMT=fmt, HAS_LIMIT=has_limit, USE_ASM=use_asm, BM=bm)
     if cg.SPLIT_K == 1:
@@ -1081,7 +1046,6 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
         FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, CHAINS=cg.chains,
-        STACKED=cg.stacked,
         **_even_tiles(i, h, fmt, cg, bm), num_warps=cg.num_warps,
         num_stages=cg.num_stages,
         **common, **pdl)
