@@ -8,6 +8,8 @@
 #       GLM-4.5-Air W2 T = 1 (fewer chunks: I 768 / 1408)
 #   bash tools/kernel_lab/run32.sh stacked (~2 min) GemmConfig.stacked (gate and up rows one MMA tile): its tests, probes
 #   bash tools/kernel_lab/run32.sh pf (~1.5 min) MoEConfig.down_prefetch_steps: the down's L2 prefetch, first K steps only
+#   bash tools/kernel_lab/run32.sh dn (~1 min) DeepSeek-V3 T = 1 down / gate-up variants the tuner never timed (FP4: split-K,
+#       BKH 64, ring depth, unrolled loops; W2 on the merged table)
 # The chunk / chunk2 / stacked modes ran at commits bc49aa9 / 1c1a0f8; both forms lost (docs/perf.md, MoE "Stop 27 /
 # run 32") and were removed after, so those modes no longer run on main.
 #   bash tools/kernel_lab/run32.sh twohalf|ncu|prefix: run31.sh's modes (issue 5's two-half split kernel; Nsight
@@ -61,6 +63,13 @@ pf)
     probe pf_w2_t8 100 deepseek w2 8 "pdl=1" "pdl=1;$P=1" "pdl=1;$P=2"
     probe pf_qwen 60 qwen w2 1 "$P=1" "$P=2"
     probe pf_qwen_fp4 60 qwen fp4 1 "pdl=1" "pdl=1;$P=1" "pdl=1;$P=2"
+    ;;
+dn)
+    probe dn_fp4_t1 200 deepseek fp4 1 "dn.SPLIT_K=2" "dn.SPLIT_K=2;dn.BN=32;dn.num_warps=2" "dn.BKH=64" \
+        "dn.BKH=64;dn.num_stages=3" "dn.num_stages=6" "dn.unroll=2" "dn.chains=1;dn.BN=32" "fused_combine=1" \
+        "BM=8;dn.BKH=64" "gu.num_stages=5" "gu.BKH=128;gu.num_stages=3" "gu.unroll=2"
+    probe dn_w2_t1 150 deepseek w2 1 "dn.BN=128" "dn.num_stages=5" "dn.BKH=64" "dn.SPLIT_K=2" "gu.num_stages=5" \
+        "dn.unroll=2" "gu.unroll=2" "down_prefetch_steps=2;dn.BN=128"
     ;;
 twohalf|ncu|prefix) OUT=$OUT bash tools/kernel_lab/run31.sh $MODE ;;
 *) echo "usage: run32.sh chunk|chunk2|twohalf|ncu|prefix"; exit 2 ;;
