@@ -818,7 +818,8 @@ def test_down_prefetch_config_and_points():
     assert mt.prefetch_points(first, mt.FMT_W2, 2048, True) == 2 and MoEConfig.from_json(first.to_json()) == first
     assert mt.prefetch_points(replace(c, down_prefetch_steps=99), mt.FMT_W2, 2048, True) == 8
     with pytest.raises(ValueError, match="down_prefetch_steps"):
-        replace(c, down_prefetch=False, down_prefetch_steps=2)
+        replace(c, down_prefetch_steps=-1)
+    assert mt.prefetch_points(replace(first, down_prefetch=False), mt.FMT_W2, 2048, True) == 0   # unused without it
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the prefetch is issued under PDL only, a GPU launch (the "

@@ -80,8 +80,8 @@ class MoEConfig:
     down_prefetch_steps: int = 0
 
     def __post_init__(self):
-        if self.down_prefetch_steps < 0 or (self.down_prefetch_steps and not self.down_prefetch):
-            raise ValueError("MoEConfig.down_prefetch_steps (>= 0) limits down_prefetch: set that too")
+        if self.down_prefetch_steps < 0:       # (without down_prefetch it is unused)
+            raise ValueError(f"MoEConfig.down_prefetch_steps is >= 0 (0: the whole slab), got {self.down_prefetch_steps}")
         if self.down_prefetch and not self.pdl:
             raise ValueError("MoEConfig.down_prefetch prefetches before the PDL wait: it needs pdl=True")
 
