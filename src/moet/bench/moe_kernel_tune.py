@@ -491,9 +491,10 @@ def main():
                             sweep(lambda b, c: c, [c for c in decode_whole_configs() if c.BM <= max(
                                 decode_tile_sizes(p, e))])
                         rep["tuning"][f"{key}/T{t}"] = tried
-                        def try_flag(flag: str, label: str, **with_too):
+                        def try_flag(flag: str, label: str, report: str | None = None, **with_too):
                             """The best config with one launch option on (and the options it needs,
-                            with_too); kept when correct and >= 2% faster."""
+                            with_too); kept when correct and >= 2% faster; reported under `report`
+                            (default: the flag's name)."""
                             nonlocal best, best_us
                             c = replace(best, **{flag: True}, **with_too)
                             try:
@@ -502,7 +503,7 @@ def main():
                             except Exception as exc:
                                 traceback.print_exc()
                                 on, chk = {"us": float("inf"), "error": repr(exc)[:1000]}, {}
-                            rep.setdefault(flag, {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on, "check": chk}
+                            rep.setdefault(report or flag, {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on, "check": chk}
                             print(f"    {key} T{t} {label}: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                             if chk.get("ok") and on["us"] < 0.98 * best_us:      # clearly faster: keep it
                                 best, best_us = c, on["us"]
@@ -517,6 +518,11 @@ def main():
                         if tiled and regime == "decode" and left() > 0:
                             # the down weights prefetched into L2 before its PDL wait (needs PDL)
                             try_flag("down_prefetch", "down prefetch", pdl=True)
+                        if tiled and regime == "decode" and left() > 0:
+                            # only each down program's first K step (the whole slab competes with
+                            # gate/up's reads for L2; run 32: -1.5..-3% at T = 1)
+                            try_flag("down_prefetch", "down prefetch, first step", "down_prefetch_first_step", pdl=True,
+                                     down_prefetch_steps=1)
                         for alt, max_pairs, alt_candidates, flag in _alternatives():
                             # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
                             # each kept if clearly faster than the tiled best and correct
