@@ -970,4 +970,3 @@ def test_asm_level_follows_the_device(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cap=cap: cap)
         assert mt.asm_level(torch.device("cuda", 0)) == want, cap
     mt._cuda_asm_level.cache_clear()
-

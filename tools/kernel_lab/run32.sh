@@ -72,5 +72,5 @@ dn)
         "dn.unroll=2" "gu.unroll=2" "down_prefetch_steps=2;dn.BN=128"
     ;;
 twohalf|ncu|prefix) OUT=$OUT bash tools/kernel_lab/run31.sh $MODE ;;
-*) echo "usage: run32.sh chunk|chunk2|twohalf|ncu|prefix"; exit 2 ;;
+*) echo "usage: run32.sh pf|dn|twohalf|ncu|prefix (chunk|chunk2|stacked: at bc49aa9 / 1c1a0f8 only)"; exit 2 ;;
 esac
