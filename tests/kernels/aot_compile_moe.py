@@ -7,6 +7,8 @@ Run by test_moe_triton.py in a subprocess; prints one line per kernel.
 """
 from __future__ import annotations
 
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -28,6 +30,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"CHAINS": 1, **const}
     if "PREFETCH" in fn.arg_names:                                # (likewise: no L2 prefetch, all its steps)
         const = {"PREFETCH": 0, "PREFETCH_STEPS": 0, **const}
+    if "KW2" in fn.arg_names:                                     # (likewise: the scale loads' kWidth 4 form)
+        const = {"KW2": False, **const}
     for flag in ("EVEN_K", "EVEN_N", "X_CLAMP"):                  # (likewise: masked K steps and rows, x
                                                                   # rows masked)
         if flag in fn.arg_names:
@@ -62,6 +66,21 @@ def main(quick: bool = False) -> None:
                 cvt = " e4m3-cvt" if "cvt.rn.f16x2.e4m3x2" in c.asm["ptx"] else ""
                 print("gemm", name, "gate_up" if gate_up else "down", bm, bn, bkh, split, unroll,
                       "cubin bytes", str(len(c.asm["cubin"])) + cvt)
+    # the decoders' MMA K packing (GemmConfig.kwidth2): the table's DeepSeek-V3 T = 1 tiles, both forms
+    for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
+        for gate_up in (True, False):
+            n, k = (2048, 7168) if gate_up else (7168, 2048)
+            types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32",
+                         bslot_ptr="*i32", out_ptr="*bf16" if gate_up else "*fp32", s_x="i32", s_wq_slot="i32",
+                         s_sc_slot="i32", limit="fp32", P="i32")
+            widths = []
+            for kw2 in (False, True):
+                const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=1, HAS_LIMIT=gate_up, USE_ASM=2,
+                             BM=8, BN=32 if gate_up else 64, BKH=64 if gate_up else 32, PDL=True, TILED=True,
+                             KW2=kw2)
+                ttgir = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ttgir"]
+                widths.append("/".join(sorted(set(re.findall(r"kWidth = (\d+)", ttgir)))))
+            print("kwidth", name, "gate_up" if gate_up else "down", *widths)
     # row-tiled pools (nb8t, nvfp4t): the tiled addressing, whole-tile and half-tile K steps (the
     # interpreter accepts what the compiler may not)
     for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):

@@ -570,6 +570,10 @@ def test_kernels_compile_for_sm90():
     # the few-token paths, GPU-only code (the interpreter never compiles): run 13 found token-major
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
+    # GemmConfig.kwidth2: the scale bytes behind the branch give the MMA operands kWidth 2; without
+    # it Triton 3.6 packs K by 4 (the 8-bit scale load; moe_triton._scale_values)
+    kw = [line.split() for line in r.stdout.splitlines() if line.startswith("kwidth ")]
+    assert len(kw) == 4 and all(w[3:] == ["4", "2"] for w in kw), r.stdout
     assert kinds.count("gemm-tiled") == 8, r.stdout          # nb8t / nvfp4t: whole- / half-tile steps, prefill
     assert kinds.count("gemm-chains2") == 4, r.stdout        # W2 / FP4 gate/up and down, two MMA chains
     assert kinds.count("gemm-even") == 4, r.stdout           # W2 / FP4 gate/up and down, constant masks
@@ -730,6 +734,34 @@ def test_two_mma_chains(poisoned, fmt):
     assert GemmConfig().chains == 1
     with pytest.raises(ValueError, match="chains"):
         GemmConfig(chains=3)
+
+
+@pytest.mark.parametrize("fmt", ["w2", "fp4"])
+def test_kwidth2_scale_branch(poisoned, fmt):
+    """GemmConfig.kwidth2 (the scale bytes behind an always-taken branch, so the compiled MMAs pack
+    K by 2): the same products, so the layer matches the kWidth-4 form (on a GPU up to the fp32 order
+    of the MMA sums), on gate/up, down and both, split and unsplit K; misses counted alike; the same
+    bits run to run; the JSON round trip."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(61 if fmt == "w2" else 62)
+    pool, run = _pool_and_run(mt, fmt, g)
+    tab = _table([2, 0, -1, 4, 1, -1])
+    x, ids, w = _inputs(3, 2, 64, 6, g)
+    ids[0] = torch.tensor([2, 0], device=DEVICE)               # one pair of a non-resident expert at least
+    for base in (MoEConfig(1, GemmConfig(16, 16, 2, 2, 2), GemmConfig(32, 16, 1, 2, 2)),
+                 MoEConfig(4, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 2, 2, 2))):
+        m0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
+        for cfg in (replace(base, gate_up=replace(base.gate_up, kwidth2=True)),
+                    replace(base, down=replace(base.down, kwidth2=True)),
+                    replace(base, gate_up=replace(base.gate_up, kwidth2=True), down=replace(base.down, kwidth2=True))):
+            m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+            out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+            assert _relerr(out, ref) <= (1e-6 if DEVICE == "cpu" else 1e-3), cfg
+            assert int(m1.item()) == int(m0.item()) > 0 and out.abs().max() > 0
+            assert torch.equal(out, run(x, ids, w, tab, pool, torch.zeros_like(m1), swiglu_limit=1.5, config=cfg))
+            assert MoEConfig.from_json(cfg.to_json()) == cfg
+    assert GemmConfig().kwidth2 is False
 
 
 def _mask_case(mt, fmt: str, seed: int):

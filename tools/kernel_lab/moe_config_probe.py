@@ -25,9 +25,9 @@ def patch(cfg, spec: str):
         key, val = item.split("=")
         v = int(val)
         if key.startswith("gu."):
-            gu[key[3:]] = v
+            gu[key[3:]] = bool(v) if key.endswith("kwidth2") else v
         elif key.startswith("dn."):
-            dn[key[3:]] = v
+            dn[key[3:]] = bool(v) if key.endswith("kwidth2") else v
         else:
             top[key] = bool(v) if key in ("pdl", "fused_finish", "fused_combine", "down_prefetch") else v
     return replace(cfg, gate_up=replace(cfg.gate_up, **gu), down=replace(cfg.down, **dn), **top)

@@ -39,7 +39,7 @@ def compile_tile(fmt, gate_up, bm, bn, bkh, split, warps, stages, extra):
                  s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
     const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=split, HAS_LIMIT=gate_up, USE_ASM=2, BM=bm,
                  BN=bn, BKH=bkh, PDL=True, UNROLL=1, TILED=True, FUSED_FINISH=False, FUSED_COMBINE=False, CHAINS=1,
-                 PREFETCH=0, EVEN_K=False, EVEN_N=False, X_CLAMP=False, PREFETCH_STEPS=0)
+                 PREFETCH=0, EVEN_K=False, EVEN_N=False, X_CLAMP=False, PREFETCH_STEPS=0, KW2=False)
     const.update(extra)
     const = {name: v for name, v in const.items() if name in m._moe_gemm_kernel.arg_names}
     # every constexpr given (an omitted defaulted one would compile as a runtime argument) and the

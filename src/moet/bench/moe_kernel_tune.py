@@ -495,15 +495,18 @@ def main():
                             """The best config with one launch option on (and the options it needs,
                             with_too); kept when correct and >= 2% faster; reported under `report`
                             (default: the flag's name)."""
+                            try_config(replace(best, **{flag: True}, **with_too), label, report or flag)
+
+                        def try_config(c: MoEConfig, label: str, report: str):
+                            """c (the best config with one change) kept when correct and >= 2% faster."""
                             nonlocal best, best_us
-                            c = replace(best, **{flag: True}, **with_too)
                             try:
                                 on = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
                                 chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
                             except Exception as exc:
                                 traceback.print_exc()
                                 on, chk = {"us": float("inf"), "error": repr(exc)[:1000]}, {}
-                            rep.setdefault(report or flag, {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on, "check": chk}
+                            rep.setdefault(report, {})[f"{key}/T{t}"] = {"off_us": best_us, "on": on, "check": chk}
                             print(f"    {key} T{t} {label}: off {best_us:.1f} us, on {on}, check {chk}", flush=True)
                             if chk.get("ok") and on["us"] < 0.98 * best_us:      # clearly faster: keep it
                                 best, best_us = c, on["us"]
@@ -523,6 +526,12 @@ def main():
                             # gate/up's reads for L2; run 32: -1.5..-3% at T = 1)
                             try_flag("down_prefetch", "down prefetch, first step", "down_prefetch_first_step", pdl=True,
                                      down_prefetch_steps=1)
+                        for part in ("gate_up", "down"):
+                            # the scale bytes behind a branch: the MMAs' K packed by 2 (GemmConfig.kwidth2;
+                            # run 33: -2..-8% on some GEMMs, +5..+40% on others)
+                            if tiled and regime == "decode" and left() > 0:
+                                try_config(replace(best, **{part: replace(getattr(best, part), kwidth2=True)}),
+                                           f"{part} kWidth 2", f"{part}_kwidth2")
                         for alt, max_pairs, alt_candidates, flag in _alternatives():
                             # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
                             # each kept if clearly faster than the tiled best and correct

@@ -44,6 +44,11 @@ class GemmConfig:
     # and token-major decodes ignore it): 1, or 2 = gate/up: the gate and up dots alternate (the
     # same bits); down: even and odd slots in two accumulators summed after the K loop (other bits)
     chains: int = 1
+    # the scale bytes behind an always-taken branch, so Triton packs the MMA operands' K by 2
+    # (kWidth 2: activations by ldmatrix, no register moves) instead of the 4 its heuristic takes from
+    # the 8-bit scale load (moe_triton._scale_values); other fp32 sum order. Fewer instructions a K step,
+    # but more registers and one shared-memory load per scale byte: a win on some tiles only (run 33)
+    kwidth2: bool = False
 
     def __post_init__(self):
         if self.chains not in (1, 2):

@@ -154,10 +154,46 @@ def _e4m3_times_2p118(b):
 
 
 @triton.jit
-def _w2_weights(c, s4, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+def _scale_value(s4, FMT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Scale bytes [BN, G] -> W2: the UE8M0 byte as int32; FP4: the e4m3 value * 2^118 (fp32)."""
+    if FMT == 0:
+        v = s4.to(tl.int32)
+    elif USE_ASM >= 2:   # sm_89+: the GPU's own e4m3 conversion (cvt.rn.f16x2.e4m3x2), exact;
+        v = s4.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118     # sm_90 AOT: FP4 loops -10..18%
+    else:                # the interpreter and older GPUs (no e4m3 type in Triton before sm_89)
+        v = _e4m3_times_2p118(s4.to(tl.int32))
+    return v
+
+
+@triton.jit
+def _scale_values(s4, FMT: tl.constexpr, USE_ASM: tl.constexpr, KW2: tl.constexpr):
+    """_scale_value; with KW2 (GemmConfig.kwidth2) behind a branch that is always taken (program ids
+    are >= 0), so the weight tiles' backward slice ends at the branch. Why: Triton (3.6,
+    AccelerateMatmul computeOrigBitWidth) gives a dot operand the K packing kWidth = 32 / (the
+    narrowest load it can trace the operand back to). The 8-bit scale load makes it 4, which pairs
+    each activation fragment across two MMAs (two register moves an MMA, activations by LDS.64).
+    Behind the branch the narrowest load is the 16-bit code units: kWidth 2, activations by
+    ldmatrix, the moves gone. sm_90 AOT, DeepSeek-V3 T = 1 tiles: W2 gate/up loop 927 -> 849
+    instructions, down 283 -> 257; but each thread's units then span twice the scale groups (one
+    LDS.U8 per byte, twice as many) and gate/up takes 168 registers instead of 127. On the H200
+    (run 33) that wins on some GEMMs and loses on others, so it is a per-GEMM choice. The same
+    products; the MMAs group K differently, so the fp32 sums may differ in their last bits.
+    test_moe_triton's AOT test asserts the kWidth of both forms."""
+    if KW2:
+        if tl.program_id(2) >= 0:
+            v = _scale_value(s4, FMT, USE_ASM)
+        else:
+            v = _scale_value(s4, FMT, USE_ASM)
+    else:
+        v = _scale_value(s4, FMT, USE_ASM)
+    return v
+
+
+@triton.jit
+def _w2_weights(c, s4, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr, KW2: tl.constexpr = False):
     """c int16 [BN, BKH] nb8 units, s4 uint8 [BN, BKH/4] scale bytes -> the [BN, BKH] weight tiles
     of slots 0..7 (weight 8u + p): bf16 from the asm decoder, fp32 from its plain twin."""
-    s = tl.reshape(tl.broadcast_to(s4.to(tl.int32)[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
+    s = tl.reshape(tl.broadcast_to(_scale_values(s4, 0, USE_ASM, KW2)[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
     if USE_ASM:
         w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
             NB8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [c, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
@@ -175,13 +211,10 @@ def _w2_weights(c, s4, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexp
 
 
 @triton.jit
-def _fp4_weights(c, s4, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+def _fp4_weights(c, s4, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr, KW2: tl.constexpr = False):
     """c int16 [BN, BKH] FP4 units, s4 uint8 [BN, BKH/4] e4m3 scale bytes -> the [BN, BKH] tiles of
     W * 2^-8 for slots 0..3 (weight 4u + p)."""
-    if USE_ASM >= 2:     # sm_89+: the GPU's own e4m3 conversion (cvt.rn.f16x2.e4m3x2), exact;
-        m4 = s4.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118     # sm_90 AOT: FP4 loops -10..18%
-    else:                # the interpreter and older GPUs (no e4m3 type in Triton before sm_89)
-        m4 = _e4m3_times_2p118(s4.to(tl.int32))
+    m4 = _scale_values(s4, 1, USE_ASM, KW2)
     m = tl.reshape(tl.broadcast_to(m4[:, :, None], (BN, BKH // 4, 4)), (BN, BKH))
     if USE_ASM:
         mb = m.to(tl.bfloat16).to(tl.int16, bitcast=True)
@@ -208,13 +241,14 @@ def _dot(w, x, acc, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _slot_weights(c, s4, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
+def _slot_weights(c, s4, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr,
+                  KW2: tl.constexpr = False):
     """The weight tiles of slots 0..7 (W2; FP4 has 0..3, the rest alias slot 0 and are never
     multiplied, as _x_slots' x4..x7)."""
     if FMT == 0:
-        w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _w2_weights(c, s4, BN, BKH, USE_ASM, KW2)
     else:
-        w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM)
+        w0, w1, w2, w3 = _fp4_weights(c, s4, BN, BKH, USE_ASM, KW2)
         w4 = w0
         w5 = w0
         w6 = w0
@@ -230,11 +264,11 @@ def _dot2(acc, acc2, w, x, v, y, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-          USE_ASM: tl.constexpr):
+          USE_ASM: tl.constexpr, KW2: tl.constexpr = False):
     """acc [BN, BM] += W [BN, UPW BKH] @ x^T: c int16 [BN, BKH] code units, s4 uint8 [BN, BKH/4]
     scale bytes, x_p [BM, BKH] the activations of slot p (weight UPW u + p), bf16 / fp32. FP4's
     product is W * 2^-8 (the caller's scale_2 multiply restores it)."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM)
+    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM, KW2)
     acc = _dot(w0, x0, acc, USE_ASM)
     acc = _dot(w1, x1, acc, USE_ASM)
     acc = _dot(w2, x2, acc, USE_ASM)
@@ -249,11 +283,11 @@ def _dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr, BN: tl.
 
 @triton.jit
 def _dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr, BN: tl.constexpr,
-               BKH: tl.constexpr, USE_ASM: tl.constexpr):
+               BKH: tl.constexpr, USE_ASM: tl.constexpr, KW2: tl.constexpr = False):
     """_dots for two row sets (gate into acc, up into acc2) at once, their dots alternating: each
     accumulator gets the same dots in the same order as from _dots, so the same bits."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _slot_weights(c2, s42, FMT, BN, BKH, USE_ASM)
+    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM, KW2)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _slot_weights(c2, s42, FMT, BN, BKH, USE_ASM, KW2)
     acc, acc2 = _dot2(acc, acc2, w0, x0, v0, x0, USE_ASM)
     acc, acc2 = _dot2(acc, acc2, w1, x1, v1, x1, USE_ASM)
     acc, acc2 = _dot2(acc, acc2, w2, x2, v2, x2, USE_ASM)
@@ -268,10 +302,10 @@ def _dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, FMT: t
 
 @triton.jit
 def _dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT: tl.constexpr, BN: tl.constexpr,
-                BKH: tl.constexpr, USE_ASM: tl.constexpr):
+                BKH: tl.constexpr, USE_ASM: tl.constexpr, KW2: tl.constexpr = False):
     """_dots with the even slots into acc and the odd ones into acc2 (two MMA chains; acc + acc2
     is _dots' sum in another fp32 order)."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM)
+    w0, w1, w2, w3, w4, w5, w6, w7 = _slot_weights(c, s4, FMT, BN, BKH, USE_ASM, KW2)
     acc, acc2 = _dot2(acc, acc2, w0, x0, w1, x1, USE_ASM)
     acc, acc2 = _dot2(acc, acc2, w2, x2, w3, x3, USE_ASM)
     if FMT == 0:
@@ -317,31 +351,31 @@ def _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS: tl.constexpr
 @triton.jit
 def _rows_dots(acc, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-               USE_ASM: tl.constexpr, TILED: tl.constexpr = False):
+               USE_ASM: tl.constexpr, TILED: tl.constexpr = False, KW2: tl.constexpr = False):
     """Step st of rows' dots (_rows_codes' tiles decoded and multiplied into acc)."""
     c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
-    return _dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM)
+    return _dots(acc, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM, KW2)
 
 
 @triton.jit
 def _rows_dots_pair(acc, acc2, wq, sc, rows, rows2, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7,
                     st, UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-                    BKH: tl.constexpr, USE_ASM: tl.constexpr, TILED: tl.constexpr):
+                    BKH: tl.constexpr, USE_ASM: tl.constexpr, TILED: tl.constexpr, KW2: tl.constexpr = False):
     """_rows_dots for rows (into acc) and rows2 (into acc2) with their dots alternating (gate/up
     with GemmConfig.chains 2): the same bits as two _rows_dots calls."""
     c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
     c2, s42 = _rows_codes(wq, sc, rows2, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
-    return _dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM)
+    return _dots_pair(acc, acc2, c, s4, c2, s42, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM, KW2)
 
 
 @triton.jit
 def _rows_dots_split(acc, acc2, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
                      UNITS: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-                     BKH: tl.constexpr, USE_ASM: tl.constexpr, TILED: tl.constexpr):
+                     BKH: tl.constexpr, USE_ASM: tl.constexpr, TILED: tl.constexpr, KW2: tl.constexpr = False):
     """_rows_dots over two accumulators (even / odd slots; down with GemmConfig.chains 2): acc +
     acc2 is the one-chain sum in another fp32 order."""
     c, s4 = _rows_codes(wq, sc, rows, rmask, u, umask, g, gmask, st, UNITS, G, FMT, BKH, TILED)
-    return _dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM)
+    return _dots_split(acc, acc2, c, s4, x0, x1, x2, x3, x4, x5, x6, x7, FMT, BN, BKH, USE_ASM, KW2)
 
 
 @triton.jit
@@ -439,7 +473,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
                      TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
                      EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, X_CLAMP: tl.constexpr = False,
-                     PREFETCH_STEPS: tl.constexpr = 0):
+                     PREFETCH_STEPS: tl.constexpr = 0, KW2: tl.constexpr = False):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].
@@ -535,17 +569,17 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                 if GATE_UP:
                     acc, acc2 = _rows_dots_pair(acc, acc2, wq, sc, n, n + N, nmask, u, umask, g, gmask,
                                                 x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, BN, BKH, USE_ASM,
-                                                TILED)
+                                                TILED, KW2)
                 else:
                     acc, acc2 = _rows_dots_split(acc, acc2, wq, sc, n, nmask, u, umask, g, gmask,
                                                  x0, x1, x2, x3, x4, x5, x6, x7, st, UNITS, G, FMT, BN, BKH, USE_ASM,
-                                                 TILED)
+                                                 TILED, KW2)
             else:
                 acc = _rows_dots(acc, wq, sc, n, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6, x7, st,
-                                 UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
+                                 UNITS, G, FMT, BN, BKH, USE_ASM, TILED, KW2)
                 if GATE_UP:
                     acc2 = _rows_dots(acc2, wq, sc, n + N, nmask, u, umask, g, gmask, x0, x1, x2, x3, x4, x5, x6,
-                                      x7, st, UNITS, G, FMT, BN, BKH, USE_ASM, TILED)
+                                      x7, st, UNITS, G, FMT, BN, BKH, USE_ASM, TILED, KW2)
         if CHAINS == 2:
             if not GATE_UP:
                 acc = acc + acc2                           # the odd slots' chain
@@ -1046,7 +1080,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         x_perm, gu_q, gu_s, gu_s2, sorted_ids, bslot, gu_out, act, cnt, ids, table, tw, h, gu_q.stride(0),
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
         FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, CHAINS=cg.chains,
-        **_even_tiles(i, h, fmt, cg, bm), num_warps=cg.num_warps,
+        KW2=cg.kwidth2, **_even_tiles(i, h, fmt, cg, bm), num_warps=cg.num_warps,
         num_stages=cg.num_stages,
         **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
@@ -1062,7 +1096,7 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         act, dn_q, dn_s, dn_s2, sorted_ids, bslot, y, out, cnt, ids, table, tw, act.stride(0), dn_q.stride(0),
         dn_s.stride(0), limit, p, N=h, K=i, GATE_UP=False, SPLIT_K=cd.SPLIT_K, BN=cd.BN, BKH=cd.BKH,
         FUSED_FINISH=False, FUSED_COMBINE=fuse_combine, UNROLL=cd.unroll, TILED=tiled, CHAINS=cd.chains,
-        **_even_tiles(h, i, fmt, cd, bm), num_warps=cd.num_warps,
+        KW2=cd.kwidth2, **_even_tiles(h, i, fmt, cd, bm), num_warps=cd.num_warps,
         num_stages=cd.num_stages, PREFETCH=prefetch_points(config, fmt, i, tiled) if pdl["PDL"] else 0,
         PREFETCH_STEPS=config.down_prefetch_steps,
         **common, **pdl)
