@@ -6,7 +6,9 @@
 #       Qwen3, W2 and FP4, T = 1 and 8, alternating new / base / new / base (each form twice, same process kind)
 #       (ran with the form unconditional and the old file beside it, before GemmConfig.kwidth2 made it a per-GEMM
 #       choice; that copy is gone, so this mode no longer runs on main: kw2 / confirm compare both forms now)
-#   bash tools/kernel_lab/run33.sh kw2  (~6 min) GemmConfig.kwidth2 per GEMM against the table config, every shape
+#   bash tools/kernel_lab/run33.sh kw2  (~2 min) GemmConfig.kwidth2 per GEMM against the table config, every shape
+#   bash tools/kernel_lab/run33.sh confirm (~1.5 min) kw2's winners alternated with the table config, three times each
+#   bash tools/kernel_lab/run33.sh final (~5 min) the merged table: GPU tests, the layer cut on every shape
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r33; mkdir -p $R
 MODE=${1:-}
@@ -62,5 +64,12 @@ confirm)   # the kw2 winners, each alternated with the table config three times 
     probe c_glm_t8 90 glm w2 8 "$D" "$K0" "$D" "$K0" "$D" "$K0"
     probe c_glmf_t1 90 glm fp4 1 "$K" "$K0" "$K" "$K0" "$K;$D" "$K0" "$K"
     ;;
-*) echo "usage: run33.sh ab|kw2|confirm"; exit 2 ;;
+final)   # the merged table: the GPU tests, then the layer cut on every shape at T = 1, 4, 8
+    timeout -k 5 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py tests/bench/test_moe_kernel_tune.py \
+        > $R/pytest_final.txt 2>&1; echo "tests rc=$?"; tail -2 $R/pytest_final.txt; save
+    timeout -k 5 200 python tools/kernel_lab/moe_layer_prefix.py --out $R/prefix --shapes deepseek,glm,qwen \
+        --formats w2,fp4 --tokens 1,4,8 > $R/log_prefix.txt 2>&1
+    echo "prefix rc=$?"; grep -E "^\[" $R/log_prefix.txt | cut -c1-150; save
+    ;;
+*) echo "usage: run33.sh ab|kw2|confirm|final"; exit 2 ;;
 esac
