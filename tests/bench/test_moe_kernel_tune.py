@@ -50,15 +50,16 @@ def test_pools_take_the_model_layout_or_its_row_major_twin(fmt, tiled, plain):
 
 
 @requires_triton
-def test_check_passes_the_new_decode_forms_under_the_interpreter():
+def test_check_passes_the_new_decode_forms():
+    """Under the interpreter without a GPU, compiled on one (the tensors where the kernels can read them)."""
     from moet.kernels import moe_triton as mt
     from moet.kernels.reference import moe_experts_reference
-    g = torch.Generator().manual_seed(4)
-    pool = tune.make_pool("w2", 8, 512, 256, "cpu", g)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=dev).manual_seed(4)
+    pool = tune.make_pool("w2", 8, 512, 256, dev, g)
     whole = tune.decode_whole_configs()
     for cfg in (whole[0], whole[-1]):                      # BM 4 + BKH-64 gate/up; the same, two chains
-        rec = tune.check("w2", pool, 512, 8, 2, 1, 7.0, torch.device("cpu"), g, mt, moe_experts_reference,
-                         config=cfg)
+        rec = tune.check("w2", pool, 512, 8, 2, 1, 7.0, dev, g, mt, moe_experts_reference, config=cfg)
         assert rec["ok"] and rec["slot_invariant"] and rec["rerun_identical"], (cfg, rec)
     assert whole[-1].gate_up.chains == 2 and whole[-1].down.chains == 2
 
