@@ -1,7 +1,7 @@
 """CPU tests of the fp8-decode W2 lab (tools/kernel_lab/w2_fp8_lab.py, docs/perf.md "Stop 28 / run 33"):
 the f8w layout decodes (rotate 0 / 2 / 4 / 6, mask 0x90909090, or 0x20202020) to the code's values,
-and the kernel (interpreter: the asm's bytes built with plain integer ops; x as two e4m3 halves)
-matches a float64 reference over several 128-weight blocks, rows and tokens."""
+and the kernel (interpreter: the asm's bytes built with plain integer ops; a GPU: the asm; x as two
+e4m3 halves) matches a float64 reference over several 128-weight blocks, rows and tokens."""
 from __future__ import annotations
 
 import os
@@ -45,10 +45,12 @@ def test_f8w_layout_decodes_to_the_codes():
     assert _lab().ROT == (0, 2, 4, 6)
 
 
-def test_kernel_matches_float64_under_the_interpreter():
+def test_kernel_matches_float64():
+    """Under the interpreter without a GPU (the plain decode); on a GPU the inline-asm decode."""
     lab = _lab()
     e, n, k, t = 2, 32, 256, 3
-    args, ref, _, _ = lab.make(e, n, k, t, "cpu", seed=torch.seed() % 2**31)
-    out = lab.run(*args, n, k, e, t, bn=32, bm=16, use_asm=False)
+    gpu = torch.cuda.is_available()
+    args, ref, _, _ = lab.make(e, n, k, t, "cuda" if gpu else "cpu", seed=torch.seed() % 2**31)
+    out = lab.run(*args, n, k, e, t, bn=32, bm=16, use_asm=gpu)
     assert out.abs().max() > 0
     assert lab.relerr(out, ref) < 5e-3          # x as hi + lo e4m3: ~bf16 precision
