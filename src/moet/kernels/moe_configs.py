@@ -47,7 +47,8 @@ class GemmConfig:
     # the scale bytes behind an always-taken branch, so Triton packs the MMA operands' K by 2
     # (kWidth 2: activations by ldmatrix, no register moves) instead of the 4 its heuristic takes from
     # the 8-bit scale load (moe_triton._scale_values); other fp32 sum order. Fewer instructions a K step,
-    # but more registers and one shared-memory load per scale byte: a win on some tiles only (run 33)
+    # but more registers and one shared-memory load per scale byte: a win on some tiles only (run 33).
+    # The tiled path only (the fused and token-major decodes ignore it)
     kwidth2: bool = False
 
     def __post_init__(self):

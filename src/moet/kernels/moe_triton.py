@@ -491,7 +491,9 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
     and this kernel cannot launch before every gate/up program has passed its own wait.
     PREFETCH_STEPS (MoEConfig.down_prefetch_steps; 0 = the whole slab): only the slab's first K steps,
     the bytes the program's pipeline asks for first (the whole down did not fit in L2 beside
-    gate/up's reads at T = 1, run 29)."""
+    gate/up's reads at T = 1, run 29).
+    KW2 (GemmConfig.kwidth2): the scale values behind an always-taken branch, so the MMAs pack K by 2
+    (_scale_values)."""
     if PREFETCH:
         slot_pf = tl.load(bslot_ptr + tl.program_id(1))
         if slot_pf >= 0:
