@@ -77,7 +77,7 @@ def split_x(x: torch.Tensor):
 # ----------------------------------------------------------------------------- kernel
 
 @triton.jit
-def _decode(wd, USE_ASM: tl.constexpr, BN: tl.constexpr):
+def _decode(wd, USE_ASM: tl.constexpr):
     """wd int32 [BN, 32] (word j at elements 4j..4j+3) -> e4m3 tiles of groups q = 0..3."""
     if USE_ASM:
         o0, o1, o2, o3 = tl.inline_asm_elementwise(F8W_ASM, "=r,=r,=r,=r,r,r,r,r", [wd],
@@ -130,7 +130,7 @@ def f8w_gemv_kernel(wq_ptr, sc_ptr, xh_ptr, xl_ptr, out_ptr, N, T, K: tl.constex
             b = b0 + r
             words = tl.load(wbase + b * 8)
             wd = tl.reshape(tl.broadcast_to(words[:, :, None], (BN, 8, 4)), (BN, 32))
-            o0, o1, o2, o3 = _decode(wd, USE_ASM, BN)
+            o0, o1, o2, o3 = _decode(wd, USE_ASM)
             sw = tl.load(sbase + b)
             acc = _group(acc, o0, xh_ptr, xl_ptr, m, mmask, b * 128, sw, 0, K, USE_ASM)
             acc = _group(acc, o1, xh_ptr, xl_ptr, m, mmask, b * 128, sw, 1, K, USE_ASM)
