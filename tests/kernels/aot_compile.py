@@ -44,6 +44,8 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
     for flag in ("SWAP_AB", "F8_WORDS", "HEADS_M"):  # the decodes' default forms unless asked
         if flag in fn.arg_names:
             const = {flag: False, **const}
+    if "PF_STEPS" in fn.arg_names:       # no prefetch before the PDL wait unless asked
+        const = {"PF_STEPS": 0, "KV_BYTES": 2, **const}
     if "SLACK" in fn.arg_names:          # the lazy-rescale slack the launchers pass by default
         from moet.kernels.attention_triton import RESCALE_SLACK
         const = {"SLACK": RESCALE_SLACK, **const}
@@ -65,13 +67,13 @@ GQA_DIV16 = ("s_qb", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "ss
 
 def compile_gqa_decode(kv: str = "*bf16", kind: int = 0, *, g: int = 8, d: int = 128, pages: int = 4,
                        num_warps: int = 4, num_stages: int = 3, window: int = 0, div16: bool = True,
-                       swap_ab: bool = False, fp8_words: bool = False):
+                       swap_ab: bool = False, fp8_words: bool = False, **extra):
     """_gqa_decode_split_kernel as paged_decode_gqa launches it: g query heads per kv head
     (Qwen3-30B-A3B: 8), head dim d (128), pages of 16, bf16 queries, `pages` pages per step (4: 64 tokens)."""
     const = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), DV=d,
                  BLOCK_DV=triton.next_power_of_2(d), BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=window, SCALE_KIND=kind,
                  GROUP_K=d, GROUP_V=d, BF16_DOT=True, INTERPRET=False, PAGES=pages, OP_F16=bool(kind),
-                 SWAP_AB=swap_ab, F8_WORDS=fp8_words, **at._merge_blocks(32, d))
+                 SWAP_AB=swap_ab, F8_WORDS=fp8_words, **at._merge_blocks(32, d), **extra)
     types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
                  lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", scale="fp32")
     return _compile(at._gqa_decode_split_kernel, types, const, dict(num_warps=num_warps, num_stages=num_stages),
@@ -258,6 +260,17 @@ def main() -> None:
         else:
             assert any(o.startswith("HGMMA") for o in r["loop_hist"]), r
         print("gqa form", name, "loop instrs", r["loop_instrs"], "(byte tile", byte["loop_instrs"], ") regs", r["regs"])
+    # the L2 prefetch before the PDL wait (PF_STEPS): one prefetch.global.L2 a line of each K / V row
+    # of the first steps (64 tokens x 2 lines x 2 bf16; x 1 x 2 fp8), every one ahead of the wait
+    for name, kv, kind, words, steps in (("bf16", "*bf16", 0, False, 2), ("fp8 words", "*fp8e4nv", 1, True, 1)):
+        base = compile_gqa_decode(kv, kind, num_stages=5, fp8_words=words, PDL=True)
+        c = compile_gqa_decode(kv, kind, num_stages=5, fp8_words=words, PDL=True, PF_STEPS=steps,
+                               KV_BYTES=4 if words else 2)
+        ptx, ptx0 = c.asm["ptx"], base.asm["ptx"]
+        n_pf, wait = ptx.count("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+        assert "prefetch.global.L2" not in ptx0 and n_pf > 0 and wait > ptx.rfind("prefetch.global.L2"), (name, n_pf)
+        assert sass_report(c)["spill_ops"] == 0, name
+        print("gqa prefetch", name, "steps", steps, "prefetch instructions", n_pf)
     # the split merge, all splits loaded at once: GQA rows of 128 (one [32, 128] tile) and MLA's
     # latent rows of 512 (four column tiles), as paged_decode_gqa / _mla launch it; no spills
     for name, hq, dv in (("gqa", 96, 128), ("mla", 128, 512)):

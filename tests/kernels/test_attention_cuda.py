@@ -96,6 +96,56 @@ def test_gqa_decode_pipeline_depth_changes_no_bits(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.scale}")
+def test_gqa_decode_prefetch_under_pdl_changes_no_bits(fmt):
+    """Under PDL the split programs prefetch their first steps' K / V into L2 before the PDL wait
+    (prefetch_steps): a hint, so 0 / 1 / 2 / 4 steps and PDL off give the same bits, eager and in a
+    CUDA graph, at batch 1 (32K: 32 splits) and at a ragged batch whose last pages are partly
+    filled; the newest token's row is rewritten between calls, so a prefetch that kept a stale
+    line would show."""
+    from moet.kernels import attention_reference as ref
+    from moet.kernels import attention_triton, pdl
+    from moet.kernels.kv_cache import write_gqa_kv
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90")
+    g = _gen()
+    for lens in ([32768], [int(n) for n in torch.randint(1, 3000, (8,), generator=g)]):
+        cache, table = _gqa(fmt, lens, g)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        q = torch.randn(len(lens), 32, 128, generator=g).to(DEV, torch.bfloat16)
+        last = torch.cat([slots_for(table.cpu(), b, [n - 1], BS) for b, n in enumerate(lens)]).to(DEV)
+        new_k = torch.randn(len(lens), 4, 128, generator=g).to(DEV)
+        new_v = torch.randn(len(lens), 4, 128, generator=g).to(DEV)
+
+        def step(pf):                     # the KV write of the newest token, then the decode
+            write_gqa_kv(cache, new_k, new_v, last)
+            return attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, prefetch_steps=pf)
+
+        base = step(0)
+        want = ref.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5)
+        assert _rel(base, want) < 1e-2
+        pdl.set_small_kernel_pdl(True)
+        try:
+            for pf in (0, 1, 2, 4, None):
+                assert torch.equal(step(pf), base), (len(lens), pf)
+            out = torch.empty_like(base)
+            graph = torch.cuda.CUDAGraph()
+            step(2)
+            with torch.cuda.graph(graph):
+                write_gqa_kv(cache, new_k, new_v, last)
+                attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, out=out, prefetch_steps=2)
+            new_k.copy_(torch.randn(len(lens), 4, 128, generator=g))    # a new newest row, written in the replay
+            new_v.copy_(torch.randn(len(lens), 4, 128, generator=g))
+            graph.replay()
+            torch.cuda.synchronize()
+        finally:
+            pdl.set_small_kernel_pdl(False)
+        assert torch.equal(out, step(0)), len(lens)
+        assert not torch.equal(out, base)        # the replay did read the new newest row
+    with pytest.raises(Exception, match="power of two"):
+        attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, prefetch_steps=3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.scale}")
 def test_mla_decode_and_prefill_at_deepseek_shape(fmt):
     from moet.kernels import attention_reference as ref
     from moet.kernels import mla_decode_triton, mla_prefill_triton

@@ -217,6 +217,56 @@ def test_merge_of_ragged_split_counts_matches_reference(max_splits):
         assert torch.equal(alone[0], got[b]), b
 
 
+def test_prefetch_steps_off_the_gpu_and_refused_when_not_a_power_of_two():
+    """prefetch_steps is an L2 hint issued under PDL only (a GPU; the interpreter has no PDL): here
+    any power of two gives the same bits as none, and another count is refused before launch."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cache, table, seq_lens, q = _setup(KVFormat("auto", dtype=torch.float32), [5 * BS + 3, 2], 4, 2, 16, g)
+    base = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=2 * BS, prefetch_steps=0)
+    assert torch.equal(base, _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=2 * BS))
+    assert torch.equal(base, _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=2 * BS,
+                                                     prefetch_steps=4))
+    for bad in (3, -1):
+        with pytest.raises(ConfigError, match="prefetch_steps"):
+            _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, prefetch_steps=bad)
+
+
+@pytest.mark.parametrize("max_splits", [8, 6], ids=["rows-8", "rows-6-of-block-8"])
+def test_merge_kernel_ignores_unwritten_split_rows(max_splits):
+    """_merge_splits_kernel loads all of the workspace's splits at once (masked by the row count,
+    not by the splits a sequence used, so the loads need not wait for its length) and drops the
+    unused ones after: rows past `used` hold NaN / inf here, as a never-written workspace may, and
+    the output is still the log-sum-exp merge of the used rows alone; with 6 rows and BLOCK_S 8
+    the last program's tile reaches past the workspace, masked."""
+    at = _tri()
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    hq, dv = 2, 16
+    lens = [max_splits * BS, 3 * BS - 2, 0]                   # one page a split: used = max_splits, 3, 0
+    used = [max_splits, 3, 0]
+    b = len(lens)
+    m = torch.randn(b, hq, max_splits, generator=g) * 3
+    l_ = torch.rand(b, hq, max_splits, generator=g) + 0.5
+    acc = torch.randn(b, hq, max_splits, dv, generator=g)
+    for i, u in enumerate(used):                              # what no split program wrote
+        m[i, :, u:] = float("nan")
+        l_[i, :, u:] = float("inf")
+        acc[i, :, u:] = float("nan")
+    want = torch.zeros(b, hq, dv)
+    for i, u in enumerate(used):
+        if u:
+            w = torch.exp(m[i, :, :u] - m[i, :, :u].max(-1, keepdim=True).values)
+            want[i] = (w[..., None] * acc[i, :, :u]).sum(1) / (w * l_[i, :, :u]).sum(-1, keepdim=True)
+    dev = lambda t: t.to(DEVICE).contiguous()                 # noqa: E731
+    out = torch.full((b, hq, dv), float("nan"), device=DEVICE)
+    at._merge_splits_kernel[(b, hq)](dev(acc), dev(m), dev(l_), dev(torch.tensor(lens, dtype=torch.int32)), out,
+                                     out.stride(0), out.stride(1), max_splits, 1, HQ=hq, DV=dv, BLOCK_DV=dv,
+                                     MAX_SPLITS=max_splits, BLOCK_SIZE=BS, PDL=False,
+                                     **at._merge_blocks(max_splits, dv))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+    assert (out[2] == 0).all()
+
+
 def _to_cpu(cache):
     from dataclasses import replace
     return replace(cache, k=cache.k.cpu(), v=cache.v.cpu(),

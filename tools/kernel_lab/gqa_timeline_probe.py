@@ -127,7 +127,39 @@ def _stamped_merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, st_ptr, s_ob
     h = tl.program_id(1)
     _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE)
     _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr + b * s_ob + h * s_oh, (b * HQ + h) * num_splits, used,
-                DV, DV, BLOCK_S, DV_TILE)
+                num_splits, DV, DV, BLOCK_S, DV_TILE)
+    g1 = _globaltimer()
+    st = st_ptr + 4 * (b * tl.num_programs(1) + h)
+    tl.store(st, g0)
+    tl.store(st + 1, g1)
+    tl.store(st + 2, _smid().to(tl.int64))
+
+
+@triton.jit
+def _stamped_old_merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, st_ptr, s_ob, s_oh, num_splits, pages_min,
+                              HQ: tl.constexpr, DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                              BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr):
+    """The merge before stop 30 (its loads masked by the splits used, so they wait for the length),
+    stamped like _stamped_merge_kernel: the A/B of the lens-independent loads."""
+    g0 = _globaltimer()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE)
+    row0 = (b * HQ + h) * num_splits
+    s = tl.arange(0, BLOCK_S)
+    smask = s < used
+    m = tl.load(m_ptr + row0 + s, mask=smask, other=float("-inf"))
+    l = tl.load(l_ptr + row0 + s, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(smask, tl.exp(m - m_safe), 0.0)
+    l_sum = tl.sum(w * l, 0)
+    pos = l_sum > 0
+    den = tl.where(pos, l_sum, 1.0)
+    cols = tl.arange(0, DV_TILE)
+    a = tl.load(acc_ptr + (row0 + s)[:, None] * DV + cols[None, :], mask=smask[:, None], other=0.0)
+    out = tl.where(pos, tl.sum(w[:, None] * a, 0) / den, 0.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + cols, out.to(out_ptr.dtype.element_ty))
     g1 = _globaltimer()
     st = st_ptr + 4 * (b * tl.num_programs(1) + h)
     tl.store(st, g0)
@@ -157,14 +189,14 @@ def make_cache(fmt, nb: int, seed: int):
 class Layer:
     """One attention layer's inputs at batch 1: a cache of ctx tokens behind a random block table."""
 
-    def __init__(self, fmt, ctx: int, seed: int):
+    def __init__(self, fmt, ctx: int, seed: int, batch: int = 1):
         pages = ctx // 16
-        self.cache = make_cache(fmt, pages + 1, seed)
+        self.cache = make_cache(fmt, batch * pages + 1, seed)
         gen = torch.Generator(device="cuda").manual_seed(seed + 7)
-        self.table = torch.randperm(pages, device="cuda", generator=gen)[None].to(torch.int32)
-        self.lens = torch.full((1,), ctx, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        self.out = torch.empty(1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        self.table = torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).to(torch.int32)
+        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         self.out_lab = torch.empty_like(self.out)
         self.split_stamps = torch.zeros(HKV * SPLITS, 8, dtype=torch.int64, device="cuda")
         self.merge_stamps = torch.zeros(HQ, 4, dtype=torch.int64, device="cuda")
@@ -172,12 +204,12 @@ class Layer:
         self.m = torch.empty(1, HQ, SPLITS, dtype=torch.float32, device="cuda")
         self.l = torch.empty_like(self.m)
 
-    def production(self, split_tokens: int, max_splits: int = SPLITS):
+    def production(self, split_tokens: int | None, max_splits: int = SPLITS, **kw):
         from moet.kernels.attention_triton import paged_decode_gqa
         return paged_decode_gqa(self.q, self.cache, self.table, self.lens, D ** -0.5, split_tokens=split_tokens,
-                                max_splits=max_splits, out=self.out)
+                                max_splits=max_splits, out=self.out, **kw)
 
-    def stamped(self, split_tokens: int):
+    def stamped(self, split_tokens: int, old_merge: bool = False):
         from moet.kernels.attention_triton import gqa_decode_launch, gqa_fp8_words_applies
         c = self.cache
         launch = gqa_decode_launch(self.q, c)
@@ -194,7 +226,8 @@ class Layer:
             self.q.stride(0), self.q.stride(1), *kst, *vst, self.table.stride(0), D ** -0.5, pages_min,
             G=HQ // HKV, BLOCK_G=_pow2(HQ // HKV), D=D, BLOCK_SIZE=16, MAX_SPLITS=SPLITS, SCALE_KIND=kind,
             PAGES=4, OP_F16=c.fmt.is_fp8, F8_WORDS=f8w, num_warps=launch.num_warps, num_stages=launch.num_stages)
-        _stamped_merge_kernel[(1, HQ)](self.acc, self.m, self.l, self.lens, self.out_lab, self.merge_stamps,
+        merge = _stamped_old_merge_kernel if old_merge else _stamped_merge_kernel
+        merge[(1, HQ)](self.acc, self.m, self.l, self.lens, self.out_lab, self.merge_stamps,
                                        self.out_lab.stride(0), self.out_lab.stride(1), SPLITS, pages_min,
                                        HQ=HQ, DV=D, MAX_SPLITS=SPLITS, BLOCK_SIZE=16, **_merge_blocks(SPLITS, D))
         return self.out_lab
@@ -256,6 +289,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--splits", default="8,16,24,32,48,64", help="the splits sweep's max_splits ('' = none)")
     ap.add_argument("--splits-ctx", default="32768,131072")
+    ap.add_argument("--skip-curve", action="store_true", help="no curve / stamps / splits sweep")
+    ap.add_argument("--merge-ab", default="1,16", help="steps at which the stamped graph runs the old and the new "
+                                                       "merge ('' = none)")
+    ap.add_argument("--pdl", default="1:2048,1:8192,1:32768,1:131072,8:32768,32:32768",
+                    help="batch:ctx cases of the PDL / prefetch sweep ('' = none)")
+    ap.add_argument("--prefetch", default="0,1,2,4", help="prefetch_steps under PDL in the sweep")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from moet.bench.timing import graph_time_ms
@@ -265,8 +304,69 @@ def main() -> int:
     recs, t0 = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), curve=[], stamps=[]), time.time()
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    recs["merge_ab"], recs["pdl"] = [], []
     for kv in args.kv.split(","):
         fmt = fmts[kv]
+        for n in [int(x) for x in args.merge_ab.split(",") if x]:
+            ctx, split_tokens = 2048 * n, 64 * n
+            layers = [Layer(fmt, ctx, 3000 + 10 * j) for j in range(args.layers)]
+            row = dict(kv=kv, steps=n, ctx=ctx)
+            outs = {}
+            for name, old in (("new", False), ("old", True), ("new2", False), ("old2", True)):
+                run = graph_of([lambda L=L, old=old: L.stamped(split_tokens, old_merge=old) for L in layers])
+                import triton.testing as tt
+                row[f"us_{name}"] = float(tt.do_bench(run, warmup=10, rep=60, return_mode="median")) / len(layers) * 1e3
+                merge_ns = []
+                for _ in range(5):
+                    flush.zero_()
+                    run()
+                    torch.cuda.synchronize()
+                    a = analyse(layers)
+                    merge_ns += [x["merge_program_ns_median"] for x in a[1:]]
+                    merge_ns += [x["merge_last_end"] - x["merge_first_start"] for x in a[1:]]
+                row[f"merge_program_and_span_ns_{name}"] = merge_ns
+                outs[name] = layers[0].out_lab.clone()
+            row["old_new_bits_equal"] = bool(torch.equal(outs["new"], outs["old"]))
+            recs["merge_ab"].append(row)
+            print(f"[{time.time() - t0:4.0f}s] merge A/B {kv} n={n}: " + ", ".join(
+                f"{k} {row[f'us_{k}']:.2f} us" for k in ("new", "old", "new2", "old2"))
+                + f"; merge program ns new {statistics.median(row['merge_program_and_span_ns_new'][0::2])} old "
+                f"{statistics.median(row['merge_program_and_span_ns_old'][0::2])}; bits equal {row['old_new_bits_equal']}",
+                flush=True)
+            del layers
+            torch.cuda.empty_cache()
+        for case in [c for c in args.pdl.split(",") if c]:
+            from moet.kernels import pdl
+            batch, ctx = (int(x) for x in case.split(":"))
+            layers = [Layer(fmt, ctx, 4000 + 10 * j, batch) for j in range(args.layers)]
+            byt = gqa_bytes_per_token(HKV, D, D, fmt) * ctx * batch
+            variants = [("pdl off", False, 0)] + [(f"pdl pf{p}", True, p) for p in
+                                                  [int(x) for x in args.prefetch.split(",")]]
+            base, row = None, dict(kv=kv, batch=batch, ctx=ctx, us={}, bits_equal={})
+            for rep in (1, 2):                   # each variant twice, interleaved
+                for name, on, pf in variants:
+                    pdl.set_small_kernel_pdl(on)
+                    try:
+                        run = graph_of([lambda L=L, pf=pf: L.production(None, prefetch_steps=pf) for L in layers])
+                        import triton.testing as tt
+                        us = float(tt.do_bench(run, warmup=10, rep=60, return_mode="median")) / len(layers) * 1e3
+                        run()
+                        torch.cuda.synchronize()
+                    finally:
+                        pdl.set_small_kernel_pdl(False)
+                    got = layers[-1].out.clone()
+                    base = got if base is None else base
+                    row["us"].setdefault(name, []).append(us)
+                    row["bits_equal"][name] = bool(torch.equal(got, base)) and row["bits_equal"].get(name, True)
+                    del run
+            recs["pdl"].append(row)
+            print(f"[{time.time() - t0:4.0f}s] pdl {kv} b{batch} ctx={ctx}: " + ", ".join(
+                f"{k} {min(v):.1f} us ({byt / min(v) / 1e3:.0f} GB/s)" for k, v in row["us"].items())
+                + f"; bits equal {all(row['bits_equal'].values())}", flush=True)
+            del layers
+            torch.cuda.empty_cache()
+        if args.skip_curve:
+            continue
         for n in [int(x) for x in args.steps.split(",")]:
             ctx, split_tokens = 2048 * n, 64 * n
             layers = [Layer(fmt, ctx, 1000 + 10 * j) for j in range(args.layers)]

@@ -3,6 +3,10 @@
 #   bash tools/kernel_lab/run34.sh timeline (~3 min) issue 5, batch 1: gqa_timeline_probe.py -- the GQA decode's
 #       T(n) = a + n s over loop steps at a fixed 128-program grid, per-program %globaltimer / %clock64 stamps of
 #       the split and merge kernels in a graph of 4 layers, and a max_splits sweep at 32K / 128K.
+#   bash tools/kernel_lab/run34.sh pf (~5 min) what the timeline led to: the GPU tests of the attention kernels (the L2
+#       prefetch before the PDL wait, the merge's lens-independent loads), the MoE down prefetch (its helper moved to
+#       pdl.py), then gqa_timeline_probe.py --skip-curve: the old / new merge in the stamped graph and the PDL /
+#       prefetch_steps sweep at batch 1 (2K-128K), 8 and 32 (32K).
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r34; mkdir -p $R
 MODE=${1:-}
@@ -11,5 +15,13 @@ case "$MODE" in
 timeline)
     timeout -k 5 400 python tools/kernel_lab/gqa_timeline_probe.py --out $R/timeline > $R/log_timeline.txt 2>&1
     echo "timeline rc=$?"; cut -c1-400 $R/log_timeline.txt | tail -60; save ;;
-*) echo "usage: run34.sh timeline"; exit 2 ;;
+pf)
+    timeout -k 5 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_cuda.py \
+        tests/kernels/test_attention_triton.py tests/kernels/test_pdl.py > $R/pytest_attn.txt 2>&1
+    echo "attn tests rc=$?"; tail -4 $R/pytest_attn.txt; save
+    timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton.py -k "prefetch" \
+        > $R/pytest_moe.txt 2>&1; echo "moe tests rc=$?"; tail -2 $R/pytest_moe.txt; save
+    timeout -k 5 300 python tools/kernel_lab/gqa_timeline_probe.py --out $R/pf --skip-curve > $R/log_pf.txt 2>&1
+    echo "pf rc=$?"; cut -c1-400 $R/log_pf.txt | tail -30; save ;;
+*) echo "usage: run34.sh timeline|pf"; exit 2 ;;
 esac

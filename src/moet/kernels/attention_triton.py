@@ -54,7 +54,7 @@ from moet.kernels.grid_sync import COUNTERS, acquired, device_counters, signal
 from moet.kernels.kv_cache import GQALayerKV
 from moet.kernels.launch_tables import device_capability
 from moet.kernels.launch_tables import device_name as _device_name
-from moet.kernels.pdl import pdl_enter, pdl_launch
+from moet.kernels.pdl import pdl_enter, pdl_launch, prefetch_l2
 
 _SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
 
@@ -74,6 +74,8 @@ DEFAULT_MAX_SPLITS = 32
 GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
+# GQA decode under PDL: loop steps of each split prefetched into L2 before the PDL wait (_gqa_prefetch)
+GQA_PREFETCH_STEPS = 2
 # GQA decode launch: attention_configs (num_warps per device / format / shape, num_stages also per
 # batch size; Triton's 4 warps and 3 stages where the table has no entry). sm_90 SASS at
 # Qwen3-30B-A3B shapes (python -m tests.kernels.aot_compile --gqa-sass): num_stages 3 and 4
@@ -380,6 +382,48 @@ def _gqa_f8w_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, acc_ptr, m_ptr, 
 
 
 @triton.jit
+def _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, b, h, sp, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, pages_min,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr, WINDOW: tl.constexpr, STEPS: tl.constexpr, KV_BYTES: tl.constexpr,
+                  F8_WORDS: tl.constexpr):
+    """Before the PDL wait (PF_STEPS): the K and V rows of this split's first STEPS loop steps into
+    L2. At batch 1 the first step is a chain of three dependent DRAM round trips -- the sequence
+    length (the split's pages), the block table, the first K / V tiles -- and that chain, not the
+    stream, was 3.3 us of a 29 us call at 32K (one 64-token step alone took 4.5 us a program against
+    1.2 in the steady state; tools/kernel_lab/gqa_timeline_probe.py, H200, 2026-12-03). Under PDL
+    this kernel is resident while the kernel before it finishes, so the chain can run then. Safe:
+    the lengths and tables were written before the step's first kernel (host copies), and past
+    tokens' K / V long before; the newest token's row may still be in flight from the KV write,
+    which an L2 prefetch cannot get wrong (no register, no L1 line is filled; the real loads come
+    after the wait). The length and table are read past L1 (.cg) for the same reason. Every
+    address is inside the cache: tokens past the split read block 0 (the table's `other`).
+    KV_BYTES: bytes of one element of the pointers as passed (4: F8_WORDS' int32 words)."""
+    n = tl.load(lens_ptr + b, cache_modifier=".cg")
+    n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE)
+    lo_tok, first, last = _split_window(n, sp, pps, n_pages, WINDOW, BLOCK_SIZE)
+    t = tl.arange(0, STEPS * PAGES * BLOCK_SIZE)
+    page = first + t // BLOCK_SIZE
+    tok = (t % BLOCK_SIZE).to(tl.int64)
+    blk = tl.load(bt_ptr + b * s_btb + page, mask=(page < last) & (sp < used), other=0,
+                  cache_modifier=".cg").to(tl.int64)
+    if F8_WORDS:
+        kp = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        vp = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        kp = k_ptr
+        vp = v_ptr
+    UNIT: tl.constexpr = 128 // KV_BYTES                      # pointer elements a 128-byte line holds
+    RK: tl.constexpr = D // 4 if F8_WORDS else D               # a row's elements as addressed
+    RV: tl.constexpr = DV // 4 if F8_WORDS else DV
+    LK: tl.constexpr = max(1, RK // UNIT)                      # whole lines of a row (the rest: a hint less)
+    LV: tl.constexpr = max(1, RV // UNIT)
+    ck = tl.arange(0, LK) * UNIT
+    cv = tl.arange(0, LV) * UNIT
+    prefetch_l2(kp + (blk * s_kb + tok * s_kt + h * s_kh)[:, None] + ck[None, :])
+    prefetch_l2(vp + (blk * s_vb + tok * s_vt + h * s_vh)[:, None] + cv[None, :])
+
+
+@triton.jit
 def _gqa_decode_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
@@ -389,7 +433,12 @@ def _gqa_decode_split_kernel(
         WINDOW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
         FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr,
-        SWAP_AB: tl.constexpr = False, F8_WORDS: tl.constexpr = False):
+        SWAP_AB: tl.constexpr = False, F8_WORDS: tl.constexpr = False, PF_STEPS: tl.constexpr = 0,
+        KV_BYTES: tl.constexpr = 2):
+    if PF_STEPS > 0:                              # PDL only: before the wait (_gqa_prefetch)
+        _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                      s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, pages_min,
+                      D, DV, BLOCK_SIZE, PAGES, MAX_SPLITS, WINDOW, PF_STEPS, KV_BYTES, F8_WORDS)
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -470,7 +519,7 @@ def _gqa_decode_split_kernel(
 
 
 @triton.jit
-def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr):
     """The split merge of one (sequence, query head): its `used` splits' partials (workspace rows
     row0 .. row0 + used - 1) -> o_ptr[0:DV]. All splits are loaded at once, m and l as [BLOCK_S]
@@ -480,11 +529,17 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, DV: tl.constexpr, BLOC
     split, was most of the ~10 us the merge added to a 24.7 us split kernel at batch 1, 32K). A fixed
     reduction over constexpr shapes: the result depends on the sequence's own partials and the
     constexprs alone (deterministic, batch-invariant). _merge_group is the same arithmetic for
-    the fused merge."""
+    the fused merge.
+    The loads are masked by `rows` (the workspace's splits, a launch argument), not by `used`, and
+    the splits past `used` (never written: any bits) are dropped after with tl.where, the same
+    values as masked loads: so the loads need not wait for the sequence length that `used` comes
+    from (one dependent round trip less; the stamps of tools/kernel_lab/gqa_timeline_probe.py had
+    the merge program at 2.0-2.3 us for 32 x 130 floats at batch 1)."""
     s = tl.arange(0, BLOCK_S)
     smask = s < used
-    m = tl.load(m_ptr + row0 + s, mask=smask, other=float("-inf"))
-    l = tl.load(l_ptr + row0 + s, mask=smask, other=0.0)
+    inside = s < rows
+    m = tl.where(smask, tl.load(m_ptr + row0 + s, mask=inside, other=float("-inf")), float("-inf"))
+    l = tl.where(smask, tl.load(l_ptr + row0 + s, mask=inside, other=0.0), 0.0)
     m_max = tl.max(m, 0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # an empty sequence: all splits empty
     w = tl.where(smask, tl.exp(m - m_safe), 0.0)            # log-sum-exp rescale; 0 past `used`
@@ -495,8 +550,8 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, DV: tl.constexpr, BLOC
     for c in tl.static_range(0, BLOCK_DV, DV_TILE):
         cols = c + dt
         cmask = cols < DV
-        a = tl.load(acc_ptr + (row0 + s)[:, None] * DV + cols[None, :], mask=smask[:, None] & cmask[None, :],
-                    other=0.0)
+        a = tl.where(smask[:, None], tl.load(acc_ptr + (row0 + s)[:, None] * DV + cols[None, :],
+                                             mask=inside[:, None] & cmask[None, :], other=0.0), 0.0)
         total = tl.sum(w[:, None] * a, 0)
         out = tl.where(pos, total / den, 0.0)
         tl.store(o_ptr + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
@@ -580,7 +635,7 @@ def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, n
     # only the splits that hold keys were written (the same _split_pages as stage 1): with a table
     # padded to max_model_len most grid splits are empty and never touched
     _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE)
-    _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr + b * s_ob + h * s_oh, (b * HQ + h) * num_splits, used,
+    _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr + b * s_ob + h * s_oh, (b * HQ + h) * num_splits, used, num_splits,
                 DV, BLOCK_DV, BLOCK_S, DV_TILE)
 
 
@@ -658,7 +713,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      *, split_tokens: int | None = None, max_splits: int | None = None,
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     fused_merge: bool = False, swap_ab: bool = False, fp8_words: bool | None = None) -> torch.Tensor:
+                     fused_merge: bool = False, swap_ab: bool = False, fp8_words: bool | None = None,
+                     prefetch_steps: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -679,6 +735,9 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     (gqa_fp8_words_applies: a property of the model's shapes and KV format, never of the batch, so
     batch invariance holds); the H200 measured it +1% / +8% / +12% at batch 1 / 8 / 32 (32K, run 25).
     True: refused (ConfigError) where it does not apply; False: the byte tile.
+    prefetch_steps: under PDL (pdl.small_kernel_pdl), the first loop steps of each split whose K / V
+    rows a program prefetches into L2 before its PDL wait (_gqa_prefetch; a power of two, 0 = none;
+    default GQA_PREFETCH_STEPS). A hint: the same bits whatever it is, so it may follow the batch.
     (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
     slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
@@ -715,6 +774,10 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     fp8_words = applies if fp8_words is None else fp8_words
     if fp8_words:
         kst, vst = tuple(x // 4 for x in kst), tuple(x // 4 for x in vst)
+    pdl = pdl_launch(q)
+    pf = GQA_PREFETCH_STEPS if prefetch_steps is None else int(prefetch_steps)
+    if pf < 0 or pf & (pf - 1):
+        raise ConfigError(f"paged decode (triton): prefetch_steps must be 0 or a power of two, got {prefetch_steps}")
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
         q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt,
         q.stride(0), q.stride(1), *kst, *vst,
@@ -724,7 +787,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
         FUSED_MERGE=fused_merge, **_merge_blocks(max_splits, dv), num_warps=num_warps, num_stages=num_stages,
-        SWAP_AB=swap_ab, F8_WORDS=fp8_words, **pdl_launch(q))
+        SWAP_AB=swap_ab, F8_WORDS=fp8_words, PF_STEPS=pf if pdl["PDL"] else 0,
+        KV_BYTES=4 if fp8_words else cache.k.element_size(), **pdl)
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,

@@ -73,6 +73,7 @@ from moet.kernels.moe_configs import (FUSED_MAX_PAIRS, SMALL_ALIGN_MAX_PAIRS, TO
                                       lookup)
 from moet.kernels.grid_sync import COUNTERS, acquired, device_counters, gpu_fence, signal
 from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent launch (sm_90+)
+from moet.kernels.pdl import prefetch_l2 as _prefetch_l2
 from moet.kernels.pools import FP4Pool, W2Pool
 
 FMT_W2 = 0
@@ -429,14 +430,6 @@ def _pdl_wait(PDL: tl.constexpr):
     kernel may start launching (and take SMs) before it ends (moe_fused_decode)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """An L2 prefetch of each pointer's line (prefetch.global.L2: a hint; no register written,
-    nothing waits for it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
