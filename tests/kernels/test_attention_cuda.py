@@ -104,7 +104,7 @@ def test_gqa_decode_prefetch_under_pdl_changes_no_bits(fmt):
     line would show."""
     from moet.kernels import attention_reference as ref
     from moet.kernels import attention_triton, pdl
-    from moet.kernels.kv_cache import write_gqa_kv
+    from moet.kernels.kv_write_triton import write_gqa_kv     # the engine's write: a PDL kernel, capturable
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90")
     g = _gen()
@@ -113,8 +113,8 @@ def test_gqa_decode_prefetch_under_pdl_changes_no_bits(fmt):
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
         q = torch.randn(len(lens), 32, 128, generator=g).to(DEV, torch.bfloat16)
         last = torch.cat([slots_for(table.cpu(), b, [n - 1], BS) for b, n in enumerate(lens)]).to(DEV)
-        new_k = torch.randn(len(lens), 4, 128, generator=g).to(DEV)
-        new_v = torch.randn(len(lens), 4, 128, generator=g).to(DEV)
+        new_k = torch.randn(len(lens), 4, 128, generator=g).to(DEV, torch.bfloat16)
+        new_v = torch.randn(len(lens), 4, 128, generator=g).to(DEV, torch.bfloat16)
 
         def step(pf):                     # the KV write of the newest token, then the decode
             write_gqa_kv(cache, new_k, new_v, last)
@@ -133,8 +133,8 @@ def test_gqa_decode_prefetch_under_pdl_changes_no_bits(fmt):
             with torch.cuda.graph(graph):
                 write_gqa_kv(cache, new_k, new_v, last)
                 attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, out=out, prefetch_steps=2)
-            new_k.copy_(torch.randn(len(lens), 4, 128, generator=g))    # a new newest row, written in the replay
-            new_v.copy_(torch.randn(len(lens), 4, 128, generator=g))
+            new_k.copy_(torch.randn(len(lens), 4, 128, generator=g).to(DEV))   # a new newest row, written in the replay
+            new_v.copy_(torch.randn(len(lens), 4, 128, generator=g).to(DEV))
             graph.replay()
             torch.cuda.synchronize()
         finally:

@@ -7,6 +7,8 @@
 #       prefetch before the PDL wait, the merge's lens-independent loads), the MoE down prefetch (its helper moved to
 #       pdl.py), then gqa_timeline_probe.py --skip-curve: the old / new merge in the stamped graph and the PDL /
 #       prefetch_steps sweep at batch 1 (2K-128K), 8 and 32 (32K).
+#   bash tools/kernel_lab/run34.sh bench (~9 min) the GPU attention tests, then the full attention_bench as the engine
+#       launches (small-kernel PDL on: the prefetch where the grid fits the SMs).
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r34; mkdir -p $R
 MODE=${1:-}
@@ -23,5 +25,10 @@ pf)
         > $R/pytest_moe.txt 2>&1; echo "moe tests rc=$?"; tail -2 $R/pytest_moe.txt; save
     timeout -k 5 300 python tools/kernel_lab/gqa_timeline_probe.py --out $R/pf --skip-curve > $R/log_pf.txt 2>&1
     echo "pf rc=$?"; cut -c1-400 $R/log_pf.txt | tail -30; save ;;
-*) echo "usage: run34.sh timeline|pf"; exit 2 ;;
+bench)
+    timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_cuda.py -x \
+        > $R/pytest_attn.txt 2>&1; echo "attn tests rc=$?"; tail -3 $R/pytest_attn.txt; save
+    timeout -k 5 420 python -m moet.bench.attention_bench --out $R/bench --budget-s 380 > $R/log_bench.txt 2>&1
+    echo "bench rc=$?"; grep -E "^\|" $R/log_bench.txt | tail -40; save ;;
+*) echo "usage: run34.sh timeline|pf|bench"; exit 2 ;;
 esac

@@ -787,6 +787,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="no checks, decode at 32K only (batch 1 / 32, bf16 / fp8), prefill 8K bf16: "
                          "the short GPU call")
+    ap.add_argument("--small-kernel-pdl", action=argparse.BooleanOptionalAction, default=True,
+                    help="the kernels launched as the engine launches them, EngineConfig.small_kernel_pdl (default "
+                         "on: under programmatic dependent launch, so the GQA decode also prefetches its first "
+                         "steps before the PDL wait; --no-small-kernel-pdl for the A/B)")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("attention_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -794,9 +798,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
+    from moet.kernels import pdl
+    pdl.set_small_kernel_pdl(args.small_kernel_pdl and not args.smoke)
     bench = Bench(args)
     bench.log(f"torch {torch.__version__}, triton {triton.__version__}, device "
-              f"{'cpu (smoke)' if args.smoke else torch.cuda.get_device_name()}; budget {args.budget_s:.0f}s")
+              f"{'cpu (smoke)' if args.smoke else torch.cuda.get_device_name()}; budget {args.budget_s:.0f}s; "
+              f"small-kernel PDL {'on' if pdl.small_kernel_pdl() else 'off'}")
     bench.log(f"GQA {bench.gqa.num_heads}/{bench.gqa.num_kv_heads} heads d {bench.gqa.head_dim}; MLA "
               f"{bench.mla.num_heads} heads R {bench.mla.kv_lora_rank} P {bench.mla.qk_rope_head_dim} "
               f"scale {bench.mla.scale:.6f}")
@@ -809,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.prefill()
     finally:
         meta = dict(torch=torch.__version__, triton=triton.__version__, smoke=args.smoke, block_size=BS,
+                    small_kernel_pdl=pdl.small_kernel_pdl(),
                     device="cpu" if args.smoke else torch.cuda.get_device_name(), elapsed_s=time.monotonic() - bench.t0)
         (out / "attention_bench.json").write_text(json.dumps(
             dict(meta=meta, records=bench.records, skipped=bench.skipped, failures=bench.failures), indent=1))

@@ -52,7 +52,7 @@ from moet.errors import ConfigError
 from moet.kernels.attention_configs import DEFAULT_GQA_DECODE, GQALaunch, gqa_shape_key, lookup_gqa_decode
 from moet.kernels.grid_sync import COUNTERS, acquired, device_counters, signal
 from moet.kernels.kv_cache import GQALayerKV
-from moet.kernels.launch_tables import device_capability
+from moet.kernels.launch_tables import device_capability, sm_count
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.pdl import pdl_enter, pdl_launch, prefetch_l2
 
@@ -74,8 +74,13 @@ DEFAULT_MAX_SPLITS = 32
 GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
-# GQA decode under PDL: loop steps of each split prefetched into L2 before the PDL wait (_gqa_prefetch)
-GQA_PREFETCH_STEPS = 2
+# GQA decode under PDL: loop steps of each split prefetched into L2 before the PDL wait (_gqa_prefetch),
+# by default only where the whole grid fits on the GPU at once (one program an SM), so that every
+# program's prefetch runs while the kernel before still does. H200 run 34 (Qwen3 heads, graph of 4
+# calls, us a call; PDL off / PDL / PDL + 1 step / + 2 / + 4): batch 1 bf16 8K 14.7 / 14.1 / 13.4 / 14.0
+# / 15.2, 32K 28.9 / 28.4 / 28.0 / 28.5 / 28.5, fp8 8K 14.1 / 13.5 / 12.6 / 12.8 / 13.8; batch 8 and 32
+# (1,024 and 4,096 programs, later waves prefetch what they are about to load anyway) lost 0.3-2.5%
+GQA_PREFETCH_STEPS = 1
 # GQA decode launch: attention_configs (num_warps per device / format / shape, num_stages also per
 # batch size; Triton's 4 warps and 3 stages where the table has no entry). sm_90 SASS at
 # Qwen3-30B-A3B shapes (python -m tests.kernels.aot_compile --gqa-sass): num_stages 3 and 4
@@ -737,7 +742,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     True: refused (ConfigError) where it does not apply; False: the byte tile.
     prefetch_steps: under PDL (pdl.small_kernel_pdl), the first loop steps of each split whose K / V
     rows a program prefetches into L2 before its PDL wait (_gqa_prefetch; a power of two, 0 = none;
-    default GQA_PREFETCH_STEPS). A hint: the same bits whatever it is, so it may follow the batch.
+    default GQA_PREFETCH_STEPS where the grid fits the GPU's SMs, else none). A hint: the same bits
+    whatever it is, so it may follow the batch.
     (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
     slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
@@ -775,7 +781,10 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     if fp8_words:
         kst, vst = tuple(x // 4 for x in kst), tuple(x // 4 for x in vst)
     pdl = pdl_launch(q)
-    pf = GQA_PREFETCH_STEPS if prefetch_steps is None else int(prefetch_steps)
+    if prefetch_steps is None:        # a hint, so it may follow the grid (no bits change): GQA_PREFETCH_STEPS
+        pf = GQA_PREFETCH_STEPS if pdl["PDL"] and b * hkv * num_splits <= sm_count(q.device) else 0
+    else:
+        pf = int(prefetch_steps)
     if pf < 0 or pf & (pf - 1):
         raise ConfigError(f"paged decode (triton): prefetch_steps must be 0 or a power of two, got {prefetch_steps}")
     _gqa_decode_split_kernel[(b, hkv, num_splits)](

@@ -35,6 +35,12 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """A CUDA device's multiprocessors (132 on an H200); 0 for other devices."""
+    return int(torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else 0
+
+
+@lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
     """torch's name of a CUDA device ("NVIDIA H200"), else the device type ("cpu")."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
