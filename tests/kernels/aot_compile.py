@@ -165,6 +165,22 @@ def main() -> None:
         c = _compile(pt._gqa_prefill_kernel, types, const,
                      dict(num_warps=warps, **({"num_stages": stages} if stages else {})))
         print("gqa prefill", kv, "scale kind", kind, "cubin bytes", len(c.asm["cubin"]))
+        # fp32 queries (fp32 dots) at their own default launch fit the shared memory; at the bf16 launch's
+        # 256 rows they would not (run 34: 263,168 B)
+        rows32, warps32, stages32 = pt.prefill_launch(kind == 2, 128, fp32_queries=True)
+        t32 = dict(types, q_ptr="*fp32", out_ptr="*fp32")
+        c32 = _compile(pt._gqa_prefill_kernel, t32, dict(const, BLOCK_M=rows32 // 16, BF16_DOT=False),
+                       dict(num_warps=warps32, **({"num_stages": stages32} if stages32 else {})))
+        assert c32.metadata.shared <= 227 * 1024, (kv, c32.metadata.shared)
+        if kind == 0:            # Qwen3-30B-A3B's 8 heads a group: 32 tokens x 8 at 256 rows, 16 at 128
+            q3 = dict(const, G=8, BLOCK_G=8, WINDOW=0, BF16_DOT=False)
+            div = ("s_qt", "s_qh", "s_kb", "s_kt", "s_kh", "s_vb", "s_vt", "s_vh", "s_btb", "s_ot", "s_oh")
+            wide = _compile(pt._gqa_prefill_kernel, t32, dict(q3, BLOCK_M=pt.PREFILL_ROWS // 8),
+                            dict(num_warps=pt.PREFILL_NUM_WARPS, num_stages=pt.PREFILL_NUM_STAGES), div16=div)
+            ok = _compile(pt._gqa_prefill_kernel, t32, dict(q3, BLOCK_M=rows32 // 8),
+                          dict(num_warps=warps32, **({"num_stages": stages32} if stages32 else {})), div16=div)
+            assert wide.metadata.shared > 227 * 1024 >= ok.metadata.shared, (wide.metadata.shared, ok.metadata.shared)
+        print("gqa fp32-q prefill", kv, "rows", rows32, "smem", c32.metadata.shared)
         # DeepSeek-V3: R 512, P 64, MLA_BLOCK_H heads per program
         lat = "*bf16" if kind == 0 else "*fp8e4nv"
         rope = "*fp8e4nv" if kind == 1 else "*bf16"

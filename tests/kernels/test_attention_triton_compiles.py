@@ -30,6 +30,7 @@ def test_kernels_compile_for_sm90():
     want = sum(len(set(s.values())) if isinstance(s, dict) else 1 for s in entries)
     assert want and sum(line.startswith("gqa table") for line in lines) == want, r.stdout
     assert sum(line.startswith("gqa prefill") for line in lines) == 3, r.stdout
+    assert sum(line.startswith("gqa fp32-q prefill") for line in lines) == 3, r.stdout
     assert sum(line.startswith("mla prefill *") for line in lines) == 3, r.stdout
     assert sum(line.startswith("mla prefill heads-M") for line in lines) == 2, r.stdout
     assert sum(line.startswith("mla heads-M") for line in lines) == 2, r.stdout

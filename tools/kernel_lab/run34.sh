@@ -26,9 +26,9 @@ pf)
     timeout -k 5 300 python tools/kernel_lab/gqa_timeline_probe.py --out $R/pf --skip-curve > $R/log_pf.txt 2>&1
     echo "pf rc=$?"; cut -c1-400 $R/log_pf.txt | tail -30; save ;;
 bench)
-    timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_cuda.py -x \
+    [ -n "$NOTEST" ] || timeout -k 5 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_cuda.py -x \
         > $R/pytest_attn.txt 2>&1; echo "attn tests rc=$?"; tail -3 $R/pytest_attn.txt; save
-    timeout -k 5 420 python -m moet.bench.attention_bench --out $R/bench --budget-s 380 > $R/log_bench.txt 2>&1
+    timeout -k 5 470 python -m moet.bench.attention_bench --out $R/bench --budget-s ${BUDGET:-380} > $R/log_bench.txt 2>&1
     echo "bench rc=$?"; grep -E "^\|" $R/log_bench.txt | tail -40; save ;;
 *) echo "usage: run34.sh timeline|pf|bench"; exit 2 ;;
 esac

@@ -56,13 +56,19 @@ PREFILL_NUM_WARPS = 16
 PREFILL_NUM_STAGES = 2
 PREFILL_BLOCK_SCALED_NUM_WARPS = 8
 PREFILL_WIDE_D_ROWS, PREFILL_WIDE_D_NUM_WARPS = 128, 8
+# fp32 queries (fp32 dots: a float32 model on a GPU) keep the 128 x 8 launch from before run 28: at
+# 256 rows their [256, 128] fp32 query tile and fp32 K / V stages need 263,168 B of shared memory
+# against the H200's 232,448 (attention_bench's checks, run 34: OutOfResources)
+PREFILL_FP32_ROWS, PREFILL_FP32_NUM_WARPS = 128, 8
 
 
-def prefill_launch(block_scaled: bool, head_dim: int) -> tuple[int, int, int | None]:
+def prefill_launch(block_scaled: bool, head_dim: int, fp32_queries: bool = False) -> tuple[int, int, int | None]:
     """(rows of (query token, head) a program, num_warps, num_stages or None for Triton's) of the
-    default launch for a cache (block-scaled fp8 or not) and head dim."""
+    default launch for a cache (block-scaled fp8 or not), head dim and query dtype (fp32 or not)."""
     if _pow2(head_dim) > 128:
         return PREFILL_WIDE_D_ROWS, PREFILL_WIDE_D_NUM_WARPS, None
+    if fp32_queries:
+        return PREFILL_FP32_ROWS, PREFILL_FP32_NUM_WARPS, None
     if block_scaled:
         return PREFILL_ROWS, PREFILL_BLOCK_SCALED_NUM_WARPS, None
     return PREFILL_ROWS, PREFILL_NUM_WARPS, PREFILL_NUM_STAGES
@@ -211,7 +217,7 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         raise ConfigError(f"paged prefill (triton): block_size must be a power of two >= 16, got {bs}")
     g = hq // hkv
     block_g = triton.next_power_of_2(g)
-    rows, warps, stages = prefill_launch(cache.fmt.block_scaled, max(d, dv))
+    rows, warps, stages = prefill_launch(cache.fmt.block_scaled, max(d, dv), not _bf16_dots(q))
     if block_m is None:
         block_m = max(1, rows // block_g)
     if block_m < 1 or block_m & (block_m - 1):
