@@ -294,7 +294,9 @@ def main() -> int:
                                                        "merge ('' = none)")
     ap.add_argument("--pdl", default="1:2048,1:8192,1:32768,1:131072,8:32768,32:32768",
                     help="batch:ctx cases of the PDL / prefetch sweep ('' = none)")
-    ap.add_argument("--prefetch", default="0,1,2,4", help="prefetch_steps under PDL in the sweep")
+    ap.add_argument("--prefetch", default="0,1,2,4", help="prefetch_steps under PDL in the sweep ('d': the default)")
+    ap.add_argument("--pdl-splits", default="32", help="max_splits of the PDL sweep (each with every --prefetch)")
+    ap.add_argument("--no-pdl-off", action="store_true", help="the PDL sweep without its PDL-off variant")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from moet.bench.timing import graph_time_ms
@@ -340,14 +342,18 @@ def main() -> int:
             batch, ctx = (int(x) for x in case.split(":"))
             layers = [Layer(fmt, ctx, 4000 + 10 * j, batch) for j in range(args.layers)]
             byt = gqa_bytes_per_token(HKV, D, D, fmt) * ctx * batch
-            variants = [("pdl off", False, 0)] + [(f"pdl pf{p}", True, p) for p in
-                                                  [int(x) for x in args.prefetch.split(",")]]
-            base, row = None, dict(kv=kv, batch=batch, ctx=ctx, us={}, bits_equal={})
+            pfs = [None if x == "d" else int(x) for x in args.prefetch.split(",")]
+            splits = [int(x) for x in args.pdl_splits.split(",")]
+            variants = [] if args.no_pdl_off else [("pdl off", False, 0, splits[0])]
+            variants += [(f"pdl pf{'d' if p is None else p}" + (f" s{sp}" if len(splits) > 1 else ""), True, p, sp)
+                         for sp in splits for p in pfs]
+            base, row = None, dict(kv=kv, batch=batch, ctx=ctx, us={}, bits_equal={}, relerr_vs_first={})
             for rep in (1, 2):                   # each variant twice, interleaved
-                for name, on, pf in variants:
+                for name, on, pf, sp in variants:
                     pdl.set_small_kernel_pdl(on)
                     try:
-                        run = graph_of([lambda L=L, pf=pf: L.production(None, prefetch_steps=pf) for L in layers])
+                        run = graph_of([lambda L=L, pf=pf, sp=sp: L.production(None, sp, prefetch_steps=pf)
+                                        for L in layers])
                         import triton.testing as tt
                         us = float(tt.do_bench(run, warmup=10, rep=60, return_mode="median")) / len(layers) * 1e3
                         run()
@@ -358,11 +364,13 @@ def main() -> int:
                     base = got if base is None else base
                     row["us"].setdefault(name, []).append(us)
                     row["bits_equal"][name] = bool(torch.equal(got, base)) and row["bits_equal"].get(name, True)
+                    row["relerr_vs_first"][name] = float((got.float() - base.float()).norm() / base.float().norm())
                     del run
             recs["pdl"].append(row)
             print(f"[{time.time() - t0:4.0f}s] pdl {kv} b{batch} ctx={ctx}: " + ", ".join(
                 f"{k} {min(v):.1f} us ({byt / min(v) / 1e3:.0f} GB/s)" for k, v in row["us"].items())
-                + f"; bits equal {all(row['bits_equal'].values())}", flush=True)
+                + f"; bits equal {all(row['bits_equal'].values())}, max relerr vs the first "
+                f"{max(row['relerr_vs_first'].values()):.1e}", flush=True)
             del layers
             torch.cuda.empty_cache()
         if args.skip_curve:

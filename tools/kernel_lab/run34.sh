@@ -9,6 +9,8 @@
 #       prefetch_steps sweep at batch 1 (2K-128K), 8 and 32 (32K).
 #   bash tools/kernel_lab/run34.sh bench (~9 min) the GPU attention tests, then the full attention_bench as the engine
 #       launches (small-kernel PDL on: the prefetch where the grid fits the SMs).
+#   bash tools/kernel_lab/run34.sh splits (~4 min) max_splits 32 / 48 / 64 under PDL for fp8 and bf16 caches at batch
+#       1 / 4 / 8 / 32: whether a KV format's fixed split cap can follow run 34's batch-1 sweep (fp8 +18% at 32K).
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r34; mkdir -p $R
 MODE=${1:-}
@@ -30,5 +32,10 @@ bench)
         > $R/pytest_attn.txt 2>&1; echo "attn tests rc=$?"; tail -3 $R/pytest_attn.txt; save
     timeout -k 5 470 python -m moet.bench.attention_bench --out $R/bench --budget-s ${BUDGET:-380} > $R/log_bench.txt 2>&1
     echo "bench rc=$?"; grep -E "^\|" $R/log_bench.txt | tail -40; save ;;
-*) echo "usage: run34.sh timeline|pf|bench"; exit 2 ;;
+splits)
+    timeout -k 5 400 python tools/kernel_lab/gqa_timeline_probe.py --out $R/splits --skip-curve --merge-ab "" \
+        --prefetch d --pdl-splits 32,48,64 --no-pdl-off --kv fp8,bf16 \
+        --pdl 1:8192,1:32768,1:131072,4:32768,8:32768,8:131072,32:8192,32:32768 > $R/log_splits.txt 2>&1
+    echo "splits rc=$?"; cut -c1-500 $R/log_splits.txt | tail -20; save ;;
+*) echo "usage: run34.sh timeline|pf|bench|splits"; exit 2 ;;
 esac
