@@ -19,6 +19,10 @@ min(max_splits, table width / split) -- no host sync, one launch shape for CUDA 
 past a sequence's last split write nothing and the merge reads only its used splits. So the
 partials stay bounded (B * heads * max_splits) with a table padded to max_model_len, and a
 sequence's output does not depend on the table's width or on the rest of the batch.
+  Under PDL (EngineConfig.small_kernel_pdl) each split program first reads its length and block
+  table and prefetches its first step's K / V rows into L2, then waits for the kernel before
+  (_gqa_prefetch): the first step's chain of dependent DRAM reads, 4 of the 28 us a batch-1 32K
+  call takes (H200 run 34, docs/perf.md), overlaps that kernel; only where the grid fits the SMs.
   The page loop is software-pipelined by Triton: at num_stages >= 3 the next steps' K/V tiles are
   cp.async'ed into shared memory (one buffer at 3-4 stages, two at 5, three at 7). num_warps and
   num_stages come from a table keyed by device, KV format and shape (kernels/attention_configs.py;
