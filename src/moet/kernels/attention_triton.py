@@ -398,10 +398,11 @@ def _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, b, h, sp, s_kb, s_kt, s_kh, s_
     """Before the PDL wait (PF_STEPS): the K and V rows of this split's first STEPS loop steps into
     L2. At batch 1 the first step is a chain of three dependent DRAM round trips -- the sequence
     length (the split's pages), the block table, the first K / V tiles -- and that chain, not the
-    stream, was 3.3 us of a 29 us call at 32K (one 64-token step alone took 4.5 us a program against
-    1.2 in the steady state; tools/kernel_lab/gqa_timeline_probe.py, H200, 2026-12-03). Under PDL
+    stream, was ~4 us of a 29 us call at 32K (a one-step program took 4.3 us against 1.2 a step in
+    the steady state; tools/kernel_lab/gqa_timeline_probe.py, H200, 2026-12-03). Under PDL
     this kernel is resident while the kernel before it finishes, so the chain can run then. Safe:
-    the lengths and tables were written before the step's first kernel (host copies), and past
+    the lengths and tables must be final before the kernel before starts (the engine copies them
+    in from the host ahead of the step's first kernel; only the prefetch addresses use them), past
     tokens' K / V long before; the newest token's row may still be in flight from the KV write,
     which an L2 prefetch cannot get wrong (no register, no L1 line is filled; the real loads come
     after the wait). The length and table are read past L1 (.cg) for the same reason. Every

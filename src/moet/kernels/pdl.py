@@ -59,9 +59,9 @@ def pdl_enter(PDL: tl.constexpr):
 @triton.jit
 def prefetch_l2(ptrs):
     """An L2 prefetch of each pointer's line (prefetch.global.L2: a hint; no register written,
-    nothing waits for it). What the kernels issue before their PDL wait for bytes no kernel still
-    running writes, so their DRAM reads overlap the kernels before them; safe whatever is running,
-    since L2 is where every SM's writes meet (a prefetch fills no L1), but every pointer must be
-    inside an allocation (clamp, do not mask: there is no mask)."""
+    nothing waits for it). Kernels issue it before their PDL wait, so their DRAM reads overlap the
+    kernels before them. It cannot return stale data, even for bytes a running kernel still writes:
+    L2 is where every SM's writes meet and a prefetch fills no L1 line and no register. Every
+    pointer must be inside an allocation (clamp, do not mask: there is no mask)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
                               dtype=tl.int32, is_pure=False, pack=1)
