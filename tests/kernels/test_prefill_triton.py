@@ -124,3 +124,22 @@ def test_padding_queries_and_empty_batches():
         _tri().paged_prefill_gqa(torch.zeros(6, 3, 16, device=DEVICE), cache, table, cu, seq_lens, 0.3)
     with pytest.raises(ConfigError, match="block_m"):
         _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, block_m=3)
+
+
+def test_fp32_queries_take_their_own_launch(monkeypatch):
+    """fp32 queries (fp32 dots: a float32 model) launch with prefill_launch's fp32 form, 128 rows: at
+    the bf16 form's 256 rows their tiles need 263 KB of shared memory on the H200 (run 34), so the
+    dtype must reach the launch choice; bf16 queries take the 256-row form."""
+    pt = _tri()
+    seen = []
+    real = pt.prefill_launch
+    monkeypatch.setattr(pt, "prefill_launch", lambda *a, **k: seen.append((a, k)) or real(*a, **k))
+    g = _gen()
+    cache, table, cu, lens, q = _setup(F32, [(BS + 3, 5)], 4, 2, 16, g)
+    got = pt.paged_prefill_gqa(q, cache, table, cu, lens, 0.3)
+    want = ref.paged_prefill_gqa(q.cpu(), _to_cpu(cache), table.cpu(), cu.cpu(), lens.cpu(), 0.3)
+    assert float((got.cpu() - want).norm() / want.norm()) < 2e-5
+    pt.paged_prefill_gqa(q.to(torch.bfloat16), cache, table, cu, lens, 0.3)
+    flags = [bool(a[2] if len(a) > 2 else k.get("fp32_queries", False)) for a, k in seen]
+    assert flags == [True, False], seen
+    assert real(False, 128, True)[0] == pt.PREFILL_FP32_ROWS < pt.PREFILL_ROWS == real(False, 128, False)[0]
