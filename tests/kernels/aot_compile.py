@@ -46,6 +46,10 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
             const = {flag: False, **const}
     if "PF_STEPS" in fn.arg_names:       # no prefetch before the PDL wait unless asked
         const = {"PF_STEPS": 0, "KV_BYTES": 2, **const}
+    if "LONG_SPLITS" in fn.arg_names:    # the plain split partition (and a one-chunk merge) unless asked
+        const = {"LONG_SPLITS": 0, **const}
+    if "NCHUNK" in fn.arg_names:
+        const = {"NCHUNK": 1, **const}
     if "SLACK" in fn.arg_names:          # the lazy-rescale slack the launchers pass by default
         from moet.kernels.attention_triton import RESCALE_SLACK
         const = {"SLACK": RESCALE_SLACK, **const}
@@ -287,6 +291,17 @@ def main() -> None:
         assert "prefetch.global.L2" not in ptx0 and n_pf > 0 and wait > ptx.rfind("prefetch.global.L2"), (name, n_pf)
         assert sass_report(c)["spill_ops"] == 0, name
         print("gqa prefetch", name, "steps", steps, "prefetch instructions", n_pf)
+    # the long partition (LONG_SPLITS 64): the split kernel and the merge in two chunks of 32, no spills
+    c = compile_gqa_decode("*bf16", 0, num_stages=7, LONG_SPLITS=64)
+    r = sass_report(c)
+    assert r["spill_ops"] == 0, r
+    cm = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32",
+                                                out_ptr="*bf16"),
+                  dict(HQ=32, DV=128, BLOCK_DV=128, MAX_SPLITS=32, BLOCK_SIZE=16, LONG_SPLITS=64, NCHUNK=2,
+                       **at._merge_blocks(32, 128)))
+    rm = sass_report(cm)
+    assert rm["spill_ops"] == 0, rm
+    print("gqa long partition split regs", r["regs"], "merge regs", rm["regs"])
     # the split merge, all splits loaded at once: GQA rows of 128 (one [32, 128] tile) and MLA's
     # latent rows of 512 (four column tiles), as paged_decode_gqa / _mla launch it; no spills
     for name, hq, dv in (("gqa", 96, 128), ("mla", 128, 512)):

@@ -41,6 +41,10 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
             const = {flag: False, **const}
     if "PF_STEPS" in fn.arg_names:                                # (the GQA decode's L2 prefetch: none)
         const = {"PF_STEPS": 0, "KV_BYTES": 2, **const}
+    if "LONG_SPLITS" in fn.arg_names:                             # (its plain partition, one-chunk merge)
+        const = {"LONG_SPLITS": 0, **const}
+    if "NCHUNK" in fn.arg_names:
+        const = {"NCHUNK": 1, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     opts = {"num_warps": num_warps, "num_stages": num_stages}

@@ -145,6 +145,26 @@ def test_gqa_decode_prefetch_under_pdl_changes_no_bits(fmt):
         attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, prefetch_steps=3)
 
 
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=lambda f: f"{f.name}-{f.scale}")
+def test_gqa_decode_long_partition_at_128k(fmt):
+    """The default long partition: a 131,149-token sequence (8,197 pages) gets 64 splits of 129 pages,
+    merged as two chunks of 32, and matches the reference; a 20,000-token one in the same batch
+    keeps the bits it has without the long partition (its 32 splits are the same)."""
+    from moet.kernels import attention_reference as ref
+    from moet.kernels import attention_triton
+    g = _gen()
+    lens = [131149, 20000]
+    cache, table = _gqa(fmt, lens, g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), 32, 128, generator=g).to(DEV, torch.bfloat16)
+    got = attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5)
+    want = ref.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5)
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
+    plain = attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, long_splits=0)
+    assert torch.equal(got[1], plain[1]) and not torch.equal(got[0], plain[0])
+    assert _rel(plain, want) < 1e-2
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.scale}")
 def test_mla_decode_and_prefill_at_deepseek_shape(fmt):
     from moet.kernels import attention_reference as ref

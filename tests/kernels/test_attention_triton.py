@@ -497,3 +497,34 @@ def test_explicit_heads_m_too_big_for_the_device_is_a_clear_error(monkeypatch):
     md.check_heads_m_fits(cuda, 64, 512, 64, 32, "paged decode mla")
     monkeypatch.setattr(md, "device_shared_memory", lambda d: 227 * 1024)
     md.check_heads_m_fits(cuda, 64, 512, 64, 64, "paged decode mla")
+
+
+def test_long_partition_matches_reference_and_keeps_short_sequences_bits():
+    """The long partition (long_splits): past max_splits splits of 1,024 tokens a sequence gets more
+    splits of 1,024 tokens, merged in chunks of BLOCK_S. Here max_splits 2 (BLOCK_S 2) and long_splits
+    5 (3 merge chunks): a 2,131-token sequence (134 pages) gets 3 splits of 64 pages instead of 2 of
+    67 -- its second merge chunk is used, its third is not -- and matches the reference; a 40-token
+    sequence in the same batch keeps its bits (its partition is the same); reruns identical."""
+    at = _tri()
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lens = [2131, 40]
+    nb = sum(-(-n // BS) for n in lens) + 3
+    fmt = KVFormat("auto", dtype=torch.float32)
+    cache = new_gqa_layer(nb, BS, 2, 16, 16, fmt, device=DEVICE)
+    table = random_block_tables(lens, BS, nb, g).to(DEVICE)
+    for b, n in enumerate(lens):
+        write_gqa_kv(cache, torch.randn(n, 2, 16, generator=g).to(DEVICE), torch.randn(n, 2, 16, generator=g).to(DEVICE),
+                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 16, generator=g).to(DEVICE)
+    kw = dict(split_tokens=BS, max_splits=2)
+    got = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, long_splits=5, **kw)
+    want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3)
+    assert float((got.cpu() - want).norm() / want.norm()) < 2e-5
+    assert torch.equal(got, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, long_splits=5, **kw))
+    plain = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, **kw)          # explicit max_splits: no long
+    assert torch.equal(plain, at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, long_splits=0, **kw))
+    assert torch.equal(got[1], plain[1])
+    assert float((plain.cpu() - want).norm() / want.norm()) < 2e-5
+    with pytest.raises(ConfigError, match="long_splits"):
+        at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, long_splits=-1, **kw)

@@ -207,7 +207,7 @@ class Layer:
     def production(self, split_tokens: int | None, max_splits: int = SPLITS, **kw):
         from moet.kernels.attention_triton import paged_decode_gqa
         return paged_decode_gqa(self.q, self.cache, self.table, self.lens, D ** -0.5, split_tokens=split_tokens,
-                                max_splits=max_splits, out=self.out, **kw)
+                                max_splits=max_splits or None, out=self.out, **kw)     # 0: the default
 
     def stamped(self, split_tokens: int, old_merge: bool = False):
         from moet.kernels.attention_triton import gqa_decode_launch, gqa_fp8_words_applies

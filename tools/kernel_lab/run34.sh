@@ -11,6 +11,8 @@
 #       launches (small-kernel PDL on: the prefetch where the grid fits the SMs).
 #   bash tools/kernel_lab/run34.sh splits (~4 min) max_splits 32 / 48 / 64 under PDL for fp8 and bf16 caches at batch
 #       1 / 4 / 8 / 32: whether a KV format's fixed split cap can follow run 34's batch-1 sweep (fp8 +18% at 32K).
+#   bash tools/kernel_lab/run34.sh long (~5 min) the long partition (GQA_LONG_SPLITS 64 past 32K: "s0" = the default)
+#       against 32 splits ("s32"), batch 1 / 8 / 32 at 8K-128K, after the GPU attention tests.
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r34; mkdir -p $R
 MODE=${1:-}
@@ -37,5 +39,13 @@ splits)
         --prefetch d --pdl-splits 32,48,64 --no-pdl-off --kv fp8,bf16 \
         --pdl 1:8192,1:32768,1:131072,4:32768,8:32768,8:131072,32:8192,32:32768 > $R/log_splits.txt 2>&1
     echo "splits rc=$?"; cut -c1-500 $R/log_splits.txt | tail -20; save ;;
-*) echo "usage: run34.sh timeline|pf|bench|splits"; exit 2 ;;
+long)
+    timeout -k 5 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention_cuda.py \
+        tests/kernels/test_attention_triton.py -x > $R/pytest_attn.txt 2>&1
+    echo "attn tests rc=$?"; tail -3 $R/pytest_attn.txt; save
+    timeout -k 5 300 python tools/kernel_lab/gqa_timeline_probe.py --out $R/long --skip-curve --merge-ab "" \
+        --prefetch d --pdl-splits 0,32 --no-pdl-off --kv fp8,bf16 \
+        --pdl 1:8192,1:32768,1:65536,1:131072,8:65536,8:131072,32:65536,32:131072 > $R/log_long.txt 2>&1
+    echo "long rc=$?"; cut -c1-500 $R/log_long.txt | tail -20; save ;;
+*) echo "usage: run34.sh timeline|pf|bench|splits|long"; exit 2 ;;
 esac

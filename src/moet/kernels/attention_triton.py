@@ -78,6 +78,12 @@ DEFAULT_MAX_SPLITS = 32
 GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
+# GQA decode's long partition (_split_pages' LONG_SPLITS; its LONG_TOKENS 1,024): a sequence past
+# GQA_DEFAULT_MAX_SPLITS splits of 1,024 tokens (32K) gets up to 64 splits of 1,024 tokens before its
+# splits grow again, so the partition of any sequence up to 32K is as without it. H200 run 34
+# (graph of 4, us a call, 32 / 64 splits): batch 1 at 128K bf16 85.6 / 76.8, fp8 85.9 / 58.5; batch 8
+# at 128K bf16 517.1 / 509.4, fp8 335.8 / 346.2 (docs/perf.md, attention "Run 34")
+GQA_LONG_SPLITS = 64
 # GQA decode under PDL: loop steps of each split prefetched into L2 before the PDL wait (_gqa_prefetch),
 # by default only where the whole grid fits on the GPU at once (one program an SM), so that every
 # program's prefetch runs while the kernel before still does. H200 run 34 (Qwen3 heads, graph of 4
@@ -145,12 +151,21 @@ def _load_dequant(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss
 
 
 @triton.jit
-def _split_pages(n, PAGES_MIN, MAX_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _split_pages(n, PAGES_MIN, MAX_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, LONG_SPLITS: tl.constexpr = 0,
+                 LONG_TOKENS: tl.constexpr = 1024):
     """(pages of the sequence, pages per split, splits used) for a sequence of n tokens: splits of
-    PAGES_MIN pages, longer when that would need more than MAX_SPLITS. A function of n alone, so a
-    sequence is split the same way whatever else is in the batch and however wide the table."""
+    PAGES_MIN pages, longer when that would need more than MAX_SPLITS. LONG_SPLITS (> MAX_SPLITS; 0 =
+    none): a split stops growing at LONG_TOKENS and the splits multiply instead, up to LONG_SPLITS,
+    and only then grow again -- so a sequence short enough for MAX_SPLITS splits of at most
+    LONG_TOKENS is split as without it (the same bits), and a long one gets more programs. A function
+    of n alone, so a sequence is split the same way whatever else is in the batch and however wide
+    the table."""
     n_pages = (n + BLOCK_SIZE - 1) // BLOCK_SIZE
     pps = tl.maximum((n_pages + MAX_SPLITS - 1) // MAX_SPLITS, PAGES_MIN)
+    if LONG_SPLITS > 0:
+        LONG_PAGES: tl.constexpr = max(1, LONG_TOKENS // BLOCK_SIZE)
+        pps = tl.maximum(tl.maximum(tl.minimum((n_pages + MAX_SPLITS - 1) // MAX_SPLITS, LONG_PAGES), PAGES_MIN),
+                         (n_pages + LONG_SPLITS - 1) // LONG_SPLITS)
     return n_pages, pps, (n_pages + pps - 1) // pps
 
 
@@ -394,7 +409,7 @@ def _gqa_f8w_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, acc_ptr, m_ptr, 
 def _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, b, h, sp, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, pages_min,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                   MAX_SPLITS: tl.constexpr, WINDOW: tl.constexpr, STEPS: tl.constexpr, KV_BYTES: tl.constexpr,
-                  F8_WORDS: tl.constexpr):
+                  F8_WORDS: tl.constexpr, LONG_SPLITS: tl.constexpr):
     """Before the PDL wait (PF_STEPS): the K and V rows of this split's first STEPS loop steps into
     L2. At batch 1 the first step is a chain of three dependent DRAM round trips -- the sequence
     length (the split's pages), the block table, the first K / V tiles -- and that chain, not the
@@ -409,7 +424,7 @@ def _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, b, h, sp, s_kb, s_kt, s_kh, s_
     address is inside the cache: tokens past the split read block 0 (the table's `other`).
     KV_BYTES: bytes of one element of the pointers as passed (4: F8_WORDS' int32 words)."""
     n = tl.load(lens_ptr + b, cache_modifier=".cg")
-    n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE)
+    n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE, LONG_SPLITS)
     lo_tok, first, last = _split_window(n, sp, pps, n_pages, WINDOW, BLOCK_SIZE)
     t = tl.arange(0, STEPS * PAGES * BLOCK_SIZE)
     page = first + t // BLOCK_SIZE
@@ -444,17 +459,17 @@ def _gqa_decode_split_kernel(
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
         FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr,
         SWAP_AB: tl.constexpr = False, F8_WORDS: tl.constexpr = False, PF_STEPS: tl.constexpr = 0,
-        KV_BYTES: tl.constexpr = 2):
+        KV_BYTES: tl.constexpr = 2, LONG_SPLITS: tl.constexpr = 0):
     if PF_STEPS > 0:                              # PDL only: before the wait (_gqa_prefetch)
         _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
                       s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, pages_min,
-                      D, DV, BLOCK_SIZE, PAGES, MAX_SPLITS, WINDOW, PF_STEPS, KV_BYTES, F8_WORDS)
+                      D, DV, BLOCK_SIZE, PAGES, MAX_SPLITS, WINDOW, PF_STEPS, KV_BYTES, F8_WORDS, LONG_SPLITS)
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
-    n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE)
+    n_pages, pps, used = _split_pages(n, pages_min, MAX_SPLITS, BLOCK_SIZE, LONG_SPLITS)
     if F8_WORDS:                                  # an fp8 cache read as int32 words: _gqa_f8w_split
         if sp < used:
             g = tl.arange(0, BLOCK_G)
@@ -529,8 +544,20 @@ def _gqa_decode_split_kernel(
 
 
 @triton.jit
+def _merge_chunk(m_ptr, l_ptr, row0, used, rows, c0, BLOCK_S: tl.constexpr):
+    """Splits c0 .. c0 + BLOCK_S - 1 of a merge: (their index, mask of the used ones, m, l), loaded
+    masked by the workspace's `rows` and the unused ones set after (see _merge_head)."""
+    s = c0 + tl.arange(0, BLOCK_S)
+    smask = s < used
+    inside = s < rows
+    m = tl.where(smask, tl.load(m_ptr + row0 + s, mask=inside, other=float("-inf")), float("-inf"))
+    l = tl.where(smask, tl.load(l_ptr + row0 + s, mask=inside, other=0.0), 0.0)
+    return s, smask, inside, m, l
+
+
+@triton.jit
 def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr):
+                BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, NCHUNK: tl.constexpr = 1):
     """The split merge of one (sequence, query head): its `used` splits' partials (workspace rows
     row0 .. row0 + used - 1) -> o_ptr[0:DV]. All splits are loaded at once, m and l as [BLOCK_S]
     vectors and acc as [BLOCK_S, DV_TILE] tiles (DV_TILE columns at a time, so a 512-wide MLA
@@ -544,16 +571,23 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
     the splits past `used` (never written: any bits) are dropped after with tl.where, the same
     values as masked loads: so the loads need not wait for the sequence length that `used` comes
     from (one dependent round trip less; the stamps of tools/kernel_lab/gqa_timeline_probe.py had
-    the merge program at 2.0-2.3 us for 32 x 130 floats at batch 1)."""
-    s = tl.arange(0, BLOCK_S)
-    smask = s < used
-    inside = s < rows
-    m = tl.where(smask, tl.load(m_ptr + row0 + s, mask=inside, other=float("-inf")), float("-inf"))
-    l = tl.where(smask, tl.load(l_ptr + row0 + s, mask=inside, other=0.0), 0.0)
+    the merge program at 2.0-2.3 us for 32 x 130 floats at batch 1).
+    NCHUNK > 1 (the GQA decode's long partition, _split_pages' LONG_SPLITS): up to NCHUNK * BLOCK_S
+    splits, in chunks of BLOCK_S; chunks past the first are read only when the sequence uses them,
+    and a sequence that uses one chunk gets the bits of NCHUNK 1."""
+    s, smask, inside, m, l = _merge_chunk(m_ptr, l_ptr, row0, used, rows, 0, BLOCK_S)
     m_max = tl.max(m, 0)
+    for c in tl.static_range(1, NCHUNK):
+        if used > c * BLOCK_S:
+            _, _, _, mc, _ = _merge_chunk(m_ptr, l_ptr, row0, used, rows, c * BLOCK_S, BLOCK_S)
+            m_max = tl.maximum(m_max, tl.max(mc, 0))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # an empty sequence: all splits empty
     w = tl.where(smask, tl.exp(m - m_safe), 0.0)            # log-sum-exp rescale; 0 past `used`
     l_sum = tl.sum(w * l, 0)
+    for c in tl.static_range(1, NCHUNK):
+        if used > c * BLOCK_S:
+            _, smc, _, mc, lc = _merge_chunk(m_ptr, l_ptr, row0, used, rows, c * BLOCK_S, BLOCK_S)
+            l_sum += tl.sum(tl.where(smc, tl.exp(mc - m_safe), 0.0) * lc, 0)
     pos = l_sum > 0                                         # l_sum == 0 (no keys): output 0, no NaN
     den = tl.where(pos, l_sum, 1.0)
     dt = tl.arange(0, DV_TILE)
@@ -563,6 +597,12 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
         a = tl.where(smask[:, None], tl.load(acc_ptr + (row0 + s)[:, None] * DV + cols[None, :],
                                              mask=inside[:, None] & cmask[None, :], other=0.0), 0.0)
         total = tl.sum(w[:, None] * a, 0)
+        for k in tl.static_range(1, NCHUNK):
+            if used > k * BLOCK_S:
+                sk, smk, ik, mk, _ = _merge_chunk(m_ptr, l_ptr, row0, used, rows, k * BLOCK_S, BLOCK_S)
+                ak = tl.where(smk[:, None], tl.load(acc_ptr + (row0 + sk)[:, None] * DV + cols[None, :],
+                                                    mask=ik[:, None] & cmask[None, :], other=0.0), 0.0)
+                total += tl.sum(tl.where(smk, tl.exp(mk - m_safe), 0.0)[:, None] * ak, 0)
         out = tl.where(pos, total / den, 0.0)
         tl.store(o_ptr + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
 
@@ -636,17 +676,18 @@ def _lazy_rescale(m_i, l_i, acc, tile_max, SLACK: tl.constexpr, ROWS_LAST: tl.co
 def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, num_splits, pages_min,
                          HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, LONG_SPLITS: tl.constexpr = 0, NCHUNK: tl.constexpr = 1):
     """Stage 2, grid (B, Hq): one program merges one (sequence, query head)'s splits, all of them
-    at once (_merge_head; BLOCK_S = next power of two >= MAX_SPLITS)."""
+    at once (_merge_head; BLOCK_S = next power of two >= MAX_SPLITS; NCHUNK chunks of BLOCK_S where
+    the partition has LONG_SPLITS)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     # only the splits that hold keys were written (the same _split_pages as stage 1): with a table
     # padded to max_model_len most grid splits are empty and never touched
-    _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE)
+    _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE, LONG_SPLITS)
     _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr + b * s_ob + h * s_oh, (b * HQ + h) * num_splits, used, num_splits,
-                DV, BLOCK_DV, BLOCK_S, DV_TILE)
+                DV, BLOCK_DV, BLOCK_S, DV_TILE, NCHUNK)
 
 
 def _slack(rescale_slack: float | None, default: float = RESCALE_SLACK) -> float:
@@ -724,7 +765,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
                      fused_merge: bool = False, swap_ab: bool = False, fp8_words: bool | None = None,
-                     prefetch_steps: int | None = None) -> torch.Tensor:
+                     prefetch_steps: int | None = None, long_splits: int | None = None) -> torch.Tensor:
     """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
@@ -749,6 +790,11 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     rows a program prefetches into L2 before its PDL wait (_gqa_prefetch; a power of two, 0 = none;
     default GQA_PREFETCH_STEPS where the grid fits the GPU's SMs, else none). A hint: the same bits
     whatever it is, so it may follow the batch.
+    long_splits: the long partition (_split_pages' LONG_SPLITS; default GQA_LONG_SPLITS where max_splits
+    is the default, else none; 0 = none; no effect at or below max_splits; none with fused_merge, whose
+    merge loads one chunk of splits):
+    past max_splits splits of 1,024 tokens a sequence gets up to long_splits splits of 1,024 tokens.
+    Like the splits it is part of a model's bits (for sequences past 32K at the defaults).
     (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
     slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
@@ -761,7 +807,19 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
     fmt = cache.fmt
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    if long_splits is None:           # the long partition belongs to the default split cap
+        long_splits = GQA_LONG_SPLITS if max_splits is None else 0
     pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits or GQA_DEFAULT_MAX_SPLITS)
+    long_splits = int(long_splits)
+    if long_splits < 0:
+        raise ConfigError(f"paged decode (triton): long_splits must be >= 0, got {long_splits}")
+    if fused_merge or long_splits <= max_splits:
+        long_splits = 0
+    merge = _merge_blocks(max_splits, dv)
+    nchunk = 1
+    if long_splits:
+        num_splits = max(1, min(long_splits, -(-block_tables.shape[1] // pages_min)))
+        nchunk = -(-long_splits // merge["BLOCK_S"])
     if num_warps is None or num_stages is None:
         launch = gqa_decode_launch(q, cache, tile_tokens)
         num_warps = num_warps or launch.num_warps
@@ -787,7 +845,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         kst, vst = tuple(x // 4 for x in kst), tuple(x // 4 for x in vst)
     pdl = pdl_launch(q)
     if prefetch_steps is None:        # a hint, so it may follow the grid (no bits change): GQA_PREFETCH_STEPS
-        pf = GQA_PREFETCH_STEPS if pdl["PDL"] and b * hkv * num_splits <= sm_count(q.device) else 0
+        pf = GQA_PREFETCH_STEPS if pdl["PDL"] and b * hkv * min(num_splits, max_splits) <= sm_count(q.device) else 0
     else:
         pf = int(prefetch_steps)
     if pf < 0 or pf & (pf - 1):
@@ -800,13 +858,13 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         MAX_SPLITS=max_splits, WINDOW=sliding_window or 0, SCALE_KIND=kind, GROUP_K=min(fmt.group, d),
         GROUP_V=min(fmt.group, dv), BF16_DOT=_bf16_dots(q), INTERPRET=_INTERPRET,
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
-        FUSED_MERGE=fused_merge, **_merge_blocks(max_splits, dv), num_warps=num_warps, num_stages=num_stages,
+        FUSED_MERGE=fused_merge, **merge, num_warps=num_warps, num_stages=num_stages,
         SWAP_AB=swap_ab, F8_WORDS=fp8_words, PF_STEPS=pf if pdl["PDL"] else 0,
-        KV_BYTES=4 if fp8_words else cache.k.element_size(), **pdl)
+        KV_BYTES=4 if fp8_words else cache.k.element_size(), LONG_SPLITS=long_splits, **pdl)
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
-                                      **_merge_blocks(max_splits, dv), **pdl_launch(q))
+                                      **merge, LONG_SPLITS=long_splits, NCHUNK=nchunk, **pdl)
     return out
 
 
