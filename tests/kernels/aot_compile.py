@@ -48,6 +48,8 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
         const = {"PF_STEPS": 0, "KV_BYTES": 2, **const}
     if "LONG_SPLITS" in fn.arg_names:    # the plain split partition (and a one-chunk merge) unless asked
         const = {"LONG_SPLITS": 0, **const}
+    if "SKIP_EMPTY" in fn.arg_names:     # every program waits under PDL unless asked
+        const = {"SKIP_EMPTY": False, **const}
     if "NCHUNK" in fn.arg_names:
         const = {"NCHUNK": 1, **const}
     if "SLACK" in fn.arg_names:          # the lazy-rescale slack the launchers pass by default
@@ -292,7 +294,9 @@ def main() -> None:
         assert sass_report(c)["spill_ops"] == 0, name
         print("gqa prefetch", name, "steps", steps, "prefetch instructions", n_pf)
     # the long partition (LONG_SPLITS 64): the split kernel and the merge in two chunks of 32, no spills
-    c = compile_gqa_decode("*bf16", 0, num_stages=7, LONG_SPLITS=64)
+    c = compile_gqa_decode("*bf16", 0, num_stages=7, LONG_SPLITS=64, PDL=True, SKIP_EMPTY=True, PF_STEPS=1)
+    wait = c.asm["ptx"].find("griddepcontrol.wait")
+    assert 0 < c.asm["ptx"].find("ld.global.cg") < wait, "the empty-program test reads the length before the wait"
     r = sass_report(c)
     assert r["spill_ops"] == 0, r
     cm = _compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32",

@@ -43,6 +43,8 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"PF_STEPS": 0, "KV_BYTES": 2, **const}
     if "LONG_SPLITS" in fn.arg_names:                             # (its plain partition, one-chunk merge)
         const = {"LONG_SPLITS": 0, **const}
+    if "SKIP_EMPTY" in fn.arg_names:
+        const = {"SKIP_EMPTY": False, **const}
     if "NCHUNK" in fn.arg_names:
         const = {"NCHUNK": 1, **const}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}

@@ -459,12 +459,21 @@ def _gqa_decode_split_kernel(
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
         FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr,
         SWAP_AB: tl.constexpr = False, F8_WORDS: tl.constexpr = False, PF_STEPS: tl.constexpr = 0,
-        KV_BYTES: tl.constexpr = 2, LONG_SPLITS: tl.constexpr = 0):
+        KV_BYTES: tl.constexpr = 2, LONG_SPLITS: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False):
     if PF_STEPS > 0:                              # PDL only: before the wait (_gqa_prefetch)
         _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
                       s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, pages_min,
                       D, DV, BLOCK_SIZE, PAGES, MAX_SPLITS, WINDOW, PF_STEPS, KV_BYTES, F8_WORDS, LONG_SPLITS)
-    pdl_enter(PDL)
+    if SKIP_EMPTY:
+        # PDL, no fused merge: a program past its sequence's last split (a table padded to
+        # max_model_len, the long partition's grid) writes nothing, so it leaves without waiting
+        # for the kernel before -- it would hold an SM slot through that wait (run 34: 128 of them
+        # at batch 1 cost 5 us a call). Reads the length before the wait, as _gqa_prefetch does
+        n0 = tl.load(lens_ptr + tl.program_id(0), cache_modifier=".cg")
+        if tl.program_id(2) < _split_pages(n0, pages_min, MAX_SPLITS, BLOCK_SIZE, LONG_SPLITS)[2]:
+            pdl_enter(PDL)
+    else:
+        pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -572,24 +581,16 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
     values as masked loads: so the loads need not wait for the sequence length that `used` comes
     from (one dependent round trip less; the stamps of tools/kernel_lab/gqa_timeline_probe.py had
     the merge program at 2.0-2.3 us for 32 x 130 floats at batch 1).
-    NCHUNK > 1 (the GQA decode's long partition, _split_pages' LONG_SPLITS): up to NCHUNK * BLOCK_S
-    splits, in chunks of BLOCK_S; chunks past the first are read only when the sequence uses them,
-    and a sequence that uses one chunk gets the bits of NCHUNK 1."""
+    NCHUNK > 1 (the GQA decode's long partition, _split_pages' LONG_SPLITS; one column tile,
+    BLOCK_DV == DV_TILE): up to NCHUNK * BLOCK_S splits in chunks of BLOCK_S. The first chunk is
+    merged as above, then each further chunk the sequence uses is merged on its own and folded in
+    by its max (log-sum-exp), so the first chunk's loads still wait for nothing and a sequence that
+    uses one chunk gets the bits of NCHUNK 1."""
     s, smask, inside, m, l = _merge_chunk(m_ptr, l_ptr, row0, used, rows, 0, BLOCK_S)
     m_max = tl.max(m, 0)
-    for c in tl.static_range(1, NCHUNK):
-        if used > c * BLOCK_S:
-            _, _, _, mc, _ = _merge_chunk(m_ptr, l_ptr, row0, used, rows, c * BLOCK_S, BLOCK_S)
-            m_max = tl.maximum(m_max, tl.max(mc, 0))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # an empty sequence: all splits empty
     w = tl.where(smask, tl.exp(m - m_safe), 0.0)            # log-sum-exp rescale; 0 past `used`
     l_sum = tl.sum(w * l, 0)
-    for c in tl.static_range(1, NCHUNK):
-        if used > c * BLOCK_S:
-            _, smc, _, mc, lc = _merge_chunk(m_ptr, l_ptr, row0, used, rows, c * BLOCK_S, BLOCK_S)
-            l_sum += tl.sum(tl.where(smc, tl.exp(mc - m_safe), 0.0) * lc, 0)
-    pos = l_sum > 0                                         # l_sum == 0 (no keys): output 0, no NaN
-    den = tl.where(pos, l_sum, 1.0)
     dt = tl.arange(0, DV_TILE)
     for c in tl.static_range(0, BLOCK_DV, DV_TILE):
         cols = c + dt
@@ -597,13 +598,22 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
         a = tl.where(smask[:, None], tl.load(acc_ptr + (row0 + s)[:, None] * DV + cols[None, :],
                                              mask=inside[:, None] & cmask[None, :], other=0.0), 0.0)
         total = tl.sum(w[:, None] * a, 0)
-        for k in tl.static_range(1, NCHUNK):
+        den = l_sum
+        for k in tl.static_range(1, NCHUNK):             # (NCHUNK > 1: one column tile, c == 0)
             if used > k * BLOCK_S:
-                sk, smk, ik, mk, _ = _merge_chunk(m_ptr, l_ptr, row0, used, rows, k * BLOCK_S, BLOCK_S)
+                sk, smk, ik, mk, lk = _merge_chunk(m_ptr, l_ptr, row0, used, rows, k * BLOCK_S, BLOCK_S)
+                mk_max = tl.max(mk, 0)                   # finite: chunk k holds a used split
+                wk = tl.where(smk, tl.exp(mk - mk_max), 0.0)
                 ak = tl.where(smk[:, None], tl.load(acc_ptr + (row0 + sk)[:, None] * DV + cols[None, :],
                                                     mask=ik[:, None] & cmask[None, :], other=0.0), 0.0)
-                total += tl.sum(tl.where(smk, tl.exp(mk - m_safe), 0.0)[:, None] * ak, 0)
-        out = tl.where(pos, total / den, 0.0)
+                top = tl.maximum(m_safe, mk_max)
+                e0 = tl.exp(m_safe - top)
+                ek = tl.exp(mk_max - top)
+                total = total * e0 + tl.sum(wk[:, None] * ak, 0) * ek
+                den = den * e0 + tl.sum(wk * lk, 0) * ek
+                m_safe = top
+        pos = den > 0                                     # no keys: output 0, no NaN
+        out = tl.where(pos, total / tl.where(pos, den, 1.0), 0.0)
         tl.store(o_ptr + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -813,9 +823,9 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     long_splits = int(long_splits)
     if long_splits < 0:
         raise ConfigError(f"paged decode (triton): long_splits must be >= 0, got {long_splits}")
-    if fused_merge or long_splits <= max_splits:
-        long_splits = 0
     merge = _merge_blocks(max_splits, dv)
+    if fused_merge or long_splits <= max_splits or merge["DV_TILE"] < _pow2(dv):   # (its merge: one column tile)
+        long_splits = 0
     nchunk = 1
     if long_splits:
         num_splits = max(1, min(long_splits, -(-block_tables.shape[1] // pages_min)))
@@ -860,7 +870,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         PAGES=max(1, (tile_tokens or GQA_TILE_TOKENS) // bs), OP_F16=fmt.is_fp8 and _bf16_dots(q),
         FUSED_MERGE=fused_merge, **merge, num_warps=num_warps, num_stages=num_stages,
         SWAP_AB=swap_ab, F8_WORDS=fp8_words, PF_STEPS=pf if pdl["PDL"] else 0,
-        KV_BYTES=4 if fp8_words else cache.k.element_size(), LONG_SPLITS=long_splits, **pdl)
+        KV_BYTES=4 if fp8_words else cache.k.element_size(), LONG_SPLITS=long_splits,
+        SKIP_EMPTY=pdl["PDL"] and not fused_merge, **pdl)
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
