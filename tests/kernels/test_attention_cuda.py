@@ -147,9 +147,10 @@ def test_gqa_decode_prefetch_under_pdl_changes_no_bits(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=lambda f: f"{f.name}-{f.scale}")
 def test_gqa_decode_long_partition_at_128k(fmt):
-    """The default long partition: a 131,149-token sequence (8,197 pages) gets 64 splits of 129 pages,
-    merged as two chunks of 32, and matches the reference; a 20,000-token one in the same batch
-    keeps the bits it has without the long partition (its 32 splits are the same)."""
+    """The long partition at 64 (long_splits): a 131,149-token sequence (8,197 pages) gets 64 splits of
+    129 pages, merged as two chunks of 32, and matches the reference; a 20,000-token one in the same
+    batch keeps the bits it has without the long partition (its splits are the same); under PDL,
+    where the programs past a sequence's splits skip the PDL wait, the same bits."""
     from moet.kernels import attention_reference as ref
     from moet.kernels import attention_triton
     g = _gen()
@@ -157,19 +158,20 @@ def test_gqa_decode_long_partition_at_128k(fmt):
     cache, table = _gqa(fmt, lens, g)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     q = torch.randn(len(lens), 32, 128, generator=g).to(DEV, torch.bfloat16)
-    got = attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5)
+    got = attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, long_splits=64)
     want = ref.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5)
     assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
-    plain = attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5, long_splits=0)
+    plain = attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5)        # the default: off
     assert torch.equal(got[1], plain[1]) and not torch.equal(got[0], plain[0])
     assert _rel(plain, want) < 1e-2
     if torch.cuda.get_device_capability() >= (9, 0):    # under PDL: empty programs skip the wait; same bits
         from moet.kernels import pdl
         pdl.set_small_kernel_pdl(True)
         try:
-            assert torch.equal(attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5), got)
+            assert torch.equal(attention_triton.paged_decode_gqa(q, cache, table, seq_lens, 128 ** -0.5,
+                                                                 long_splits=64), got)
             assert torch.equal(attention_triton.paged_decode_gqa(q[1:], cache, table[1:], seq_lens[1:],
-                                                                 128 ** -0.5), got[1:])
+                                                                 128 ** -0.5, long_splits=64), got[1:])
         finally:
             pdl.set_small_kernel_pdl(False)
 

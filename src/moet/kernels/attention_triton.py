@@ -78,12 +78,16 @@ DEFAULT_MAX_SPLITS = 32
 GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
-# GQA decode's long partition (_split_pages' LONG_SPLITS; its LONG_TOKENS 1,024): a sequence past
-# GQA_DEFAULT_MAX_SPLITS splits of 1,024 tokens (32K) gets up to 64 splits of 1,024 tokens before its
-# splits grow again, so the partition of any sequence up to 32K is as without it. H200 run 34
-# (graph of 4, us a call, 32 / 64 splits): batch 1 at 128K bf16 85.6 / 76.8, fp8 85.9 / 58.5; batch 8
-# at 128K bf16 517.1 / 509.4, fp8 335.8 / 346.2 (docs/perf.md, attention "Run 34")
-GQA_LONG_SPLITS = 64
+# GQA decode's long partition (paged_decode_gqa(long_splits), _split_pages' LONG_SPLITS; its LONG_TOKENS
+# 1,024): a sequence past GQA_DEFAULT_MAX_SPLITS splits of 1,024 tokens (32K) gets up to long_splits
+# splits of 1,024 tokens before its splits grow again, so the partition of any sequence up to 32K is
+# as without it. Off by default (0). H200 run 34 (graph of 4, us a call, PDL, without / with 64):
+# batch 1 fp8 64K 46.9 / 36.3, 128K 85.4 / 59.7; bf16 128K 85.1 / 76.6; batch 8 at 64K fp8 176.3 /
+# 188.9; batch 1 at 32K (the same partition) bf16 27.9 / 33.0, fp8 27.6 / 31.2 -- the grid's 128 empty
+# programs waited for the kernel before, and the chunked merge's loads waited for the length. Both
+# are since changed (SKIP_EMPTY; the merge folds later chunks in) and not yet timed on a GPU, so the
+# default stays off (docs/perf.md, attention "Run 34")
+GQA_LONG_SPLITS = 0
 # GQA decode under PDL: loop steps of each split prefetched into L2 before the PDL wait (_gqa_prefetch),
 # by default only where the whole grid fits on the GPU at once (one program an SM), so that every
 # program's prefetch runs while the kernel before still does. H200 run 34 (Qwen3 heads, graph of 4
@@ -465,10 +469,11 @@ def _gqa_decode_split_kernel(
                       s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, pages_min,
                       D, DV, BLOCK_SIZE, PAGES, MAX_SPLITS, WINDOW, PF_STEPS, KV_BYTES, F8_WORDS, LONG_SPLITS)
     if SKIP_EMPTY:
-        # PDL, no fused merge: a program past its sequence's last split (a table padded to
-        # max_model_len, the long partition's grid) writes nothing, so it leaves without waiting
-        # for the kernel before -- it would hold an SM slot through that wait (run 34: 128 of them
-        # at batch 1 cost 5 us a call). Reads the length before the wait, as _gqa_prefetch does
+        # PDL with the long partition (not with the fused merge, whose counters need every
+        # program): a program past its sequence's last split writes nothing, so it leaves without
+        # waiting for the kernel before -- it would hold an SM slot through that wait (run 34: the
+        # long grid's 128 empty programs at batch 1, 32K, cost 5 us a call). Reads the length
+        # before the wait, as _gqa_prefetch does. (Not yet timed on a GPU.)
         n0 = tl.load(lens_ptr + tl.program_id(0), cache_modifier=".cg")
         if tl.program_id(2) < _split_pages(n0, pages_min, MAX_SPLITS, BLOCK_SIZE, LONG_SPLITS)[2]:
             pdl_enter(PDL)
@@ -591,6 +596,8 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # an empty sequence: all splits empty
     w = tl.where(smask, tl.exp(m - m_safe), 0.0)            # log-sum-exp rescale; 0 past `used`
     l_sum = tl.sum(w * l, 0)
+    pos = l_sum > 0                                         # l_sum == 0 (no keys): output 0, no NaN
+    den = tl.where(pos, l_sum, 1.0)
     dt = tl.arange(0, DV_TILE)
     for c in tl.static_range(0, BLOCK_DV, DV_TILE):
         cols = c + dt
@@ -598,22 +605,26 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
         a = tl.where(smask[:, None], tl.load(acc_ptr + (row0 + s)[:, None] * DV + cols[None, :],
                                              mask=inside[:, None] & cmask[None, :], other=0.0), 0.0)
         total = tl.sum(w[:, None] * a, 0)
-        den = l_sum
-        for k in tl.static_range(1, NCHUNK):             # (NCHUNK > 1: one column tile, c == 0)
-            if used > k * BLOCK_S:
-                sk, smk, ik, mk, lk = _merge_chunk(m_ptr, l_ptr, row0, used, rows, k * BLOCK_S, BLOCK_S)
-                mk_max = tl.max(mk, 0)                   # finite: chunk k holds a used split
-                wk = tl.where(smk, tl.exp(mk - mk_max), 0.0)
-                ak = tl.where(smk[:, None], tl.load(acc_ptr + (row0 + sk)[:, None] * DV + cols[None, :],
-                                                    mask=ik[:, None] & cmask[None, :], other=0.0), 0.0)
-                top = tl.maximum(m_safe, mk_max)
-                e0 = tl.exp(m_safe - top)
-                ek = tl.exp(mk_max - top)
-                total = total * e0 + tl.sum(wk[:, None] * ak, 0) * ek
-                den = den * e0 + tl.sum(wk * lk, 0) * ek
-                m_safe = top
-        pos = den > 0                                     # no keys: output 0, no NaN
-        out = tl.where(pos, total / tl.where(pos, den, 1.0), 0.0)
+        if NCHUNK > 1:                                    # (one column tile: c == 0)
+            m_run = m_safe
+            l_run = l_sum
+            for k in tl.static_range(1, NCHUNK):
+                if used > k * BLOCK_S:
+                    sk, smk, ik, mk, lk = _merge_chunk(m_ptr, l_ptr, row0, used, rows, k * BLOCK_S, BLOCK_S)
+                    mk_max = tl.max(mk, 0)               # finite: chunk k holds a used split
+                    wk = tl.where(smk, tl.exp(mk - mk_max), 0.0)
+                    ak = tl.where(smk[:, None], tl.load(acc_ptr + (row0 + sk)[:, None] * DV + cols[None, :],
+                                                        mask=ik[:, None] & cmask[None, :], other=0.0), 0.0)
+                    top = tl.maximum(m_run, mk_max)
+                    e0 = tl.exp(m_run - top)
+                    ek = tl.exp(mk_max - top)
+                    total = total * e0 + tl.sum(wk[:, None] * ak, 0) * ek
+                    l_run = l_run * e0 + tl.sum(wk * lk, 0) * ek
+                    m_run = top
+            pos_k = l_run > 0
+            out = tl.where(pos_k, total / tl.where(pos_k, l_run, 1.0), 0.0)
+        else:
+            out = tl.where(pos, total / den, 0.0)
         tl.store(o_ptr + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -800,11 +811,12 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     rows a program prefetches into L2 before its PDL wait (_gqa_prefetch; a power of two, 0 = none;
     default GQA_PREFETCH_STEPS where the grid fits the GPU's SMs, else none). A hint: the same bits
     whatever it is, so it may follow the batch.
-    long_splits: the long partition (_split_pages' LONG_SPLITS; default GQA_LONG_SPLITS where max_splits
-    is the default, else none; 0 = none; no effect at or below max_splits; none with fused_merge, whose
-    merge loads one chunk of splits):
-    past max_splits splits of 1,024 tokens a sequence gets up to long_splits splits of 1,024 tokens.
-    Like the splits it is part of a model's bits (for sequences past 32K at the defaults).
+    long_splits: the long partition (_split_pages' LONG_SPLITS; default GQA_LONG_SPLITS, off, where
+    max_splits is the default, else none; 0 = none; no effect at or below max_splits; none with
+    fused_merge or rows wider than one merge tile): past max_splits splits of 1,024 tokens a
+    sequence gets up to long_splits splits of 1,024 tokens. Like the splits it is part of a model's
+    bits (for sequences past 32K at the default splits). With it, under PDL, programs past their
+    sequence's splits leave before the PDL wait (SKIP_EMPTY).
     (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
     slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
     q = q.contiguous()
@@ -871,7 +883,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         FUSED_MERGE=fused_merge, **merge, num_warps=num_warps, num_stages=num_stages,
         SWAP_AB=swap_ab, F8_WORDS=fp8_words, PF_STEPS=pf if pdl["PDL"] else 0,
         KV_BYTES=4 if fp8_words else cache.k.element_size(), LONG_SPLITS=long_splits,
-        SKIP_EMPTY=pdl["PDL"] and not fused_merge, **pdl)
+        SKIP_EMPTY=pdl["PDL"] and bool(long_splits), **pdl)
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
