@@ -295,7 +295,8 @@ def main() -> int:
     ap.add_argument("--pdl", default="1:2048,1:8192,1:32768,1:131072,8:32768,32:32768",
                     help="batch:ctx cases of the PDL / prefetch sweep ('' = none)")
     ap.add_argument("--prefetch", default="0,1,2,4", help="prefetch_steps under PDL in the sweep ('d': the default)")
-    ap.add_argument("--pdl-splits", default="32", help="max_splits of the PDL sweep (each with every --prefetch)")
+    ap.add_argument("--pdl-splits", default="32", help="max_splits of the PDL sweep (each with every --prefetch; 0: the "
+                                                       "default cap with long_splits 64)")
     ap.add_argument("--no-pdl-off", action="store_true", help="the PDL sweep without its PDL-off variant")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -352,7 +353,10 @@ def main() -> int:
                 for name, on, pf, sp in variants:
                     pdl.set_small_kernel_pdl(on)
                     try:
-                        run = graph_of([lambda L=L, pf=pf, sp=sp: L.production(None, sp, prefetch_steps=pf)
+                        # sp 0: the default split cap with the long partition at 64 (paged_decode_gqa(long_splits))
+                        extra = dict(long_splits=64) if sp == 0 else {}
+                        run = graph_of([lambda L=L, pf=pf, sp=sp, extra=extra: L.production(None, sp, prefetch_steps=pf,
+                                                                                          **extra)
                                         for L in layers])
                         import triton.testing as tt
                         us = float(tt.do_bench(run, warmup=10, rep=60, return_mode="median")) / len(layers) * 1e3

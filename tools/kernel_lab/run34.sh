@@ -11,7 +11,8 @@
 #       launches (small-kernel PDL on: the prefetch where the grid fits the SMs).
 #   bash tools/kernel_lab/run34.sh splits (~4 min) max_splits 32 / 48 / 64 under PDL for fp8 and bf16 caches at batch
 #       1 / 4 / 8 / 32: whether a KV format's fixed split cap can follow run 34's batch-1 sweep (fp8 +18% at 32K).
-#   bash tools/kernel_lab/run34.sh long (~5 min) the long partition (GQA_LONG_SPLITS 64 past 32K: "s0" = the default)
+#   bash tools/kernel_lab/run34.sh long (~5 min) the long partition (long_splits 64 past 32K: "s0"; ran at cf34ac9, where
+#       it was the default; the default is off since, and s0 passes long_splits=64)
 #       against 32 splits ("s32"), batch 1 / 8 / 32 at 8K-128K, after the GPU attention tests.
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 R=/tmp/r34; mkdir -p $R
