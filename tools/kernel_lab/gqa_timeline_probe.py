@@ -34,6 +34,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+import triton.testing as tt
 
 from moet.kernels.attention_triton import (_gqa_decode_tile, _gqa_f8w_split, _merge_blocks, _merge_head, _pow2,
                                            _split_pages, _split_window)
@@ -317,7 +318,6 @@ def main() -> int:
             outs = {}
             for name, old in (("new", False), ("old", True), ("new2", False), ("old2", True)):
                 run = graph_of([lambda L=L, old=old: L.stamped(split_tokens, old_merge=old) for L in layers])
-                import triton.testing as tt
                 row[f"us_{name}"] = float(tt.do_bench(run, warmup=10, rep=60, return_mode="median")) / len(layers) * 1e3
                 merge_ns = []
                 for _ in range(5):
@@ -358,7 +358,6 @@ def main() -> int:
                         run = graph_of([lambda L=L, pf=pf, sp=sp, extra=extra: L.production(None, sp, prefetch_steps=pf,
                                                                                           **extra)
                                         for L in layers])
-                        import triton.testing as tt
                         us = float(tt.do_bench(run, warmup=10, rep=60, return_mode="median")) / len(layers) * 1e3
                         run()
                         torch.cuda.synchronize()
@@ -385,7 +384,6 @@ def main() -> int:
             byt = gqa_bytes_per_token(HKV, D, D, fmt) * ctx
             prod = graph_of([lambda L=L: L.production(split_tokens) for L in layers])
             lab = graph_of([lambda L=L: L.stamped(split_tokens) for L in layers])
-            import triton.testing as tt
             ms_prod = float(tt.do_bench(prod, warmup=10, rep=60, return_mode="median")) / len(layers)
             ms_lab = float(tt.do_bench(lab, warmup=10, rep=60, return_mode="median")) / len(layers)
             ms_one = graph_time_ms(lambda: layers[0].production(split_tokens))
@@ -429,7 +427,6 @@ def main() -> int:
             byt = gqa_bytes_per_token(HKV, D, D, fmt) * ctx
             for ms_ in [int(x) for x in args.splits.split(",")]:
                 run = graph_of([lambda L=L: L.production(256, ms_) for L in layers])
-                import triton.testing as tt
                 ms = float(tt.do_bench(run, warmup=10, rep=60, return_mode="median")) / len(layers)
                 recs["splits"].append(dict(kv=kv, ctx=ctx, max_splits=ms_, us_per_call_graph=ms * 1e3,
                                            gbps=byt / ms / 1e6))

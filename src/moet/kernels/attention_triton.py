@@ -735,13 +735,16 @@ def _merge_blocks(max_splits: int, dv: int) -> dict:
     return dict(BLOCK_S=block_s, DV_TILE=min(_pow2(dv), max(16, MERGE_TILE_ELEMS // block_s)))
 
 
-def _splits(block_tables: torch.Tensor, bs: int, split_tokens: int | None, max_splits: int | None):
-    """-> (pages_min, max_splits, grid splits): the most splits any sequence of this table can use."""
+def _splits(block_tables: torch.Tensor, bs: int, split_tokens: int | None, max_splits: int | None,
+            long_splits: int = 0):
+    """-> (pages_min, max_splits, grid splits): the most splits any sequence of this table can use
+    (up to long_splits where the long partition is on, else max_splits)."""
     pages_min = max(1, -(-(split_tokens or 256) // bs))
     max_splits = max_splits or DEFAULT_MAX_SPLITS
     if max_splits < 1:
         raise ConfigError(f"paged decode (triton): max_splits must be >= 1, got {max_splits}")
-    return pages_min, max_splits, max(1, min(max_splits, -(-block_tables.shape[1] // pages_min)))
+    cap = max(max_splits, long_splits)
+    return pages_min, max_splits, max(1, min(cap, -(-block_tables.shape[1] // pages_min)))
 
 
 def gqa_decode_launch(q: torch.Tensor, cache: GQALayerKV, tile_tokens: int | None = None) -> GQALaunch:
@@ -831,17 +834,16 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
     if long_splits is None:           # the long partition belongs to the default split cap
         long_splits = GQA_LONG_SPLITS if max_splits is None else 0
-    pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits or GQA_DEFAULT_MAX_SPLITS)
     long_splits = int(long_splits)
     if long_splits < 0:
         raise ConfigError(f"paged decode (triton): long_splits must be >= 0, got {long_splits}")
+    pages_min, max_splits, num_splits = _splits(block_tables, bs, split_tokens, max_splits or GQA_DEFAULT_MAX_SPLITS,
+                                                long_splits)
     merge = _merge_blocks(max_splits, dv)
     if fused_merge or long_splits <= max_splits or merge["DV_TILE"] < _pow2(dv):   # (its merge: one column tile)
         long_splits = 0
-    nchunk = 1
-    if long_splits:
-        num_splits = max(1, min(long_splits, -(-block_tables.shape[1] // pages_min)))
-        nchunk = -(-long_splits // merge["BLOCK_S"])
+        num_splits = min(num_splits, max_splits)
+    nchunk = -(-long_splits // merge["BLOCK_S"]) if long_splits else 1
     if num_warps is None or num_stages is None:
         launch = gqa_decode_launch(q, cache, tile_tokens)
         num_warps = num_warps or launch.num_warps
