@@ -42,6 +42,9 @@ class EngineConfig:
     device: str = _knob("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     max_model_len: int | None = _knob(None, "longest prompt + generation in tokens; default: the "
                                             "config's max_position_embeddings")
+    allow_long_max_model_len: bool = _knob(
+        False, "accept a max_model_len beyond the checkpoint's trained context (max_position_embeddings); "
+               "outputs past it may be wrong")
     seed: int = _knob(0, "seed of the sampler when a request gives no seed of its own")
     w2_zero_mode: str = _knob(
         "auto", "sign rule for exact zeros when re-quantizing experts to W2 (moet.formats.w2): auto "

@@ -42,6 +42,18 @@ class ServeConfig:
     max_pending_requests: int = _knob(256, "requests in flight (running + waiting) before new ones get 429")
     request_timeout_s: float = _knob(600.0, "a request still generating after this many seconds is aborted (504)")
     max_request_bytes: int = _knob(16 * 1024 * 1024, "largest accepted request body (else 413)")
+    served_model_name: list[str] | None = _knob(
+        None, "names the API serves the model under (the first is the one responses carry, the rest are "
+              "aliases); default: the checkpoint's folder name")
+    chat_template: str | None = _knob(
+        None, "a Jinja chat template (a file, or the template itself) used instead of the checkpoint's")
+    trust_request_chat_template: bool = _knob(
+        False, "accept a chat template sent in a request (chat_template / chat_template_kwargs.chat_template); "
+               "off: such requests get 400. A client template runs in a sandbox with a time limit either way")
+    chat_template_timeout_s: float = _knob(
+        10.0, "longest a chat template may take to render one request (else 400)")
+    max_sequences_per_request: int = _knob(
+        128, "most sequences one request may ask for (prompts x n); more gets 400")
     log_requests: bool = _knob(True, "log one line per request (method, path, status, tokens, seconds)")
     engine_process: str = _knob("auto", "run the engine in a process of its own (spawned), so the server's Python "
                                         "never takes GIL time from it: true, false (a thread of the server process), "
@@ -56,7 +68,16 @@ class ServeConfig:
             raise ConfigError(f"engine_process={self.engine_process!r}: expected one of {', '.join(ENGINE_PROCESS_CHOICES)}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port={self.port} must be in 1..65535")
-        for name in ("max_pending_requests", "max_request_bytes"):
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and (not self.served_model_name
+                                                   or not all(isinstance(n, str) and n for n in self.served_model_name)):
+            raise ConfigError(f"served_model_name={self.served_model_name!r} must be one or more non-empty names")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key is empty: give a key, or leave --api-key out to serve without one")
+        if not self.chat_template_timeout_s > 0:
+            raise ConfigError(f"chat_template_timeout_s={self.chat_template_timeout_s} must be > 0")
+        for name in ("max_pending_requests", "max_request_bytes", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.request_timeout_s > 0:
