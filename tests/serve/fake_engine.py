@@ -109,7 +109,9 @@ class FakeAsyncEngine:
                         if params.logprobs is not None else None
                     outs.append(CompletionOutput(i, text, cut, None, lps, fin, None))
                 self._stats.generation_tokens_total += len(seqs)
-                yield RequestOutput(request_id, None, ids, None, outs, finished=done)
+                plps = [None] + [self._logprobs(t, params.prompt_logprobs, j) for j, t in enumerate(ids[1:])] \
+                    if params.prompt_logprobs is not None else None
+                yield RequestOutput(request_id, None, ids, plps, outs, finished=done)
                 if done:
                     self.finished.append(request_id)
                     return

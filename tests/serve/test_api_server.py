@@ -171,8 +171,12 @@ def test_completions(engine, client):
     r = client.completions.create(model="moet-tiny", prompt="def fib(n):", max_tokens=5, echo=True, logprobs=2)
     c = r.choices[0]
     assert c.text.startswith("def fib(n):") and c.finish_reason == "length" and r.usage.completion_tokens == 5
-    assert len(c.logprobs.tokens) == 5 and all(len(t) == 2 for t in c.logprobs.top_logprobs)
     assert r.usage.prompt_tokens == len(engine.tokenizer("def fib(n):").input_ids)
+    # echo + logprobs: the prompt's tokens come first, scored (the first has nothing to predict it)
+    n_prompt = r.usage.prompt_tokens
+    assert len(c.logprobs.tokens) == n_prompt + 5 and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.top_logprobs[0] is None and all(len(t) == 2 for t in c.logprobs.top_logprobs[1:])
+    assert engine.params_seen[-1].prompt_logprobs == 2
     r = client.completions.create(model="moet-tiny", prompt=["a", "b"], n=2, max_tokens=4)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     ids = engine.tokenizer("hello").input_ids
@@ -199,16 +203,16 @@ def test_sixteen_concurrent_streams(server):
 BAD = [  # (body or raw bytes, status, substring of the message)
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
-    ({"messages": "hi"}, 422, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422, "temperature"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 422, "role"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-9"),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, 413, "maximum context length"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 422, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 9}, 400, "at most"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "string"}}}]}, 422, "type 'object'"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]}, 422, "name"),
+        "name": "f", "parameters": {"type": "string"}}}]}, 400, "type 'object'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]}, 400, "name"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
       "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
@@ -231,8 +235,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 
 
 def test_completions_errors(server):
-    for body, status in [({"prompt": []}, 422), ({"prompt": [[1, 2], []]}, 422), ({"prompt": [10 ** 9]}, 400),
-                         ({"prompt": "x", "suffix": "y"}, 400), ({"prompt": "x", "stream_options": {}}, 422)]:
+    for body, status in [({"prompt": []}, 400), ({"prompt": [[1, 2], []]}, 400), ({"prompt": [10 ** 9]}, 400),
+                         ({"prompt": "x", "suffix": "y"}, 400), ({"prompt": "x", "stream_options": {}}, 400)]:
         r = httpx.post(server.url + "/v1/completions", json=body)
         assert r.status_code == status, (body, r.text)
     with pytest.raises(openai.NotFoundError):

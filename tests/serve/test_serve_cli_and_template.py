@@ -2,6 +2,7 @@
 OpenAI-messages -> chat-template conversion."""
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def test_render_matches_the_python_renderer_of_the_shipped_format():
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
     req = _req(CALL_HISTORY, tools)
-    text = render_chat(engine.tokenizer, req.messages, req.tools)
+    text = render_chat(functools.partial(engine.tokenizer.apply_chat_template, tokenize=False), req.messages, req.tools)
     expect = render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
                      {"role": "assistant", "content": "", "tool_calls": [{"function": {
                          "name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
@@ -79,9 +80,9 @@ class _StringArgsTokenizer:
     """A template that concatenates arguments as text (DeepSeek-V3's does): dicts make it fail."""
     chat_template = "x"
 
-    def apply_chat_template(self, messages, tools=None, **kw):
+    def apply_chat_template(self, conversation, tools=None, **kw):
         out = ""
-        for m in messages:
+        for m in conversation:
             for tc in m.get("tool_calls") or []:
                 out += "ARGS:" + tc["function"]["arguments"]   # TypeError for a dict, like Jinja's +
             out += m["content"] or ""
@@ -89,5 +90,5 @@ class _StringArgsTokenizer:
 
 
 def test_template_that_wants_string_arguments_gets_them():
-    text = render_chat(_StringArgsTokenizer(), _req(CALL_HISTORY).messages, None)
+    text = render_chat(_StringArgsTokenizer().apply_chat_template, _req(CALL_HISTORY).messages, None)
     assert json.loads(text.split("ARGS:")[1].split("}")[0] + "}") == {"city": "Paris", "days": 2}

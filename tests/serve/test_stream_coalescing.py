@@ -209,17 +209,23 @@ def test_coalesced_deltas_keep_openai_semantics(chunky):
     chunks = list(c.chat.completions.create(model="moet-tiny", messages=msgs, stop=[","], stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Hello there"
 
-    # completions: logprob text offsets run on across deltas, after the echoed prompt
+    # completions: echo with logprobs scores the prompt's tokens first (the first has none), then the
+    # completion's; text offsets run on across the echo and every delta
     chunks = list(c.completions.create(model="moet-tiny", prompt="def fib(n):", max_tokens=9, echo=True, logprobs=2,
                                        stream=True, stream_options={"include_usage": True}))
-    tokens, offsets = [], []
-    for ch in chunks[1:]:
+    tokens, offsets, lps = [], [], []
+    for ch in chunks:
         for choice in ch.choices:
             if choice.logprobs:
                 tokens += choice.logprobs.tokens
                 offsets += choice.logprobs.text_offset
-    assert len(tokens) == 9 == chunks[-1].usage.completion_tokens
-    want, at = [], len("def fib(n):")
+                lps += choice.logprobs.token_logprobs
+    n_prompt = chunks[-1].usage.prompt_tokens
+    assert chunks[0].choices[0].text.startswith("def fib(n):")
+    assert len(tokens) == n_prompt + 9 and chunks[-1].usage.completion_tokens == 9
+    assert lps[0] is None and all(isinstance(x, float) for x in lps[1:])
+    assert "".join(tokens[:n_prompt]).endswith("def fib(n):")   # after the bos token the tokenizer adds
+    want, at = [], 0
     for t in tokens:
         want.append(at)
         at += len(t)

@@ -1,15 +1,19 @@
 """The FastAPI app: OpenAI's routes over an engine that follows contract 2
 (moet.engine.async_engine.AsyncEngine, or any object with its shape).
 
-    GET  /v1/models            the served model
+    GET  /v1/models            the served model (one card per served name)
     POST /v1/chat/completions  chat (JSON or server-sent events)
     POST /v1/completions       raw prompts (JSON or server-sent events)
+    POST /tokenize, /detokenize  vLLM's tokenizer endpoints
     GET  /health               200 while the engine answers stats(), else 503
     GET  /metrics              Prometheus text format (moet.serve.metrics)
+    GET  /version              moet's version
 
 Request bodies are parsed here, not by FastAPI, so every failure has OpenAI's error shape and
 a status that says what was wrong (errors.py lists them); a bad request never takes the
-server down. A client that goes away aborts its engine requests at once (a watcher on the
+server down. Everything that costs time in proportion to a request's size (parsing, chat
+templates, tokenizing) runs in worker threads (ServerState.off_loop), so one huge request
+never stalls the event loop that every stream and /health share. A client that goes away aborts its engine requests at once (a watcher on the
 connection: streamed, it interrupts the generation's wait for the engine; non-streamed, it
 cancels the handler's work). One log line per request at the end of its response: method,
 path, status, prompt / completion tokens, seconds.
@@ -17,7 +21,6 @@ path, status, prompt / completion tokens, seconds.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -25,18 +28,24 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moet import __version__
 
 from moet.serve.chat import ChatPlan, ChatStream, chat_response
 from moet.serve.completion import CompletionPlan, CompletionStream, completion_response
-from moet.serve.errors import APIError, BadRequest, TooLarge, Unauthorized, Unavailable, Unprocessable
+from moet.serve.errors import APIError, MethodNotAllowed, NotFound, Unauthorized, Unavailable
 from moet.serve.generation import ClientGone, Generation
 from moet.serve.metrics import CONTENT_TYPE, ServerMetrics
-from moet.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, random_id
+from moet.serve.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, VersionResponse, random_id)
+from moet.serve.request_body import parse_request, read_body
 from moet.serve.reasoning import ReasoningParser
 from moet.serve.sampling import generation_defaults
 from moet.serve.serve_config import ServeConfig
 from moet.serve.server_state import ServerState
+from moet.serve.tokenization import detokenize, tokenize
 from moet.serve.tool_parsers import ToolParser
 
 log = logging.getLogger("moet.serve")
@@ -47,30 +56,10 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.response().model_dump(), status_code=exc.status, headers=headers)
 
 
-def _validation_message(err: ValidationError) -> tuple[str, str | None]:
-    parts, first = [], None
-    for e in err.errors()[:5]:
-        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("function-after"))
-        first = first or (str(e["loc"][0]) if e["loc"] else None)
-        parts.append(f"{loc or 'body'}: {e['msg']}")
-    return "; ".join(parts), first
-
-
-async def read_request(request: Request, model: type[BaseModel], max_bytes: int):
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise TooLarge(f"request body of {len(body)} bytes is over the limit of {max_bytes} (--max-request-bytes)")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        msg, param = _validation_message(exc)
-        raise Unprocessable(msg, param=param) from None
+async def read_request(request: Request, model: type[BaseModel], state: ServerState):
+    """The body, read up to --max-request-bytes, parsed and validated in a worker thread."""
+    body = await read_body(request.stream(), request.headers.get("content-length"), state.config.max_request_bytes)
+    return await state.off_loop(parse_request, body, model)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -176,14 +165,16 @@ class AuthAndLog:
 
 def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[ToolParser] | None = None,
               reasoning_parser: ReasoningParser | None = None, generation_config: dict | None = None,
-              model_path: str | None = None) -> FastAPI:
+              model_path: str | None = None, chat_template: str | None = None) -> FastAPI:
     """The app over `engine` (contract 2). Parsers are given resolved (serve_cli picks them from
-    the flags and the chat template); generation_config supplies sampling defaults."""
+    the flags and the chat template); generation_config supplies sampling defaults; chat_template
+    (--chat-template) replaces the tokenizer's own."""
     config = config or ServeConfig()
-    state = ServerState(engine=engine, config=config, model_name=engine.model_name,
-                        metrics=ServerMetrics(engine, engine.model_name), tool_parser=tool_parser,
+    names = list(config.served_model_name or [engine.model_name])
+    state = ServerState(engine=engine, config=config, model_name=names[0],
+                        metrics=ServerMetrics(engine, names[0]), tool_parser=tool_parser,
                         reasoning_parser=reasoning_parser, sampling_defaults=generation_defaults(generation_config),
-                        model_path=model_path)
+                        model_path=model_path, model_names=names, chat_template=chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -192,10 +183,24 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
             await engine.shutdown()
         except Exception:
             log.exception("engine shutdown failed")
+        finally:
+            state.close()
 
     app = FastAPI(title="moet", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.moet = state
     app.add_middleware(AuthAndLog, state=state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # routing's own errors (no such route, wrong method) in OpenAI's shape, like every other error
+        if exc.status_code == 405:
+            return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        if exc.status_code == 404:
+            return error_response(NotFound(f"no route {request.method} {request.url.path}; the API is under /v1 "
+                                           "(docs/serve.md lists the routes)"))
+        err = APIError(str(exc.detail))
+        err.status = exc.status_code
+        return error_response(err)
 
     # stats() waits for the engine's lock, which a step holds: never on the event loop, where it
     # would stall every stream for a step's length
@@ -211,10 +216,16 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
     async def metrics():
         return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
 
+    @app.get("/version")
+    async def version():
+        return JSONResponse(VersionResponse(version=__version__).model_dump())
+
+    def cards() -> list[ModelCard]:
+        return [ModelCard(id=n, root=model_path, max_model_len=engine.max_model_len) for n in names]
+
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=state.model_name, root=model_path, max_model_len=engine.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=cards()).model_dump())
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
@@ -222,15 +233,23 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
             state.check_model(name)
         except APIError as exc:
             return error_response(exc)
-        return JSONResponse(ModelCard(id=state.model_name, root=model_path, max_model_len=engine.max_model_len).model_dump())
+        return JSONResponse(ModelCard(id=state.response_model_name(name), root=model_path,
+                                      max_model_len=engine.max_model_len).model_dump())
 
     async def serve(request: Request, req_model, make_plan, respond, stream_cls, prefix: str):
         try:
-            req = await read_request(request, req_model, config.max_request_bytes)
-            plan = make_plan(state, req)
+            req = await read_request(request, req_model, state)
             state.admit()
         except APIError as exc:
             return error_response(exc)
+        try:  # templates and tokenizing: in a worker thread, never on the event loop
+            plan = await state.off_loop(make_plan, state, req)
+        except APIError as exc:
+            state.release()
+            return error_response(exc)
+        except BaseException:
+            state.release()
+            raise
         request_id = random_id(prefix)
         if not req.stream:
             try:
@@ -271,18 +290,28 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def _chat_plan(state, req):
-        return ChatPlan(state, req)
-
-    def _completion_plan(state, req):
-        return CompletionPlan(state, req)
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serve(request, ChatCompletionRequest, _chat_plan, chat_response, ChatStream, "chatcmpl")
+        return await serve(request, ChatCompletionRequest, ChatPlan, chat_response, ChatStream, "chatcmpl")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serve(request, CompletionRequest, _completion_plan, completion_response, CompletionStream, "cmpl")
+        return await serve(request, CompletionRequest, CompletionPlan, completion_response, CompletionStream, "cmpl")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        try:
+            body = await read_body(request.stream(), request.headers.get("content-length"), config.max_request_bytes)
+            return JSONResponse((await state.off_loop(tokenize, state, body)).model_dump(exclude_none=True))
+        except APIError as exc:
+            return error_response(exc)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        try:
+            req = await read_request(request, DetokenizeRequest, state)
+            return JSONResponse((await state.off_loop(detokenize, state, req)).model_dump())
+        except APIError as exc:
+            return error_response(exc)
 
     return app

@@ -12,6 +12,7 @@ arguments are whatever the model writes.
 """
 from __future__ import annotations
 
+import functools
 from typing import AsyncIterator
 
 from moet.outputs import PositionLogprobs
@@ -22,7 +23,7 @@ from moet.serve.generation import ChoiceDelta, Generation
 from moet.serve.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, NamedToolChoice,
     ResponseFunctionCall, ResponseToolCall)
-from moet.serve.sampling import check_unsupported, sampling_params
+from moet.serve.sampling import check_sequences, check_unsupported, sampling_params
 from moet.serve.server_state import ServerState
 from moet.serve.sse import SSE_DONE, EventStream, clamp_logprob, sse_event
 
@@ -33,7 +34,9 @@ class ChatPlan:
     def __init__(self, state: ServerState, req: ChatCompletionRequest):
         self.state, self.req = state, req
         state.check_model(req.model)
+        self.model_name = state.response_model_name(req.model)
         check_unsupported(req)
+        check_sequences(state, 1, req.n)
         tok = state.tokenizer
         choice = req.tool_choice or ("auto" if req.tools else "none")
         self.parse_tools = bool(req.tools) and choice != "none"
@@ -51,12 +54,16 @@ class ChatPlan:
                 raise BadRequest(f"tool_choice names '{forced_name}', which is not among the tools "
                                  f"({', '.join(names)})", param="tool_choice")
         template_kwargs = dict(req.chat_template_kwargs or {})
+        request_template = req.chat_template if req.chat_template is not None else template_kwargs.pop("chat_template", None)
+        if request_template is not None and not isinstance(request_template, str):
+            raise BadRequest("chat_template must be a string (a Jinja template)", param="chat_template")
         tool_parser = parser_cls([t.model_dump() for t in req.tools]) if self.parse_tools else None
         self.prefix = ""
         if self.parse_tools and (forced_name or choice == "required"):
             template_kwargs.setdefault("enable_thinking", False)
             self.prefix = tool_parser.call_prefix(forced_name)
-        prompt_text = render_chat(tok, req.messages, req.tools if self.parse_tools else None,
+        prompt_text = render_chat(functools.partial(state.render_template, request_template), req.messages,
+                                  req.tools if self.parse_tools else None,
                                   add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message,
                                   template_kwargs=template_kwargs) + self.prefix
@@ -137,7 +144,7 @@ async def chat_response(plan: ChatPlan, request_id: str) -> ChatCompletionRespon
                                   stop_reason=whole.stop_reason))
     usage = gen.usage()
     plan.usage = usage
-    return ChatCompletionResponse(id=request_id, model=plan.state.model_name, choices=choices, usage=usage)
+    return ChatCompletionResponse(id=request_id, model=plan.model_name, choices=choices, usage=usage)
 
 
 class ChatStream(EventStream):

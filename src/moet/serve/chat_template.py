@@ -63,24 +63,24 @@ def template_messages(messages: list[ChatMessage], *, arguments_as_dicts: bool =
     return out
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], tools: list[ChatTool] | None, *,
+def render_chat(render, messages: list[ChatMessage], tools: list[ChatTool] | None, *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None) -> str:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise BadRequest("this model has no chat template; use /v1/completions with a plain prompt")
+    """The prompt text. `render(**kwargs)` is apply_chat_template(tokenize=False, **kwargs) with the
+    template and the guards the server chose (ServerState.render_template)."""
     if continue_final_message and add_generation_prompt:
         raise BadRequest("continue_final_message and add_generation_prompt cannot both be true")
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     kwargs = dict(template_kwargs or {})
-    for reserved in ("messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message"):
+    for reserved in ("messages", "conversation", "tools", "tokenize", "add_generation_prompt",
+                     "continue_final_message", "chat_template", "return_dict", "return_assistant_tokens_mask"):
         kwargs.pop(reserved, None)
     last_exc: Exception | None = None
     for as_dicts in (True, False):
         try:
-            return tokenizer.apply_chat_template(
-                template_messages(messages, arguments_as_dicts=as_dicts), tools=tool_dicts, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **kwargs)
+            return render(conversation=template_messages(messages, arguments_as_dicts=as_dicts), tools=tool_dicts,
+                          add_generation_prompt=add_generation_prompt,
+                          continue_final_message=continue_final_message, **kwargs)
         except BadRequest:
             raise
         except Exception as exc:  # jinja2 raises many types (TemplateError, TypeError, ...)

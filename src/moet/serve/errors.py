@@ -5,9 +5,11 @@ Which status for what (docs/serve.md lists them):
                              an unknown tool, unsupported response_format / logit_bias,
                              max_tokens beyond the context left after the prompt)
   401 authentication_error   --api-key set and the Authorization header does not carry it
-  404 not_found_error        unknown model name or path
+  400 invalid_request_error  also: wrong types / out-of-range values (pydantic's report, per field),
+                             as OpenAI and vLLM answer them
+  404 not_found_error        unknown model name or path, or no such route
+  405 method_not_allowed     a route asked with the wrong method
   413 request_too_large      prompt longer than max_model_len, or a body over --max-request-bytes
-  422 invalid_request_error  wrong types / out-of-range values (pydantic's report, per field)
   429 rate_limit_error       --max-pending-requests already in flight: retry later
   503 service_unavailable    the engine is shutting down or failed
   504 timeout_error          generation ran past --request-timeout-s (the request is aborted)
@@ -42,12 +44,12 @@ class NotFound(APIError):
     status, type = 404, "not_found_error"
 
 
+class MethodNotAllowed(APIError):
+    status, type = 405, "method_not_allowed"
+
+
 class TooLarge(APIError):
     status, type = 413, "request_too_large"
-
-
-class Unprocessable(APIError):
-    status, type = 422, "invalid_request_error"
 
 
 class Overloaded(APIError):

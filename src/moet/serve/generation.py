@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from moet.errors import ConfigError, MoetError
+from moet.errors import ConfigError, MoetError, RequestFailed
 from moet.outputs import PositionLogprobs, RequestOutput
 from moet.sampling_params import SamplingParams
 from moet.serve.errors import APIError, BadRequest, Timeout, Unavailable
@@ -74,16 +74,19 @@ class EngineJob:
     prompt_ids: list[int]
     params: SamplingParams
     first_index: int     # choice index of this job's output 0
+    prompt_index: int = 0
 
 
 class Generation:
     def __init__(self, engine, metrics: ServerMetrics | None, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams, n: int, timeout_s: float):
+                 params: SamplingParams, n: int, timeout_s: float, keep_output: bool = True):
         self.engine, self.metrics, self.timeout_s = engine, metrics, timeout_s
+        self.keep_output = keep_output      # False: the prompt is scored, what is generated is dropped
+        self.prompt_logprobs: dict[int, list[PositionLogprobs | None]] = {}   # prompt index -> positions
         self.arrival = time.perf_counter()
         self.prompt_tokens = sum(len(p) for p in prompts)
         # one engine request per prompt; the engine samples its n sequences (sharing the prompt's KV)
-        self.jobs = [EngineJob(f"{request_id}-{i}", ids, dataclasses.replace(params, n=n), i * n)
+        self.jobs = [EngineJob(f"{request_id}-{i}", ids, dataclasses.replace(params, n=n), i * n, i)
                      for i, ids in enumerate(prompts)]
         self.choices: dict[int, _Choice] = {k: _Choice() for k in range(len(prompts) * n)}
         self.completion_tokens = 0
@@ -140,12 +143,21 @@ class Generation:
     def _deltas(self, job: EngineJob, out: RequestOutput) -> list[ChoiceDelta]:
         now = time.perf_counter()
         deltas = []
+        if out.prompt_logprobs is not None and job.prompt_index not in self.prompt_logprobs:
+            self.prompt_logprobs[job.prompt_index] = list(out.prompt_logprobs)
         for c in out.outputs:
             idx = job.first_index + c.index
             st = self.choices[idx]
             if st.done:
                 continue
             finished = c.finish_reason is not None or out.finished
+            if not self.keep_output:
+                st.done = finished
+                if finished:
+                    if self.metrics is not None:
+                        self.metrics.finished("length", now - self.arrival)
+                    deltas.append(ChoiceDelta(idx, "", [], [] if c.logprobs is not None else None, "length", None))
+                continue
             stable = len(c.text) if finished or not c.text.endswith("\ufffd") else len(c.text.rstrip("\ufffd"))
             text = c.text[st.text_len:stable] if stable > st.text_len else ""
             new_ids = c.token_ids[st.tokens:]
@@ -173,7 +185,9 @@ class Generation:
     @staticmethod
     def _engine_error(item: BaseException) -> BaseException:
         if isinstance(item, ConfigError):         # a request that can never run: the client's to fix
-            return BadRequest(str(item))
+            return BadRequest(str(item), param=getattr(item, "param", None))
+        if isinstance(item, RequestFailed):       # it alone failed inside the engine: 500 internal_error
+            return APIError(str(item))
         if isinstance(item, MoetError):           # shutting down, a failed step: not the client's fault
             return Unavailable(str(item))
         if isinstance(item, asyncio.CancelledError):

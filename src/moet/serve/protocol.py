@@ -154,7 +154,7 @@ class _SamplingFields(_Request):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)   # vLLM's range: a 64-bit integer
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
@@ -195,6 +195,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
+    chat_template: str | None = None     # refused unless the server trusts request templates
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -216,6 +217,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 only with echo: score the prompt (its logprobs) and generate nothing, as OpenAI's legacy API
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -227,6 +230,12 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("prompt must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo (to score the prompt)")
+        return self
 
     @property
     def token_budget(self) -> int | None:
@@ -349,3 +358,44 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------ tokenizer endpoints (vLLM's shapes)
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str

@@ -44,6 +44,15 @@ def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise BadRequest("best_of other than n is not supported", param="best_of")
 
 
+def check_sequences(state, prompts: int, n: int) -> None:
+    """One request's sequences (prompts x n) within --max-sequences-per-request."""
+    cap = state.config.max_sequences_per_request
+    if prompts * n > cap:
+        raise BadRequest(f"this request asks for {prompts * n} sequences ({prompts} prompt(s) x n={n}); this server "
+                         f"allows at most {cap} per request (--max-sequences-per-request)",
+                         param="n" if prompts == 1 else "prompt")
+
+
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, prompt_len: int, max_model_len: int,
                     defaults: dict[str, Any], logprobs: int | None) -> SamplingParams:
     """One engine request's parameters (n is set per engine request by Generation)."""

@@ -45,7 +45,7 @@ def clamp_logprob(x: float) -> float:
 
 class EventStream:
     """The part of a streamed response that does not depend on its chunk shape. `plan` is a
-    ChatPlan or a CompletionPlan: anything with `req.stream_options`, `state.model_name` and
+    ChatPlan or a CompletionPlan: anything with `req.stream_options`, `model_name` and
     `generation()`. Subclasses name their chunks' `object`."""
     object = ""
 
@@ -58,7 +58,7 @@ class EventStream:
         self.usage = UsageInfo()
         self.created = now()
         self._head = (f'data: {{"id":{encode_json(request_id)},"object":{encode_json(self.object)},'
-                      f'"created":{self.created},"model":{encode_json(plan.state.model_name)},"choices":')
+                      f'"created":{self.created},"model":{encode_json(plan.model_name)},"choices":')
 
     def chunk(self, choices: list[dict], usage: bool = False) -> str:
         """One event: `choices` (dicts in the protocol's shape), with the usage so far if asked."""
