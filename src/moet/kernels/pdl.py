@@ -10,41 +10,16 @@ writes are visible. `pdl_enter` does both first thing, so a kernel never touches
 predecessor is complete (and, transitively, everything before that): the same results, the launch
 and ramp-up overlapped. The grouped MoE kernels take their PDL from their launch table
 (MoEConfig.pdl); these small kernels from EngineConfig.small_kernel_pdl, set once per process
-by the model runner (a launch option, like the Triton cache: not per engine).
+by the model runner (a launch option, like the Triton cache: not per engine) through
+pdl_flag.py, which needs no Triton.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
-import torch
 import triton
 import triton.language as tl
 
-_enabled = False
-
-
-def set_small_kernel_pdl(on: bool) -> None:
-    global _enabled
-    _enabled = bool(on)
-
-
-def small_kernel_pdl() -> bool:
-    return _enabled
-
-
-@lru_cache(maxsize=None)
-def _supports_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def pdl_launch(t: torch.Tensor) -> dict:
-    """Launch keywords for a kernel with a `PDL: tl.constexpr` parameter that starts with
-    pdl_enter(PDL): PDL on only when enabled, for CUDA tensors on sm_90+ (never under the
-    interpreter, which has no griddepcontrol)."""
-    if _enabled and t.is_cuda and _supports_pdl(t.device.index if t.device.index is not None
-                                                  else torch.cuda.current_device()):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+# the switch and the launch keywords live in pdl_flag (no Triton there: the CPU-only runtime sets it)
+from moet.kernels.pdl_flag import pdl_launch, set_small_kernel_pdl, small_kernel_pdl  # noqa: F401
 
 
 @triton.jit
