@@ -23,7 +23,6 @@ each hold a runner later; a rank / world size joins the config when parallelism 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -32,7 +31,7 @@ from moet.config import EngineConfig
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.attention_ops import set_gqa_fused_merge
-from moet.kernels.kv_cache import KVFormat, kv_layer_bytes_per_token
+from moet.kernels.kv_cache import KVFormat
 from moet.kernels.pdl_flag import set_small_kernel_pdl
 from moet.model.attention_batch import AttentionBatch
 
@@ -49,95 +48,6 @@ def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
         # dynamic per-token-group scales: correct without calibrated k/v scales
         return KVFormat("fp8_e4m3", scale="block", dtype=model_dtype)
     raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: choose auto, bf16 or fp8")
-
-
-def cpu_decoded_experts_budget() -> int:
-    """Bytes a CPU run may spend on float32 copies of its routed experts: a quarter of the
-    machine's memory (the rest stays for the quantized pools, the KV cache and other processes)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def available_kv_bytes(device: torch.device) -> int:
-    """Bytes a new KV cache can take on `device` now: free GPU memory, or the host's MemAvailable
-    (a CPU tensor larger than that is not refused by the allocator under overcommit: zeroing it
-    would page the machine to death or wake the OOM killer instead)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def kv_bytes_per_token_of(spec, kv_format: KVFormat, load_mtp: bool) -> int:
-    """CausalLM.kv_bytes_per_token from the spec alone (every attention layer, the MTP layers when
-    loaded): the KV checks that run before the weights are read."""
-    layers = spec.num_layers + (spec.num_mtp_layers if load_mtp else 0)
-    return kv_layer_bytes_per_token(spec.attention, kv_format) * layers
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g} GiB"
-
-
-def check_kv_size(config: EngineConfig, num_blocks: int, bytes_per_token: int, max_model_len: int,
-                  available: int | None, device: torch.device, source: str) -> None:
-    """One clear ConfigError when `num_blocks` blocks cannot hold one max_model_len sequence or do
-    not fit in `available` bytes (None: not known here), saying what fits and which flag to
-    change. `source`: what sized the cache ("num_kv_blocks", "kv_cache_memory_gb", "cpu_default",
-    "gpu_budget"), so the message names that flag."""
-    bs = config.block_size
-    per_block = bytes_per_token * bs
-    need = -(-max_model_len // bs)
-    tokens = num_blocks * bs
-    flag = {"num_kv_blocks": f"--num-kv-blocks {num_blocks}",
-            "kv_cache_memory_gb": f"--kv-cache-memory-gb {config.kv_cache_memory_gb:g}",
-            "cpu_default": f"the CPU default KV cache (at most {_gib(CPU_DEFAULT_KV_BYTES)})",
-            "gpu_budget": "the GPU budget left after the weights and activations"}[source]
-    shorter = (f" or lower --max-model-len to at most {tokens}" if tokens else "")
-    if num_blocks < need:
-        if source == "num_kv_blocks":
-            fix = f"raise --num-kv-blocks to at least {need}"
-        elif source == "gpu_budget":
-            fix = "raise --gpu-memory-utilization, use --kv-cache-dtype fp8"
-        else:
-            fix = f"set --kv-cache-memory-gb to at least {need * per_block / 2**30:.3g}"
-        raise ConfigError(f"{flag} holds {num_blocks} blocks x {bs} tokens = {tokens} tokens ({bytes_per_token} "
-                          f"bytes per token), less than one max_model_len={max_model_len} sequence ({need} blocks); "
-                          f"{fix}{shorter}")
-    if available is not None and num_blocks * per_block > available:
-        fit = available // per_block
-        if source == "kv_cache_memory_gb":
-            fix = f"lower --kv-cache-memory-gb to at most {available / 2**30:.3g}"
-        else:
-            fix = f"lower --num-kv-blocks to at most {fit}" if source == "num_kv_blocks" else \
-                "set --num-kv-blocks or --kv-cache-memory-gb to fit"
-        raise ConfigError(f"{flag}: {num_blocks} blocks need {_gib(num_blocks * per_block)} of KV cache but {device} "
-                          f"has {_gib(available)} free ({fit} blocks = {fit * bs} tokens fit); {fix}")
-
-
-def check_kv_request(config: EngineConfig, spec, max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
-    """The KV sizes the config fixes (num_kv_blocks, kv_cache_memory_gb), checked before the
-    weights are read: too small for one max_model_len sequence, or more than the device has free
-    now (the runner checks again after loading, against what the weights left)."""
-    if config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
-        return
-    per_token = kv_bytes_per_token_of(spec, kv_format_for(config.kv_cache_dtype, dtype), config.load_mtp)
-    blocks, source = _explicit_blocks(config, per_token)
-    check_kv_size(config, blocks, per_token, max_model_len, available_kv_bytes(device), device, source)
-
-
-def _explicit_blocks(config: EngineConfig, bytes_per_token: int) -> tuple[int, str]:
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks, "num_kv_blocks"
-    return int(config.kv_cache_memory_gb * (1 << 30)) // (bytes_per_token * config.block_size), "kv_cache_memory_gb"
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -160,14 +70,6 @@ class ModelRunner:
             set_gqa_fused_merge(config.attention_fused_merge)
             if config.overlap_shared_experts:
                 model.overlap_shared_experts(device)
-        elif residency is None:
-            # CPU, every expert resident for good: decode the W2 / FP4 experts once instead of at
-            # every MoE call of every step (the torch reference decodes the routed experts' rows
-            # per call, most of a CPU decode step); float32 costs 4 bytes per weight, so only
-            # while that stays a small part of the machine's memory
-            n = model.prepare_cpu(cpu_decoded_experts_budget())
-            if n:
-                log.info("routed experts decoded once for the CPU: %.0f MiB float32", n / 2**20)
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.kv_format = kv_format_for(config.kv_cache_dtype, model.dtype)
@@ -178,15 +80,13 @@ class ModelRunner:
         if residency is not None:
             slots = residency.requested_slots()
             residency.start(slots if slots is not None else residency.auto_slots(self._kv_floor_bytes()))
-        self.num_blocks, source = self._plan_num_blocks()
-        check_kv_size(config, self.num_blocks, self.bytes_per_token, max_model_len,
-                      available_kv_bytes(device) if source != "gpu_budget" else None, device, source)
-        try:
-            self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device)
-        except torch.OutOfMemoryError as exc:
-            raise ConfigError(f"the KV cache of {self.num_blocks} blocks ({_gib(self.kv_cache_bytes)}) could not be "
-                              f"allocated on {device} ({str(exc).splitlines()[0]}); lower --num-kv-blocks / "
-                              "--kv-cache-memory-gb / --gpu-memory-utilization") from None
+        self.num_blocks = self._plan_num_blocks()
+        if self.num_blocks * self.block_size < max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} tokens, less than one max_model_len={max_model_len} sequence; "
+                "raise gpu_memory_utilization / kv_cache_memory_gb / num_kv_blocks or lower max_model_len")
+        self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_error: str | None = None
         if device.type == "cuda" and not config.enforce_eager:
@@ -208,16 +108,17 @@ class ModelRunner:
             return int(cfg.kv_cache_memory_gb * (1 << 30))
         return min(cfg.max_num_seqs, 4) * self.max_blocks_per_seq * per_block
 
-    def _plan_num_blocks(self) -> tuple[int, str]:
-        """(blocks, what sized them: the flag check_kv_size names)."""
+    def _plan_num_blocks(self) -> int:
         cfg = self.config
         per_block = self.bytes_per_token * self.block_size
-        if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gb is not None:
-            return _explicit_blocks(cfg, self.bytes_per_token)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_gb is not None:
+            return max(1, int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block)
         if self.device.type != "cuda":
             want = cfg.max_num_seqs * self.max_blocks_per_seq
-            return max(1, min(want, CPU_DEFAULT_KV_BYTES // per_block)), "cpu_default"
-        return self._profile_cuda_blocks(per_block), "gpu_budget"
+            return max(1, min(want, CPU_DEFAULT_KV_BYTES // per_block))
+        return self._profile_cuda_blocks(per_block)
 
     @torch.inference_mode()
     def _profile_cuda_blocks(self, per_block: int) -> int:
@@ -326,35 +227,25 @@ class ModelRunner:
             "logits_indices": torch.arange(mx, dtype=torch.long, device=dev),
         }
         self._graph_out: dict[int, torch.Tensor] = {}
-        with torch.cuda.device(dev):
-            # one pool for every bucket (largest first: the smaller graphs reuse its blocks), and our
-            # own capture stream: both by handle, so that a failed capture can be undone (below)
-            self.graph_pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
-            caller = torch.cuda.current_stream(dev)
-            g = None
-            try:
-                for bs in reversed(graph_buckets(mx)):
-                    batch = self._static_batch(bs)
-                    ids = self._static["input_ids"][:bs]
-                    self.model.forward_paged(ids, batch, self.kv)                 # warm-up (compiles kernels)
-                    torch.cuda.synchronize(dev)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, self.graph_pool, stream=stream):
-                        out = self.model.forward_paged(ids, batch, self.kv)
-                    self.graphs[bs] = g
-                    self._graph_out[bs] = out
+        pool = None
+        try:
+            for bs in reversed(graph_buckets(mx)):        # largest first: later graphs reuse its pool
+                batch = self._static_batch(bs)
+                ids = self._static["input_ids"][:bs]
+                self.model.forward_paged(ids, batch, self.kv)                 # warm-up (compiles kernels)
                 torch.cuda.synchronize(dev)
-            except Exception as exc:     # e.g. a kernel path that syncs the host: run eager, say so once
-                # only the text is kept: the exception's frames hold the capture's tensors (pool blocks)
-                self.graph_error = capture_error_text(exc)
-            if self.graph_error is not None:
-                failed = g if g is not None and not _capture_ended(g) else None
-                g = out = None
-                self.graphs.clear()
-                self._graph_out.clear()
-                left = abandon_capture(failed, stream, caller, self.graph_pool)
-                log.warning("CUDA graph capture failed, decode runs eager: %s%s", self.graph_error,
-                            f" (not undone: {'; '.join(left)})" if left else "")
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool):
+                    out = self.model.forward_paged(ids, batch, self.kv)
+                pool = g.pool() if pool is None else pool
+                self.graphs[bs] = g
+                self._graph_out[bs] = out
+            torch.cuda.synchronize(dev)
+        except Exception as exc:     # a kernel that syncs the host cannot be captured: run eager, say so
+            self.graphs.clear()
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, decode runs eager: %s", self.graph_error)
+            torch.cuda.synchronize(dev)
 
     def _replay(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         st, b = self._static, batch.num_seqs
@@ -368,93 +259,3 @@ class ModelRunner:
         st["seq_lens"][b:bucket].fill_(1)
         self.graphs[bucket].replay()
         return self._graph_out[bucket][:b]
-
-
-# ---------------------------------------------------------------------------- a failed capture
-
-def capture_error_text(exc: BaseException) -> str:
-    """What made a capture fail, in one line: the first exception of the chain (a host sync inside
-    the capture raises there; torch.cuda.graph's exit then raises again from capture_end, "operation
-    failed due to a previous error during capture", which names nothing), where it was raised in
-    moet (the innermost moet frame), and the last exception if it is another one."""
-    chain = [exc]
-    while chain[-1].__context__ is not None and chain[-1].__context__ not in chain:
-        chain.append(chain[-1].__context__)
-    first, where, tb = chain[-1], None, chain[-1].__traceback__
-    while tb is not None:
-        name = tb.tb_frame.f_code.co_filename.replace("\\", "/")
-        if "/moet/" in name:
-            where = f"{name[name.rindex('/moet/') + 1:]}:{tb.tb_lineno}"
-        tb = tb.tb_next
-
-    def line(e: BaseException) -> str:
-        text = str(e).strip()
-        return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-    return line(first) + (f" (at {where})" if where else "") + (f"; then {line(exc)}" if first is not exc else "")
-
-
-def abandon_capture(graph, stream: torch.cuda.Stream, caller: torch.cuda.Stream, pool) -> list[str]:
-    """Puts the process back the way a failed torch.cuda.graph capture found it, so that later
-    models, graphs and random draws in this process work. When capture_end raises (the capture was
-    invalidated), torch leaves behind:
-      * a capture still open on the stream, if the error came before cudaStreamEndCapture;
-      * the capture stream as the current stream (torch.cuda.graph restores the caller's only
-        after capture_end returns);
-      * the caching allocator still routing the capture's allocations to `pool` (the routing
-        entry is dropped after cudaStreamEndCapture succeeds; while any entry is left, the
-        allocator defers freeing blocks used on several streams), and the failed graph's
-        reference on the pool, so its blocks are never freed;
-      * the device's default CUDA generator in capture mode (capture_begin's prologue set it,
-        capture_end's epilogue never ran): every later random op outside a capture, and every
-        replay of another graph, fails with "Offset increment outside graph capture".
-    `graph`: the graph whose capture failed (None when the failure came outside a capture). Call
-    inside torch.cuda.device(the capture's device), with no other reference to the pool's graphs
-    or their tensors left; returns what could not be undone (for the caller's one warning)."""
-    left: list[str] = []
-    with torch.cuda.stream(stream):
-        if graph is not None and torch.cuda.is_current_stream_capturing():
-            try:
-                graph.capture_end()         # ends the (invalid) capture; its error is expected
-            except RuntimeError:
-                pass
-        if torch.cuda.is_current_stream_capturing():
-            left.append("the capture stream still captures")
-    torch.cuda.set_stream(caller)
-    if graph is not None and not _capture_ended(graph):
-        index = torch.cuda.current_device()
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        release = getattr(torch._C, "_cuda_releasePool", None)
-        if end is None or release is None:
-            left.append("the graph pool (this torch has no _cuda_endAllocateToPool / _cuda_releasePool)")
-        else:
-            try:
-                end(index, pool)
-            except RuntimeError:
-                pass                        # capture_end got as far as handing the pool back
-            try:
-                release(index, pool)
-            except RuntimeError as exc:
-                left.append(f"the graph pool ({exc})")
-    try:
-        # the one way to run the generator's capture epilogue: a capture that ends. capture_begin
-        # registers the default generator of the current device and restarts its capture state;
-        # capture_end closes it. Under torch's per-capture generator states it is a no-op.
-        scratch, x = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
-        with torch.cuda.graph(scratch, stream=stream):
-            x.add_(1)
-        del scratch
-    except RuntimeError as exc:
-        left.append(f"the CUDA generator ({exc})")
-        torch.cuda.set_stream(caller)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return left
-
-
-def _capture_ended(graph) -> bool:
-    try:
-        graph.pool()                        # refused until capture_end has run to its end
-        return True
-    except RuntimeError:
-        return False
