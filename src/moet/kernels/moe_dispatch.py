@@ -1,7 +1,10 @@
 """Which routed-expert implementation a MoE layer runs: the Triton grouped kernels
 (moet.kernels.moe_triton) for W2 pools in the nb8 / nb8t layouts and FP4 pools whose tensors live on a
-CUDA device, the torch reference (moet.kernels.reference) for everything else (CPU, bf16
-DensePool, a W2 pool still in the file layout v1). Same signature and semantics either way.
+CUDA device; for a bf16 DensePool on a CUDA device, moe_experts_dense_batched (every slot over every
+row as two batched matmuls: no host sync, so a decode step with it can be captured in a CUDA graph)
+while its intermediates stay under DENSE_BATCHED_MAX_ELEMENTS; the torch reference
+(moet.kernels.reference) for everything else (CPU, longer DensePool batches, a W2 pool still in the
+file layout v1). Same signature and semantics either way.
 """
 from __future__ import annotations
 
@@ -9,9 +12,16 @@ import importlib.util
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
-from moet.kernels.pools import FP4Pool, W2Pool
+from moet.kernels.pools import DensePool, FP4Pool, W2Pool
 from moet.kernels.reference import moe_experts_reference
+
+# The batched DensePool form's largest intermediate, slots x rows x max(2I, H) elements: it computes
+# every slot for every row (S / k times the reference's expert work), which pays at decode sizes
+# (a few launches, capturable; the reference syncs the host per layer) and not for long prefill
+# batches, which keep the reference. 2^27 fp32 elements are 512 MiB.
+DENSE_BATCHED_MAX_ELEMENTS = 1 << 27
 
 
 @lru_cache(maxsize=1)
@@ -44,5 +54,47 @@ def moe_experts(
         from moet.kernels.moe_triton import moe_experts_triton
         return moe_experts_triton(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
                                   swiglu_limit=swiglu_limit)
+    if isinstance(pool, DensePool) and hidden.is_cuda and dense_batched_fits(pool, hidden.shape[0]):
+        return moe_experts_dense_batched(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+                                         swiglu_limit=swiglu_limit)
     return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
                                  swiglu_limit=swiglu_limit)
+
+
+def dense_batched_fits(pool: DensePool, num_tokens: int) -> bool:
+    two_i, h = pool.gate_up.shape[1], pool.gate_up.shape[2]
+    return pool.num_slots * num_tokens * max(two_i, h) <= DENSE_BATCHED_MAX_ELEMENTS
+
+
+def moe_experts_dense_batched(
+    hidden: torch.Tensor,            # [T, H]
+    topk_ids: torch.Tensor,          # [T, k] int, expert ids
+    topk_weights: torch.Tensor,      # [T, k] float, router weights (already scaled)
+    slot_table: torch.Tensor,        # int32 [num_experts], -1 = not resident
+    pool: DensePool,
+    miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
+    *,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """moe_experts_reference for a DensePool with no host sync: every slot's expert over every row
+    ([S, T, 2I] and [S, T, H] batched matmuls), then each (row, choice) pair takes its slot's row;
+    missed pairs give zero. The reference's math in the input dtype and its fixed-order combine;
+    its GEMMs see other shapes, so the last bits may differ from it."""
+    t, k = topk_ids.shape
+    dt = hidden.dtype
+    slots = slot_table.long()[topk_ids.long()]                                   # [T, k]
+    missed = slots < 0
+    miss_counter += missed.sum().to(miss_counter.dtype)       # + 0 when all are resident: no host check
+    gate, up = torch.matmul(hidden, pool.gate_up.to(dt).transpose(1, 2)).chunk(2, dim=-1)   # [S, T, I]
+    if swiglu_limit is not None:
+        gate = gate.float().clamp(max=swiglu_limit)
+        up = up.float().clamp(-swiglu_limit, swiglu_limit)
+    act = (F.silu(gate) * up).to(dt)
+    y_all = torch.matmul(act, pool.down.to(dt).transpose(1, 2))                 # [S, T, H]
+    rows = torch.arange(t, device=hidden.device)[:, None].expand(t, k)
+    y = y_all[slots.clamp(min=0), rows] * topk_weights[..., None].to(dt)         # [T, k, H]
+    y = y.masked_fill(missed[..., None], 0)
+    out = y[:, 0]
+    for j in range(1, k):                                                        # fixed-order combine
+        out = out + y[:, j]
+    return out
