@@ -227,25 +227,35 @@ class ModelRunner:
             "logits_indices": torch.arange(mx, dtype=torch.long, device=dev),
         }
         self._graph_out: dict[int, torch.Tensor] = {}
-        pool = None
-        try:
-            for bs in reversed(graph_buckets(mx)):        # largest first: later graphs reuse its pool
-                batch = self._static_batch(bs)
-                ids = self._static["input_ids"][:bs]
-                self.model.forward_paged(ids, batch, self.kv)                 # warm-up (compiles kernels)
+        with torch.cuda.device(dev):
+            # one pool for every bucket (largest first: the smaller graphs reuse its blocks), and our
+            # own capture stream: both by handle, so that a failed capture can be undone (below)
+            self.graph_pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
+            caller = torch.cuda.current_stream(dev)
+            g = None
+            try:
+                for bs in reversed(graph_buckets(mx)):
+                    batch = self._static_batch(bs)
+                    ids = self._static["input_ids"][:bs]
+                    self.model.forward_paged(ids, batch, self.kv)                 # warm-up (compiles kernels)
+                    torch.cuda.synchronize(dev)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, self.graph_pool, stream=stream):
+                        out = self.model.forward_paged(ids, batch, self.kv)
+                    self.graphs[bs] = g
+                    self._graph_out[bs] = out
                 torch.cuda.synchronize(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool):
-                    out = self.model.forward_paged(ids, batch, self.kv)
-                pool = g.pool() if pool is None else pool
-                self.graphs[bs] = g
-                self._graph_out[bs] = out
-            torch.cuda.synchronize(dev)
-        except Exception as exc:     # a kernel that syncs the host cannot be captured: run eager, say so
-            self.graphs.clear()
-            self.graph_error = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture failed, decode runs eager: %s", self.graph_error)
-            torch.cuda.synchronize(dev)
+            except Exception as exc:     # e.g. a kernel path that syncs the host: run eager, say so once
+                # only the text is kept: the exception's frames hold the capture's tensors (pool blocks)
+                self.graph_error = capture_error_text(exc)
+            if self.graph_error is not None:
+                failed = g if g is not None and not _capture_ended(g) else None
+                g = out = None
+                self.graphs.clear()
+                self._graph_out.clear()
+                left = abandon_capture(failed, stream, caller, self.graph_pool)
+                log.warning("CUDA graph capture failed, decode runs eager: %s%s", self.graph_error,
+                            f" (not undone: {'; '.join(left)})" if left else "")
 
     def _replay(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         st, b = self._static, batch.num_seqs
@@ -259,3 +269,92 @@ class ModelRunner:
         st["seq_lens"][b:bucket].fill_(1)
         self.graphs[bucket].replay()
         return self._graph_out[bucket][:b]
+
+# ---------------------------------------------------------------------------- a failed capture
+
+def capture_error_text(exc: BaseException) -> str:
+    """What made a capture fail, in one line: the first exception of the chain (a host sync inside
+    the capture raises there; torch.cuda.graph's exit then raises again from capture_end, "operation
+    failed due to a previous error during capture", which names nothing), where it was raised in
+    moet (the innermost moet frame), and the last exception if it is another one."""
+    chain = [exc]
+    while chain[-1].__context__ is not None and chain[-1].__context__ not in chain:
+        chain.append(chain[-1].__context__)
+    first, where, tb = chain[-1], None, chain[-1].__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/moet/" in name:
+            where = f"{name[name.rindex('/moet/') + 1:]}:{tb.tb_lineno}"
+        tb = tb.tb_next
+
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+    return line(first) + (f" (at {where})" if where else "") + (f"; then {line(exc)}" if first is not exc else "")
+
+
+def abandon_capture(graph, stream: torch.cuda.Stream, caller: torch.cuda.Stream, pool) -> list[str]:
+    """Puts the process back the way a failed torch.cuda.graph capture found it, so that later
+    models, graphs and random draws in this process work. When capture_end raises (the capture was
+    invalidated), torch leaves behind:
+      * a capture still open on the stream, if the error came before cudaStreamEndCapture;
+      * the capture stream as the current stream (torch.cuda.graph restores the caller's only
+        after capture_end returns);
+      * the caching allocator still routing the capture's allocations to `pool` (the routing
+        entry is dropped after cudaStreamEndCapture succeeds; while any entry is left, the
+        allocator defers freeing blocks used on several streams), and the failed graph's
+        reference on the pool, so its blocks are never freed;
+      * the device's default CUDA generator in capture mode (capture_begin's prologue set it,
+        capture_end's epilogue never ran): every later random op outside a capture, and every
+        replay of another graph, fails with "Offset increment outside graph capture".
+    `graph`: the graph whose capture failed (None when the failure came outside a capture). Call
+    inside torch.cuda.device(the capture's device), with no other reference to the pool's graphs
+    or their tensors left; returns what could not be undone (for the caller's one warning)."""
+    left: list[str] = []
+    with torch.cuda.stream(stream):
+        if graph is not None and torch.cuda.is_current_stream_capturing():
+            try:
+                graph.capture_end()         # ends the (invalid) capture; its error is expected
+            except RuntimeError:
+                pass
+        if torch.cuda.is_current_stream_capturing():
+            left.append("the capture stream still captures")
+    torch.cuda.set_stream(caller)
+    if graph is not None and not _capture_ended(graph):
+        index = torch.cuda.current_device()
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        release = getattr(torch._C, "_cuda_releasePool", None)
+        if end is None or release is None:
+            left.append("the graph pool (this torch has no _cuda_endAllocateToPool / _cuda_releasePool)")
+        else:
+            try:
+                end(index, pool)
+            except RuntimeError:
+                pass                        # capture_end got as far as handing the pool back
+            try:
+                release(index, pool)
+            except RuntimeError as exc:
+                left.append(f"the graph pool ({exc})")
+    try:
+        # the one way to run the generator's capture epilogue: a capture that ends. capture_begin
+        # registers the default generator of the current device and restarts its capture state;
+        # capture_end closes it. Under torch's per-capture generator states it is a no-op.
+        scratch, x = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
+        with torch.cuda.graph(scratch, stream=stream):
+            x.add_(1)
+        del scratch
+    except RuntimeError as exc:
+        left.append(f"the CUDA generator ({exc})")
+        torch.cuda.set_stream(caller)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return left
+
+
+def _capture_ended(graph) -> bool:
+    try:
+        graph.pool()                        # refused until capture_end has run to its end
+        return True
+    except RuntimeError:
+        return False
