@@ -65,6 +65,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order. A request that can never run on this
+        model raises RequestError (a ConfigError naming the field) before anything runs. A
+        request that fails inside the engine is returned, as vLLM returns one that finished with
+        FinishReason.ERROR: finished, its unfinished completions with finish_reason "error", and
+        `error` set (RequestFailed, or a MoetError when its whole step failed); the other prompts'
+        outputs are unaffected. Check `out.error` when that matters."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:

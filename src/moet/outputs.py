@@ -22,7 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (failed inside the engine)
     stop_reason: int | str | None = None
 
 
@@ -34,3 +34,8 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # set when the request failed inside the engine (finished is then True, and each completion
+    # that had not ended has finish_reason "error", vLLM's): moet.errors.RequestFailed for a fault
+    # in this request's own work, a MoetError when the whole step failed. AsyncEngine and
+    # EngineProcess raise it from generate() instead of yielding this output.
+    error: Exception | None = None

@@ -8,9 +8,19 @@ distribution (log_softmax of the logits before any of these), vLLM's default "ra
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
-from moet.errors import ConfigError
+from moet.errors import RequestError
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _integer(name: str, v) -> int:
+    """v as a Python int; bools and floats are refused (True is not a token id or a count)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise RequestError(f"{name}={v!r} must be an integer", param=name)
+    return int(v)
 
 
 @dataclass
@@ -36,35 +46,61 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        """vLLM's checks plus the types: what needs no model. The engine checks what does (stop
+        token ids and logprobs against the vocabulary, a seed for each of the n generators:
+        LLMEngine.add_request). Every refusal is a RequestError naming the field."""
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
+            v = getattr(self, name)
+            if v is not None or name in ("n", "top_k", "min_tokens"):
+                setattr(self, name, _integer(name, v))
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise RequestError(f"stop={self.stop!r} must be a string or a list of strings", param="stop")
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"n={self.n} must be an integer >= 1")
+        if any(not isinstance(s, str) for s in self.stop_list):
+            raise RequestError(f"stop={self.stop!r} must be a string or a list of strings", param="stop")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise RequestError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids",
+                                   param="stop_token_ids")
+            self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids]
+            if any(t < 0 for t in self.stop_token_ids):
+                raise RequestError(f"stop_token_ids={self.stop_token_ids} must be token ids (>= 0)",
+                                   param="stop_token_ids")
+        if self.n < 1:
+            raise RequestError(f"n={self.n} must be an integer >= 1", param="n")
         if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0")
+            raise RequestError(f"temperature={self.temperature} must be >= 0", param="temperature")
         if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+            raise RequestError(f"top_p={self.top_p} must be in (0, 1]", param="top_p")
         if self.top_k < -1:
-            raise ConfigError(f"top_k={self.top_k} must be -1 or 0 (no filter) or a positive integer")
+            raise RequestError(f"top_k={self.top_k} must be -1 or 0 (no filter) or a positive integer", param="top_k")
         if not 0 <= self.min_p <= 1:
-            raise ConfigError(f"min_p={self.min_p} must be in [0, 1]")
+            raise RequestError(f"min_p={self.min_p} must be in [0, 1]", param="min_p")
         if self.repetition_penalty <= 0:
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
+            raise RequestError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)",
+                               param="repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2 <= v <= 2:
-                raise ConfigError(f"{name}={v} must be in [-2, 2]")
+                raise RequestError(f"{name}={v} must be in [-2, 2]", param=name)
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ConfigError(f"max_tokens={self.max_tokens} must be >= 1")
+            raise RequestError(f"max_tokens={self.max_tokens} must be >= 1", param="max_tokens")
         if self.min_tokens < 0:
-            raise ConfigError(f"min_tokens={self.min_tokens} must be >= 0")
+            raise RequestError(f"min_tokens={self.min_tokens} must be >= 0", param="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ConfigError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+            raise RequestError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}",
+                               param="min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v < 0:
-                raise ConfigError(f"{name}={v} must be >= 0")
+                raise RequestError(f"{name}={v} must be >= 0", param=name)
+        # vLLM's range (the OpenAI server's int64); torch.Generator takes [-2**63, 2**64), so
+        # seed + i of every completion fits (the engine checks again what it is handed)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise RequestError(f"seed={self.seed} must be a 64-bit signed integer, in [{SEED_MIN}, {SEED_MAX}]",
+                               param="seed")
         if any(not s for s in self.stop_list):
-            raise ConfigError("stop strings must be non-empty")
+            raise RequestError("stop strings must be non-empty", param="stop")
 
     @property
     def greedy(self) -> bool:

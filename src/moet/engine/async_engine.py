@@ -15,6 +15,11 @@ ones did): a consumer is woken at most once per step, and one that fell behind c
 one wake instead of one per missed step. Aborting (abort(), cancelling the consumer task, or
 closing the iterator) is queued for the engine thread, which frees the blocks before its next
 step; abort() waits for that.
+
+Failures: a request that failed inside the engine (RequestOutput.error: RequestFailed for a
+fault in its own work, MoetError when the step that ran it failed) gets that error raised from
+its generate() and nothing else does; the engine serves on. Only a step() that raises (a fault
+outside any request's work) fails every request, and the engine still serves new ones.
 """
 from __future__ import annotations
 
@@ -188,6 +193,10 @@ class AsyncEngine:
         """The snapshot taken after the last step (never waits for a running step)."""
         return self._stats
 
+    def health(self) -> tuple[str, str]:
+        """LLMEngine.health(): ("ok", "") or ("degraded", reason); never waits for a step."""
+        return self.engine.health()
+
     async def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
@@ -256,7 +265,7 @@ class AsyncEngine:
                         break
                     try:
                         outs = self.engine.step()
-                    except Exception as exc:          # fail every request, keep serving new ones
+                    except Exception as exc:          # outside any request's work: fail them all, serve on
                         log.exception("engine step failed")
                         err = MoetError(f"engine step failed: {type(exc).__name__}: {exc}")
                         for rid in list(self.engine.requests):
@@ -272,7 +281,8 @@ class AsyncEngine:
                     for out in outs:
                         stream = streams.get(out.request_id)
                         if stream is not None:
-                            self._send(batches, stream, out)
+                            # a failed request's stream ends with its error (raised by generate())
+                            self._send(batches, stream, out if out.error is None else out.error)
                             if out.finished:
                                 del streams[out.request_id]
                 self._flush(batches)

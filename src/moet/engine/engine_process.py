@@ -23,8 +23,10 @@ parent-side number, so a refused duplicate id never touches the running request'
 
 Errors: the child's start-up exception is re-raised in the parent with its type and message
 (pickled; MoetError with both when it does not pickle); a request that can never run raises
-from generate() before anything is yielded; a failed step fails the running requests and the
-engine keeps serving; when the child dies, every pending generate() and abort() ends with a
+from generate() before anything is yielded (RequestError keeps its `param`); a request that
+failed inside the engine (RequestOutput.error) gets a FAILED event with that error, alone, as
+does one whose step message cannot be built or pickled; a step() that raises fails the running
+requests and the engine keeps serving; when the child dies, every pending generate() and abort() ends with a
 MoetError saying so, new ones fail at once and stats() raises (so /health answers 503);
 shutdown() returns either way. The child ignores SIGINT (Ctrl-C on `moet serve` reaches the
 whole process group; the parent's shutdown stops the child cleanly) and stops when the parent
@@ -40,6 +42,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours, registered below, runs before it)
 import pickle
+from multiprocessing.reduction import ForkingPickler
 import signal
 import threading
 import traceback
@@ -47,7 +50,7 @@ import weakref
 from typing import Any, AsyncIterator, Callable
 
 from moet.engine.async_engine import _END, _call, _push_all, _Refused, _Stream, _stream_outputs, served_model_name
-from moet.errors import MoetError
+from moet.errors import MoetError, RequestFailed
 from moet.outputs import CompletionOutput, Logprob, RequestOutput
 from moet.sampling_params import SamplingParams
 
@@ -182,10 +185,47 @@ class _EngineLoop:
                 return
 
     def send(self, events: list) -> None:
+        stats = self.engine.stats()
         try:
-            self.outbox.send(("step", events, self.engine.stats()))
+            self.outbox.send(("step", events, stats))
         except OSError:                              # the parent is gone
             self.stopping = True
+        except Exception:                            # an event that does not pickle: its request alone fails
+            # (Connection.send pickles the whole message before writing a byte: nothing went out)
+            try:
+                self.outbox.send(("step", [self._picklable(ev) for ev in events], stats))
+            except OSError:
+                self.stopping = True
+
+    def _picklable(self, ev: tuple) -> tuple:
+        try:
+            ForkingPickler.dumps(ev)                 # the pickler Connection.send uses
+            return ev
+        except Exception as exc:
+            key = ev[1]
+            rid = next((r for r, st in self.sent.items() if st.key == key), None)
+            log.exception("request %r: its step message does not pickle; failing it alone", rid)
+            if rid is not None:                      # still running: stop it
+                self.engine.abort_request(rid)
+                del self.sent[rid]
+            return (_FAILED, key, RequestFailed(f"request {rid!r} failed inside the engine: its output could not be "
+                                                f"sent ({type(exc).__name__}: {exc}); the engine and its other "
+                                                "requests go on"))
+
+    def _event(self, st: "_Sent", out: RequestOutput) -> tuple:
+        """out as the step message's event for its request: its delta, or FAILED with its error
+        (a failed request, or one whose delta cannot be built: that request alone)."""
+        if out.error is not None:
+            return (_FAILED, st.key, _portable(out.error))
+        try:
+            return st.delta(out)
+        except Exception as exc:
+            log.exception("request %r: its step message cannot be built; failing it alone", out.request_id)
+            if not out.finished:
+                self.engine.abort_request(out.request_id)
+            return (_FAILED, st.key, RequestFailed(
+                f"request {out.request_id!r} failed inside the engine: its output could not be sent "
+                f"({type(exc).__name__}: {exc}); the engine and its other requests go on"))
 
     def drain(self, events: list) -> None:
         with self.ops_lock:
@@ -236,7 +276,7 @@ class _EngineLoop:
                     break
                 try:
                     outs = engine.step()
-                except Exception as exc:            # fail every request, keep serving new ones
+                except Exception as exc:            # outside any request's work: fail them all, serve on
                     log.exception("engine step failed")
                     err = MoetError(f"engine step failed: {type(exc).__name__}: {exc}")
                     for rid in list(engine.requests):
@@ -251,8 +291,9 @@ class _EngineLoop:
                 for out in outs:
                     st = sent.get(out.request_id)
                     if st is not None:
-                        events.append(st.delta(out))
-                        if out.finished:
+                        ev = self._event(st, out)
+                        events.append(ev)
+                        if out.finished or ev[0] == _FAILED:
                             del sent[out.request_id]
                 self.send(events)
 
@@ -260,6 +301,10 @@ class _EngineLoop:
 def _child_main(build: Callable[..., Any], build_args: tuple, inbox, outbox) -> None:
     # Ctrl-C reaches the whole process group; the parent's shutdown stops this process cleanly
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Progress bars here need no lock shared with other processes; tqdm's default one is a
+    # multiprocessing semaphore, reported "leaked" when the parent stops this process mid-load.
+    import tqdm
+    tqdm.tqdm.set_lock(threading.RLock())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from moet.engine.gc_pauses import freeze_start_up, server_start_up
     try:
@@ -454,6 +499,13 @@ class EngineProcess:
         if self._dead is not None:
             raise MoetError(self._dead)
         return self._stats
+
+    def health(self) -> tuple[str, str]:
+        """LLMEngine.health() as the last step's stats tell it: ("ok", "") or ("degraded",
+        reason); raises like stats() once the engine process is gone."""
+        from moet.engine.expert_residency import health_from_extra
+
+        return health_from_extra(self.stats().extra)
 
     async def shutdown(self) -> None:
         self._stopping = True

@@ -10,6 +10,18 @@ sequences whose last token was computed -> detokenizer / stop checks -> finished
 free their blocks. Requests with n > 1 run n sequences; with prefix caching the siblings wait
 until the first one has prefilled the prompt, then take its full blocks from the cache.
 Not thread-safe: AsyncEngine drives it from one thread (EngineProcess: from its own process).
+
+One request never takes another down:
+  * add_request refuses what cannot run on this model (RequestError naming the field: stop
+    token ids outside the vocabulary, more logprobs than the vocabulary, a seed torch's
+    generators cannot take, stop strings without a tokenizer) before anything is queued;
+  * a fault in a request's own part of a step (its sampling row, prompt logprobs, the stop
+    checks and detokenizer, its RequestOutput) fails that request alone: its sequences finish
+    with finish_reason "error", its output carries RequestFailed in `error`, the rest of the
+    batch keeps its tokens;
+  * a fault in the step as a whole (the forward, the batched sample) fails the requests
+    scheduled in it (`error` = MoetError "engine step failed"); waiting requests are untouched
+    and the engine serves on.
 """
 from __future__ import annotations
 
@@ -32,7 +44,7 @@ from moet.engine.sampler import Sampler, new_generator, position_logprobs
 from moet.engine.scheduler import Scheduler, SchedulerOutput
 from moet.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from moet.engine.stats import EngineStats
-from moet.errors import ConfigError, MoetError
+from moet.errors import ConfigError, MoetError, RequestError, RequestFailed
 from moet.kernels.jit_watch import install_jit_watch
 from moet.outputs import CompletionOutput, RequestOutput
 from moet.sampling_params import SamplingParams
@@ -40,6 +52,8 @@ from moet.sampling_params import SamplingParams
 log = logging.getLogger("moet.engine")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# what torch.Generator.manual_seed takes (a negative seed is taken modulo 2**64)
+GENERATOR_SEED_MIN, GENERATOR_SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 
 
 def resolve_device(device: str) -> torch.device:
@@ -95,6 +109,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     pending: list[Sequence] = field(default_factory=list)   # n > 1 siblings not yet scheduled
+    error: Exception | None = None                          # set when it failed inside the engine
 
     @property
     def finished(self) -> bool:
@@ -125,6 +140,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.block_size)
         self._token_str_cache: dict[int, str] = {}
+        self._failed_now: dict[str, Request] = {}       # requests failed in the running step
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
         self._async = AsyncDecode(self) if config.async_scheduling else None
         # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
@@ -277,8 +293,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len}; "
                               "raise --max-model-len or shorten the prompt")
-        if params.stop_list and self.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer; pass tokenizer=DIR or use stop_token_ids")
+        self._check_params(params)
         budget = self.max_model_len - len(ids)
         max_new = min(params.max_tokens, budget) if params.max_tokens is not None else budget
         # (it always fits the KV cache: the runner refuses a cache smaller than max_model_len,
@@ -301,6 +316,28 @@ class LLMEngine:
             if s not in req.pending:
                 self.scheduler.add(s)
         self.requests[request_id] = req
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone (it needs this model): RequestError naming
+        the field. Each of these got past it into a step before and failed it there."""
+        vocab = self.model.spec.vocab_size
+        bad = [t for t in params.stop_token_ids or ()
+               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids {bad} are not token ids of this model (its vocabulary is "
+                               f"0..{vocab - 1})", param="stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and not (isinstance(k, int) and 0 <= k <= vocab):
+                raise RequestError(f"{name}={k!r} must be in [0, {vocab}] (the model's vocabulary size)", param=name)
+        seed = params.seed
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool)
+                                     and GENERATOR_SEED_MIN <= seed and seed + params.n - 1 <= GENERATOR_SEED_MAX):
+            # completion i draws from a generator seeded with seed + i
+            raise RequestError(f"seed={seed!r} must be an integer with seed and seed + n - 1 (n={params.n}) in "
+                               f"[{GENERATOR_SEED_MIN}, {GENERATOR_SEED_MAX}]", param="seed")
+        if params.stop_list and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; pass tokenizer=DIR or use stop_token_ids", param="stop")
 
     def abort_request(self, request_id: str) -> bool:
         """Finish the request now and free its blocks; False if it was not running."""
@@ -343,21 +380,36 @@ class LLMEngine:
         produced a token or finished in it."""
         t0 = time.perf_counter()
         touched: dict[str, Request] = {}
+        self._failed_now = {}
         a = self._async
         if a is not None:
-            a.before_schedule(touched)
+            p = a.pending
+            try:
+                a.before_schedule(touched)
+            except Exception as exc:                 # reading the pending step failed: its requests fail
+                a.pending = None
+                self._fail_step([s for s, k in zip(p.seqs, p.keep) if k] if p is not None else [], exc)
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            if a is not None and a.eligible_step(sched):
-                a.run(sched, touched)
-            elif a is not None and a.pending is not None:
+            pipelined = a is not None and a.eligible_step(sched)
+            if not pipelined and a is not None and a.pending is not None:
                 raise AssertionError("async decode: a step that cannot be pipelined was scheduled over placeholders")
-            else:
-                self._run(sched, touched)
+            try:
+                if pipelined:
+                    a.run(sched, touched)
+                    self._fail_launched_rows(a.pending)
+                else:
+                    self._run(sched, touched)
+            except Exception as exc:                 # the step as a whole: its requests fail, no others
+                if a is not None:
+                    a.pending = None                 # (its live sequences were all scheduled in this step)
+                self._fail_step([s.seq for s in sched.scheduled], exc)
         elif self.scheduler.waiting and not self.scheduler.running:
             # cannot happen (a request alone always fits); fail loudly rather than spin
             raise MoetError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and none running")
         self._release_siblings()
+        for rid, req in self._failed_now.items():
+            touched[rid] = req
         outs = [self._output(req) for req in touched.values()]
         for req in touched.values():
             if req.finished:
@@ -375,11 +427,16 @@ class LLMEngine:
         logits = self.runner.logits(hidden[batch.logits_indices]) if sampling else None
         # prompt logprobs: rows predicting prompt tokens not yet covered
         for b, s in enumerate(sched.scheduled):
-            if s.seq.needs_prompt_logprobs:
-                self._prompt_logprobs(s.seq, hidden, batch.cu_seqlens_q_host[b], s.context_len, s.num_new_tokens)
+            if s.seq.needs_prompt_logprobs and not s.seq.is_finished:
+                try:
+                    self._prompt_logprobs(s.seq, hidden, batch.cu_seqlens_q_host[b], s.context_len, s.num_new_tokens)
+                except Exception as exc:
+                    self._fail_seq(s.seq, exc)
         prompt_tokens = 0
         for s in sched.scheduled:
             seq = s.seq
+            if seq.is_finished:                      # failed above: its blocks are already freed
+                continue
             prompt_tokens += max(0, min(seq.num_prompt_tokens, s.context_len + s.num_new_tokens) - s.context_len)
             seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit_full_blocks(seq)
@@ -387,10 +444,14 @@ class LLMEngine:
         if not sampling:
             return
         seqs = [s.seq for s in sampling]
+        # every row stays in the sample (a failed sequence's too): the other rows' tokens do not
+        # depend on it, and the batch is the one the forward computed
         result = self.sampler(logits, seqs, self._token_str)
-        self._stats.generation_tokens_total += len(seqs)
         for seq, tok, lp, lps in zip(seqs, result.token_ids, result.token_logprobs, result.logprobs):
+            if seq.is_finished:                      # its request failed earlier in this step
+                continue
             self._append(seq, tok, lp, lps)
+            self._stats.generation_tokens_total += 1
             touched[seq.request_id] = self.requests[seq.request_id]
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row0: int, ctx: int, n: int) -> None:
@@ -412,7 +473,18 @@ class LLMEngine:
         self._after_token(seq, tok, lp, lps)
 
     def _after_token(self, seq: Sequence, tok: int, lp: float, lps) -> None:
-        """seq's newest token `tok` is in place: logprobs, stop / length checks, finish."""
+        """seq's newest token `tok` is in place: logprobs, stop / length checks, finish. A
+        failed sampling row (seq.error) or a fault here fails seq's request alone."""
+        if seq.error is not None:
+            seq.token_ids.pop()                      # the failed row's token is no token
+            self._fail_seq(seq, seq.error)
+            return
+        try:
+            self._check_token(seq, tok, lp, lps)
+        except Exception as exc:
+            self._fail_seq(seq, exc)
+
+    def _check_token(self, seq: Sequence, tok: int, lp: float, lps) -> None:
         seq.cumulative_logprob += lp
         if seq.output_logprobs is not None:
             seq.output_logprobs.append(lps)
@@ -443,7 +515,66 @@ class LLMEngine:
                         self.scheduler.add(s)
                     req.pending = []
 
+    # ------------------------------------------------------------------ failures
+
+    def _fail_seq(self, seq: Sequence, exc: BaseException) -> None:
+        """A fault in seq's own work: its request fails, alone (RequestFailed)."""
+        req = self.requests.get(seq.request_id)
+        if req is None or req.error is not None:
+            return
+        log.error("request %r failed inside the engine; the other requests go on", seq.request_id, exc_info=exc)
+        self._fail_request(req, RequestFailed(
+            f"request {seq.request_id!r} failed inside the engine ({type(exc).__name__}: {exc}); "
+            "the engine and its other requests go on"))
+
+    def _fail_step(self, seqs: list[Sequence], exc: BaseException) -> None:
+        """The step itself failed: fail the requests of the sequences it ran (each with an
+        error of its own), none other; the engine serves on."""
+        reqs = {s.request_id: self.requests[s.request_id] for s in seqs
+                if s.request_id in self.requests and not self.requests[s.request_id].finished}
+        log.error("engine step failed; failing its %d request(s): %s", len(reqs), ", ".join(map(repr, reqs)),
+                  exc_info=exc)
+        for req in reqs.values():
+            self._fail_request(req, MoetError(f"engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _fail_request(self, req: Request, err: Exception) -> None:
+        """Finish every sequence of req now (finish_reason "error", blocks freed) and report it
+        in this step's outputs with `error`."""
+        if req.error is not None:
+            return
+        req.error = err
+        for s in req.pending:                         # never scheduled: not in the scheduler's queues
+            s.status, s.finish_reason = SequenceStatus.FINISHED_FAILED, "error"
+        req.pending = []
+        for s in req.seqs:
+            if self._async is not None:
+                self._async.forget(s)
+            if not s.is_finished:
+                self.scheduler.finish(s, SequenceStatus.FINISHED_FAILED)
+                s.finish_reason = "error"
+        self._failed_now[req.request_id] = req
+
+    def _fail_launched_rows(self, pending) -> None:
+        """Rows of a pipelined step's sample that failed at launch: fail them now rather than
+        at the next step's read (their sequences would be computed once more for nothing)."""
+        if pending is None or not pending.sample.failed:
+            return
+        for b, exc in pending.sample.failed.items():
+            seq = pending.seqs[b]
+            if pending.keep[b] and not seq.is_finished:
+                self._fail_seq(seq, exc)
+
     def _output(self, req: Request) -> RequestOutput:
+        try:
+            return self._build_output(req)
+        except Exception as exc:                     # building this one output: this request fails
+            self._fail_seq(req.seqs[0], exc)         # (also when it had just finished: its end was not sent)
+            outs = [CompletionOutput(s.index, "", s.output_token_ids, s.cumulative_logprob, None,
+                                     s.finish_reason or "error", s.stop_reason) for s in req.seqs]
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, outs, finished=True,
+                                 error=req.error)
+
+    def _build_output(self, req: Request) -> RequestOutput:
         finished = req.finished
         outs = []
         for s in req.seqs:
@@ -452,7 +583,8 @@ class LLMEngine:
                                          list(s.output_logprobs) if s.output_logprobs is not None else None,
                                          s.finish_reason, s.stop_reason))
         plp = req.seqs[0].prompt_logprobs if req.params.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, finished=finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, finished=finished,
+                             error=req.error)
 
     # ------------------------------------------------------------------ statistics
 

@@ -12,11 +12,16 @@ Order (vLLM's): min_tokens blocks EOS / stop ids -> penalties (repetition over p
 frequency and presence over the output) -> argmax | temperature -> top_k -> top_p -> min_p ->
 draw. Logprobs are of the raw model distribution (log_softmax of the unprocessed logits),
 vLLM's default; rank = 1 + number of tokens strictly more likely.
+
+One row's failure is that row's alone: every per-row step (blocked ids, penalties, filters and
+the draw in launch; logprobs in finish) is caught per row, the row's exception recorded
+(LaunchedSample.failed, then SampleResult.failed and seq.error) and the other rows keep their
+tokens, bit for bit (each of them reads only its own row). The engine then fails that request.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +34,7 @@ class SampleResult:
     token_ids: list[int]
     token_logprobs: list[float]          # raw logprob of each sampled token
     logprobs: list[PositionLogprobs | None]  # per sequence: sampled token + top-k (None if not asked)
+    failed: dict[int, BaseException] = field(default_factory=dict)   # row -> why it has no token
 
 
 def new_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -90,19 +96,22 @@ class LaunchedSample:
     rank_host: torch.Tensor | None
     top_host: tuple[torch.Tensor, torch.Tensor] | None
     event: torch.cuda.Event | None
+    failed: dict[int, BaseException] = field(default_factory=dict)   # row -> its per-row edit's exception
 
 
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = set(eos_token_ids)
 
-    def _blocked(self, seq: Sequence) -> list[int]:
-        """Tokens that may not be sampled yet (EOS and stop ids before min_tokens)."""
+    def _blocked(self, seq: Sequence, vocab: int) -> list[int]:
+        """Tokens that may not be sampled yet (EOS and stop ids before min_tokens). Only ids in
+        [0, vocab): one outside can never be sampled, so blocking it is nothing, and as an index
+        it would fail the row (on a GPU a device-side assert that ends every request)."""
         sp = seq.params
         if seq.num_output_tokens >= sp.min_tokens:
             return []
         ids = set(sp.stop_token_ids or []) | (set() if sp.ignore_eos else self.eos_token_ids)
-        return sorted(ids)
+        return sorted(t for t in ids if 0 <= t < vocab)
 
     @staticmethod
     def _penalize(logits: torch.Tensor, seq: Sequence) -> None:
@@ -152,24 +161,31 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, dim=-1)
         proc = logits
         edited = False
+        failed: dict[int, BaseException] = {}
         for b, seq in enumerate(seqs):                      # rare per-row edits first
-            blocked = self._blocked(seq)
-            if not blocked and not seq.params.has_penalties:
-                continue
-            if not edited:
-                proc, edited = logits.clone(), True
-            if blocked:
-                proc[b, device_ids(blocked, proc.device)] = -math.inf
-            if seq.params.has_penalties:
-                self._penalize(proc[b], seq)
+            try:
+                blocked = self._blocked(seq, logits.shape[-1])
+                if not blocked and not seq.params.has_penalties:
+                    continue
+                if not edited:
+                    proc, edited = logits.clone(), True
+                if blocked:
+                    proc[b, device_ids(blocked, proc.device)] = -math.inf
+                if seq.params.has_penalties:
+                    self._penalize(proc[b], seq)
+            except Exception as exc:                        # this row only (module doc)
+                failed[b] = exc
         tok = torch.argmax(proc, dim=-1)                    # greedy rows keep this
         for b, seq in enumerate(seqs):
             sp = seq.params
-            if sp.temperature == 0:
+            if sp.temperature == 0 or b in failed:
                 continue
-            probs = self._filter(proc[b] / sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-            noise = torch.empty_like(probs).exponential_(generator=seq.generator)
-            tok[b] = torch.argmax(probs / noise)
+            try:
+                probs = self._filter(proc[b] / sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+                noise = torch.empty_like(probs).exponential_(generator=seq.generator)
+                tok[b] = torch.argmax(probs / noise)
+            except Exception as exc:
+                failed[b] = exc
         tok_lp = raw_lp.gather(1, tok[:, None])[:, 0]
         kmax = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
         rank = top = None
@@ -179,7 +195,7 @@ class Sampler:
                 t = torch.topk(raw_lp, min(kmax, raw_lp.shape[-1]), dim=-1)
                 top = (_to_host_async(t.values), _to_host_async(t.indices))
         out = LaunchedSample(tok, _to_host_async(tok), _to_host_async(tok_lp),
-                             _to_host_async(rank) if rank is not None else None, top, None)
+                             _to_host_async(rank) if rank is not None else None, top, None, failed)
         if tok.is_cuda:
             out.event = torch.cuda.Event()
             out.event.record()
@@ -187,19 +203,26 @@ class Sampler:
 
     @staticmethod
     def finish(sample: LaunchedSample, seqs: list[Sequence], token_str=None) -> SampleResult:
-        """The host side of a launched sample: waits for its copies only (not for later work)."""
+        """The host side of a launched sample: waits for its copies only (not for later work).
+        A failed row's sequence gets seq.error: the engine fails it when it reads the token."""
         if sample.event is not None:
             sample.event.synchronize()
         tokens, tok_lp = sample.tok_host.tolist(), sample.lp_host.tolist()
         lps: list[PositionLogprobs | None] = [None] * len(seqs)
+        failed = dict(sample.failed)
         if sample.rank_host is not None:
             ranks = sample.rank_host.tolist()
             vals = sample.top_host[0].tolist() if sample.top_host is not None else None
             ids = sample.top_host[1].tolist() if sample.top_host is not None else None
             for b, seq in enumerate(seqs):
                 k = seq.params.logprobs
-                if k is not None:
-                    lps[b] = position_logprobs(None, tokens[b], min(k, len(vals[b]) if vals else 0), token_str,
-                                               (vals[b], ids[b]) if vals is not None else None,
-                                               (tok_lp[b], ranks[b]))
-        return SampleResult(tokens, tok_lp, lps)
+                if k is not None and b not in failed:
+                    try:
+                        lps[b] = position_logprobs(None, tokens[b], min(k, len(vals[b]) if vals else 0), token_str,
+                                                   (vals[b], ids[b]) if vals is not None else None,
+                                                   (tok_lp[b], ranks[b]))
+                    except Exception as exc:
+                        failed[b] = exc
+        for b, exc in failed.items():
+            seqs[b].error = exc
+        return SampleResult(tokens, tok_lp, lps, failed)

@@ -21,14 +21,16 @@ class SequenceStatus(Enum):
     FINISHED_STOPPED = auto()    # EOS, a stop token or a stop string
     FINISHED_LENGTH = auto()     # max_tokens or max_model_len
     FINISHED_ABORTED = auto()
+    FINISHED_FAILED = auto()     # a fault inside the engine in this request's own work (vLLM's "error")
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED,
+                        SequenceStatus.FINISHED_FAILED)
 
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
-                  SequenceStatus.FINISHED_ABORTED: "abort"}
+                  SequenceStatus.FINISHED_ABORTED: "abort", SequenceStatus.FINISHED_FAILED: "error"}
 
 
 class Sequence:
@@ -61,6 +63,9 @@ class Sequence:
         self.pending_token = False
         self.generator: Any = None                  # the sampler's per-sequence torch.Generator
         self.detok: Any = None                      # the detokenizer's incremental state
+        # set by the sampler when this sequence's row failed: the engine fails the request when
+        # it reads the row's token (LLMEngine._after_token), the other rows are unaffected
+        self.error: BaseException | None = None
 
     # ------------------------------------------------------------------ tokens
 
