@@ -187,3 +187,34 @@ def test_bad_requests_answered_and_server_keeps_serving(server, client):
     log.flush()
     with open(log.name) as f:
         assert "POST /v1/chat/completions 413" in f.read()   # one log line per request
+
+
+def test_echo_logprobs_score_the_prompt_like_the_model_scores_its_own_tokens(server, tokenizer):
+    """Log-likelihood the way evaluation harnesses ask for it (echo + logprobs, max_tokens 0): the
+    logprob the server gives a prompt token is the one the model gave that token when it generated
+    it, at the same position."""
+    url = server[0] + "/v1/completions"
+    ids = tokenizer("def add(a, b):\n    return").input_ids
+    gen = httpx.post(url, timeout=300, json={"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 1}).json()
+    out_ids = tokenizer.encode(gen["choices"][0]["text"], add_special_tokens=False)
+    lps = gen["choices"][0]["logprobs"]["token_logprobs"]
+    scored = httpx.post(url, timeout=300, json={"prompt": ids + out_ids[:3], "max_tokens": 0, "echo": True,
+                                                "logprobs": 2}).json()
+    c = scored["choices"][0]
+    assert scored["usage"]["completion_tokens"] == 0 and c["finish_reason"] == "length"
+    got = c["logprobs"]["token_logprobs"]
+    assert len(got) == len(ids) + len(out_ids[:3]) and got[0] is None
+    assert all(x <= 0 for x in got[1:])
+    for a, b in zip(got[len(ids):], lps):
+        assert abs(a - b) < 2e-2, (got[len(ids):], lps)
+    # the greedy tokens are each position's most likely token
+    for top, tok in zip(c["logprobs"]["top_logprobs"][len(ids):], c["logprobs"]["tokens"][len(ids):]):
+        assert max(top, key=top.get) == tok
+
+
+def test_tokenize_counts_the_chat_prompt_the_server_runs(server, client):
+    body = httpx.post(server[0] + "/tokenize", timeout=60, json={"messages": ASK}).json()
+    r = client.chat.completions.create(model="moet-tiny", messages=ASK, max_tokens=1)
+    assert body["count"] == r.usage.prompt_tokens and body["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(server[0] + "/detokenize", timeout=60, json={"tokens": body["tokens"]}).json()["prompt"]
+    assert "Costa Rica" in text
