@@ -289,3 +289,21 @@ def test_request_templates_with_trust_run_sandboxed_and_limited():
         assert r.status_code == 400
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": HI, "chat_template": ok}, timeout=120)
         assert r.status_code == 200
+
+
+def test_generation_config_numbers_as_floats_still_serve():
+    """A checkpoint that writes top_k as 20.0: the default reaches the engine as the integer 20."""
+    from moet.serve.sampling import generation_defaults
+    assert generation_defaults({"top_k": 20.0, "top_p": 1, "temperature": 0.7}) == {
+        "temperature": 0.7, "top_p": 1.0, "top_k": 20}
+    assert generation_defaults({"top_k": 2.5, "top_p": True}) == {}
+    engine = FakeAsyncEngine()
+    app = build_app(engine, ServeConfig(), generation_config={"top_k": 20.0, "temperature": 0.5})
+    with ServerThread(app) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": HI}, timeout=30)
+        assert r.status_code == 200 and engine.params_seen[-1].top_k == 20
+
+
+def test_sampling_refusals_name_their_field(server):
+    r = _post(server, {"messages": HI, "stop": ["ok", ""]})       # past the schema, refused by SamplingParams
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text

@@ -22,9 +22,11 @@ def generation_defaults(generation_config: dict[str, Any] | None) -> dict[str, A
         out["temperature"] = 0.0
     elif isinstance(g.get("temperature"), (int, float)):
         out["temperature"] = float(g["temperature"])
-    for k in ("top_p", "top_k"):
-        if isinstance(g.get(k), (int, float)):
-            out[k] = g[k]
+    if isinstance(g.get("top_p"), (int, float)) and not isinstance(g.get("top_p"), bool):
+        out["top_p"] = float(g["top_p"])
+    top_k = g.get("top_k")
+    if isinstance(top_k, (int, float)) and not isinstance(top_k, bool) and float(top_k).is_integer():
+        out["top_k"] = int(top_k)     # some checkpoints write 20.0; SamplingParams takes integers
     if isinstance(g.get("max_new_tokens"), int) and g["max_new_tokens"] > 0:
         out["max_tokens"] = g["max_new_tokens"]
     return out
@@ -84,4 +86,4 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, prompt_le
     try:
         return SamplingParams(**kwargs)
     except ConfigError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(str(exc), param=getattr(exc, "param", None)) from None
