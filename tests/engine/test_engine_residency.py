@@ -11,7 +11,7 @@ import torch
 
 from moet.engine.async_engine import AsyncEngine
 from moet.engine.llm_engine import LLMEngine
-from moet.errors import ConfigError, PackError
+from moet.errors import ConfigError
 from moet.llm import LLM
 from moet.sampling_params import SamplingParams
 from moet.testing.tiny_checkpoint import cached_checkpoint
@@ -166,7 +166,7 @@ def test_pack_built_once_then_reused(path, prompts, resident, tmp_path):
         assert_identical(second.generate(prompts, SP, use_tqdm=False), resident)
 
 
-def test_corrupt_pack_refused_then_repaired(path, prompts, resident, tmp_path):
+def test_corrupt_pack_repaired_on_read_or_at_boot(path, prompts, resident, tmp_path):
     with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=8, **KW) as llm:
         paths, stride = llm.engine.residency.pack.paths, llm.engine.residency.pack.stride
     with open(paths.data, "r+b") as f:           # one byte of layer 1, expert 3
@@ -175,8 +175,13 @@ def test_corrupt_pack_refused_then_repaired(path, prompts, resident, tmp_path):
         b = f.read(1)
         f.seek(off)
         f.write(bytes([b[0] ^ 0x04]))
-    with pytest.raises(PackError, match="--pack-verify full"):   # lazy: the warm-up reads the bad row
-        LLM(path, pack_dir=str(tmp_path), **KW)
+    with LLM(path, pack_dir=str(tmp_path), **KW) as llm:   # lazy: the warm-up reads the bad row, repairs it
+        st = llm.engine.stats().extra
+        assert st["pack_corrupt_rows"] == 1 and st["pack_repaired_rows"] == 1 and llm.engine.health()[0] == "ok"
+        assert_identical(llm.generate(prompts, SP, use_tqdm=False), resident)
+    with open(paths.data, "r+b") as f:           # damaged again
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x04]))
     with LLM(path, pack_dir=str(tmp_path), pack_verify="full", expert_cache_slots=8, **KW) as llm:
         assert llm.engine.stats().extra["pack_built_layers"] == 1
         assert_identical(llm.generate(prompts, SP, use_tqdm=False), resident)

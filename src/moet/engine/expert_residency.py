@@ -20,6 +20,9 @@ cache smaller than the pack) each layer guesses the next layer's experts and fet
 (store/prefetch.py); results are unchanged, accuracy goes to the stats. Every
 `expert_stats_interval_s` seconds (0 = off) one INFO line sums up the store since the last one
 (log_stats: hit rates per tier, bytes moved per token, passes per step, fetch stall, prefetch).
+A pack row that fails its checksum when read is re-converted from the checkpoint and rewritten
+(store/pack_builder.RowRepairer) and the step goes on; until every such row is whole on disk
+again the engine is degraded (`health()`, `pack_*_rows` in the stats).
 """
 from __future__ import annotations
 
@@ -31,20 +34,21 @@ from typing import Callable, TypeVar
 import torch
 
 from moet.config import EngineConfig
-from moet.errors import ConfigError
+from moet.errors import ConfigError, PackError
 from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, open_pack, run_with_replay
 from moet.engine.decode_mode import DecodeModeChooser
 from moet.store.demand import attach_demand
 from moet.store.expert_cache import cache_slots
 from moet.store.host_arena import arena_slots
-from moet.store.pack_builder import PACK_TAGS, pack_layers
-from moet.store.pack_file import RowLayout
+from moet.store.pack_builder import PACK_TAGS, RowRepairer, pack_layers
+from moet.store.pack_file import READ_ONLY_ERRNOS, RowLayout, not_writable
 from moet.store.prefetch import attach_prefetch
 
 log = logging.getLogger("moet.engine")
 T = TypeVar("T")
 
 DEFAULT_PACK_DIR = "~/.cache/moet/packs"
+REPAIR_RETRY_S = 60.0         # pack rows still damaged on disk are re-converted again this often
 FIT_FRACTION = 0.8            # weights may take this much of the GPU budget before the store turns on
 _ACTIVATION_RESERVE = 0.05    # auto-sized cache on CUDA: share of the budget kept for activations
 
@@ -104,6 +108,18 @@ def store_reason(config: EngineConfig, ckpt, device: torch.device, dtype: torch.
             f"{budget / 2**30:.1f} GiB GPU budget")
 
 
+def health_from_extra(extra: dict) -> tuple[str, str]:
+    """ExpertResidency.health() from EngineStats.extra alone (a process that has only the stats,
+    e.g. EngineProcess's parent): ("ok", "") or ("degraded", reason)."""
+    n = int(extra.get("pack_unrepaired_rows", 0))
+    if not n:
+        return ("ok", "")
+    return ("degraded", f"{n} expert row{'s' if n > 1 else ''} of the pack failed "
+                        f"{'their checksums' if n > 1 else 'its checksum'} and {'are' if n > 1 else 'is'} not "
+                        "repaired on disk (the engine log names them); restart with --pack-verify full, or "
+                        "--rebuild-pack")
+
+
 class ExpertResidency:
     """Pack + host arena + device expert cache of one engine; `run` wraps each step.
     `ExpertResidency.open` opens the checkpoint's pack; the constructor takes an open one (the
@@ -113,14 +129,21 @@ class ExpertResidency:
     def open(cls, config: EngineConfig, ckpt, model, device: torch.device, *,
              progress: bool = True) -> "ExpertResidency":
         pack_dir = os.path.expanduser(config.pack_dir or DEFAULT_PACK_DIR)
-        os.makedirs(pack_dir, exist_ok=True)
+        try:
+            os.makedirs(pack_dir, exist_ok=True)
+        except OSError as exc:
+            if exc.errno not in READ_ONLY_ERRNOS:
+                raise
+            raise not_writable(pack_dir, exc, "creating the pack directory") from None
         t0 = time.perf_counter()
         pack = open_pack(ckpt, pack_dir, tag=config.expert_format, zero_mode=config.w2_zero_mode,
                          scale_rule=config.w2_scale_rule, verify=config.pack_verify, rebuild=config.rebuild_pack,
                          o_direct=config.o_direct, device=device, progress=progress)
-        return cls(config, pack, ckpt.spec, model, device, pack_open_s=time.perf_counter() - t0)
+        return cls(config, pack, ckpt.spec, model, device, pack_open_s=time.perf_counter() - t0,
+                   repairer=RowRepairer(ckpt, pack, device))
 
-    def __init__(self, config: EngineConfig, pack, spec, model, device: torch.device, *, pack_open_s: float = 0.0):
+    def __init__(self, config: EngineConfig, pack, spec, model, device: torch.device, *, pack_open_s: float = 0.0,
+                 repairer: RowRepairer | None = None):
         self.config = config
         self.device = device
         self.spec = spec
@@ -143,9 +166,20 @@ class ExpertResidency:
         self._log_t = time.monotonic()
         self._log_last: dict[str, float] | None = None
         self._closed = False
+        # damaged pack rows found while serving (PackFile.read_row_into): re-converted from the
+        # checkpoint and rewritten by `repairer`; rows not whole on disk again keep the engine
+        # degraded (health()) until a later read repairs them
+        self.repairer = repairer
+        self.pack_corrupt_rows = 0        # reads that found a row damaged
+        self.pack_repaired_rows = 0       # of those, rows re-converted and rewritten (whole on disk again)
+        self.pack_reconverted_rows = 0    # rows served re-converted from the checkpoint (rewritten or not)
+        self._damaged: dict[int, str] = {}   # row key -> why it is not whole on disk yet
+        self._health: tuple[str, str] = ("ok", "")
+        self.repair_retry_s = REPAIR_RETRY_S  # rows still damaged are tried again this often (at a step)
+        self._retry_t = time.monotonic()
         try:
             self.arena = HostArena(self.pack, arena_slots(config.host_arena_gb, self.pack.stride, self.total_rows),
-                                   pin=device.type == "cuda")
+                                   pin=device.type == "cuda", repair=self._repair_row if repairer else None)
             self.preloaded = self.arena.preload_hot_set()
         except BaseException:
             self.close()
@@ -225,6 +259,8 @@ class ExpertResidency:
 
     def run(self, step: Callable[[], T], *, scan: bool, num_tokens: int) -> T:
         """The step, replayed until no expert missed (or at most miss_tolerance pairs did)."""
+        if self._damaged and time.monotonic() - self._retry_t >= self.repair_retry_s:
+            self._retry_damaged()
         c = self.cache
         c.scan_pass = scan
         rows0, s0 = c.demand_rows, c.demand_seconds
@@ -236,6 +272,76 @@ class ExpertResidency:
         if self._log_every > 0 and time.monotonic() - self._log_t >= self._log_every:
             self.log_stats()
         return out
+
+    # ------------------------------------------------------------------ damaged rows, health
+
+    def _repair_row(self, layer: int, expert: int, out: memoryview) -> None:
+        """HostArena's repair hook: called in the step's thread for a row that failed its checksum
+        (or was cut short) on read. The step goes on with the re-converted bytes; if they cannot
+        be made, the PackError fails this step and the engine stays degraded."""
+        key = layer * self.pack.num_experts + expert
+        where = self.pack.where(layer, expert)
+        self.pack_corrupt_rows += 1
+        log.error("%s is damaged on disk (failed its checksum or was cut short): re-converting it from the "
+                  "checkpoint", where)
+        try:
+            why = self.repairer.repair(layer, expert, out)
+        except Exception as exc:             # the checkpoint moved, a shard unreadable, other bytes
+            self._damaged[key] = f"could not re-convert it: {type(exc).__name__}: {exc}"
+            self._retry_t = time.monotonic()
+            self._update_health()
+            raise PackError(f"{where} is damaged on disk and could not be re-converted from the checkpoint "
+                            f"({type(exc).__name__}: {exc}); it is tried again every {self.repair_retry_s:g}s, or "
+                            "restart with --pack-verify full (or --rebuild-pack) once the checkpoint is "
+                            "readable") from None
+        self.pack_reconverted_rows += 1
+        if why is None:
+            self.pack_repaired_rows += 1
+            self._damaged.pop(key, None)
+            log.warning("%s re-converted from the checkpoint and rewritten: the pack is whole again there", where)
+        else:
+            self._damaged[key] = why
+            log.error("%s: %s", where, why)
+        self._update_health()
+
+    def _retry_damaged(self) -> None:
+        """Try the rows still damaged on disk again (a repair that failed because the checkpoint
+        was unreadable, or a rewrite the disk refused): degraded lasts until they are whole, not
+        until some request happens to need them."""
+        self._retry_t = time.monotonic()
+        buf = bytearray(self.pack.stride)
+        for key in list(self._damaged):
+            layer, expert = divmod(key, self.pack.num_experts)
+            try:
+                why = self.repairer.repair(layer, expert, memoryview(buf))
+            except Exception as exc:
+                self._damaged[key] = f"could not re-convert it: {type(exc).__name__}: {exc}"
+                continue
+            if why is None:
+                self.pack_repaired_rows += 1
+                del self._damaged[key]
+                log.warning("%s re-converted from the checkpoint and rewritten: the pack is whole again there",
+                            self.pack.where(layer, expert))
+            else:
+                self._damaged[key] = why
+        self._update_health()
+
+    def _update_health(self) -> None:
+        n = len(self._damaged)
+        if not n:
+            self._health = ("ok", "")
+            return
+        first = next(iter(self._damaged.values()))
+        self._health = ("degraded", f"{n} expert row{'s' if n > 1 else ''} of the pack {self.pack.paths.data} "
+                                    f"failed {'their checksums' if n > 1 else 'its checksum'} and "
+                                    f"{'are' if n > 1 else 'is'} not repaired on disk (e.g. {first}); restart with "
+                                    "--pack-verify full, or --rebuild-pack")
+
+    def health(self) -> tuple[str, str]:
+        """("ok", "") or ("degraded", why): degraded while a pack row found damaged is not whole
+        on disk again (a read that repairs it turns the engine ok again). One tuple, replaced
+        whole, so other threads may read it while a step runs."""
+        return self._health
 
     # ------------------------------------------------------------------ statistics
 
@@ -292,6 +398,12 @@ class ExpertResidency:
             "expert_step_fetch_seconds_total": self.step_fetch_s,
             "expert_step_fetch_latency_ms": 1e3 * self.step_fetch_s / self.step_fetches if self.step_fetches else 0.0,
             "pack_built_layers": float(getattr(self.pack, "built_layers", 0)),
+            # damaged rows found while serving (health() is degraded while pack_unrepaired_rows > 0)
+            "pack_corrupt_rows": float(self.pack_corrupt_rows),
+            "pack_repaired_rows": float(self.pack_repaired_rows),
+            "pack_reconverted_rows": float(self.pack_reconverted_rows),
+            "pack_unrepaired_rows": float(len(self._damaged)),
+            "pack_degraded": float(bool(self._damaged)),
             "pack_open_seconds": self.pack_open_s,
             "host_arena_slots": float(self.arena.num_slots if self.arena else 0),
         })

@@ -263,6 +263,11 @@ class LLMEngine:
         engine.checkpoint = ckpt
         return engine
 
+    def health(self) -> tuple[str, str]:
+        """("ok", "") or ("degraded", reason): degraded while an expert row of the pack that failed
+        its checksum is not repaired on disk (engine/expert_residency.py). For /health."""
+        return self.residency.health() if self.residency is not None else ("ok", "")
+
     def close(self) -> None:
         """Release the expert store (hot set saved, pack closed); idempotent. The engine cannot
         step afterwards when it had a store."""

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from moet.errors import ConfigError
+from moet.errors import ConfigError, MoetError
 from moet.store.host_arena import HostArena
 from moet.store.pack_file import PackFile, copy_row_into_slot
 
@@ -211,7 +211,12 @@ class ExpertCache:
         missing = missing[:len(free)]
         if not len(missing):
             return 0
-        self._copy_in(missing, free, scan=False)
+        try:
+            self._copy_in(missing, free, scan=False)
+        except MoetError:
+            # a damaged row the arena could not repair: a guess must not fail the step (the freed
+            # slots stay free; if the step does route there, its own fetch raises the error)
+            return 0
         self._step_pinned[missing] = True
         self._prefetched[missing] = True
         self.prefetched_rows += len(missing)

@@ -10,7 +10,8 @@ it asynchronously), page-aligned plain memory otherwise.
   free slot is read into a transient buffer that lives until the copy out of it is done.
 - Reads go to a small thread pool with os.preadv (the GIL is released during the read);
   buffered by default, O_DIRECT when the pack was opened with it (slots are 4 KiB aligned).
-  Every row read from disk is checked against its checksum (PackFile.read_row_into).
+  Every row read from disk is checked against its checksum (PackFile.read_row_into); a damaged
+  row goes to `repair` (the engine's: re-converted from the checkpoint and rewritten) when set.
 - The hot set (resident rows in LRU order) is saved beside the pack and preloaded at boot.
 """
 from __future__ import annotations
@@ -20,12 +21,12 @@ import mmap
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from moet.errors import ConfigError
-from moet.store.pack_file import PackFile, fsync_dir
+from moet.errors import ConfigError, MoetError
+from moet.store.pack_file import PackFile, RowDamaged, fsync_dir
 
 PAGE = 4096
 
@@ -46,7 +47,12 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 class HostArena:
-    def __init__(self, pack: PackFile, num_slots: int, *, pin: bool | None = None, threads: int = 4):
+    """`repair(layer, expert, out)`: called (in the caller's thread) for a row that reads back
+    damaged (RowDamaged); fills `out` with the right bytes or raises. None: the damage is raised."""
+
+    def __init__(self, pack: PackFile, num_slots: int, *, pin: bool | None = None, threads: int = 4,
+                 repair: Callable[[int, int, memoryview], None] | None = None):
+        self.repair = repair
         if num_slots < 0:
             raise ConfigError(f"host arena slots must be >= 0, got {num_slots}")
         self.pack = pack
@@ -108,8 +114,14 @@ class HostArena:
         if reads:
             futures = [self._io.submit(self._read, k, v) for k, v, _ in reads]
             errors = []
-            for (k, _, s), fut in zip(reads, futures):
+            for (k, view, s), fut in zip(reads, futures):
                 exc = fut.exception()
+                if isinstance(exc, RowDamaged) and self.repair is not None and not errors:
+                    try:
+                        self.repair(exc.layer, exc.expert, memoryview(view.numpy()))
+                        exc = None
+                    except MoetError as failed:
+                        exc = failed
                 if exc is not None:
                     errors.append(exc)
                     if s is not None:                  # a bad row never stays resident

@@ -10,15 +10,19 @@ their checksums and continues with the rest.
 
 Later boots reuse the pack when its sidecar matches what is asked for: format version, tag,
 checkpoint identity, quantizer version and options, row layout, layer list. Otherwise:
-  - no or unreadable sidecar, or any of those differ   -> rebuilt from scratch (logged)
+  - no, unreadable or malformed sidecar, or any of those differ -> rebuilt from scratch (logged)
   - incomplete (a killed first boot)                   -> written layers verified, the rest built
   - file shorter than the sidecar says (truncated)     -> the layers it cut are rebuilt
   - pack_verify="full": every row checked at boot      -> damaged layers rebuilt
   - rebuild=True                                       -> rebuilt from scratch
-A damaged row found later, while serving, is refused (PackError naming --pack-verify full).
+A damaged row found later, while serving, raises RowDamaged; the engine re-converts it from the
+checkpoint and writes it back (RowRepairer, below), or the read fails (PackError naming
+--pack-verify full). Building needs a writable pack directory (ConfigError naming --pack-dir);
+a complete, valid pack in a read-only one is served as it is. Locks: open_pack's docstring.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -33,11 +37,11 @@ from moet.checkpoint import Checkpoint
 from moet.checkpoint import weight_format as wf
 from moet.checkpoint.identity import identity as checkpoint_identity
 from moet.checkpoint.spec import ModelSpec, expert_ref
-from moet.errors import CheckpointError, ConfigError
+from moet.errors import CheckpointError, ConfigError, PackError
 from moet.model import experts
 from moet.model.loader import IGNORED, logical_shape
-from moet.store.pack_file import (PackFile, PackLock, PackMeta, PackPaths, RowLayout, default_checksum,
-                                  pool_rows)
+from moet.store.pack_file import (READ_ONLY_ERRNOS, PackFile, PackLock, PackMeta, PackPaths, RowLayout,
+                                  default_checksum, not_writable, pool_rows)
 
 log = logging.getLogger("moet.store")
 
@@ -137,11 +141,15 @@ def _sources_by_layer(ckpt: Checkpoint, layers: list[str]) -> dict[int, list[_So
 
 
 def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowLayout, w2_opts: dict, device,
-                   where: str) -> torch.Tensor:
-    """One pack layer's rows (uint8 [E, stride], CPU), converted with model/experts.py."""
+                   where: str, only: list[int] | None = None) -> torch.Tensor:
+    """One pack layer's rows (uint8 [E, stride], CPU), converted with model/experts.py; `only`:
+    just those experts' rows (uint8 [len(only), stride], in that order), reading only their
+    tensors (per-expert checkpoints) or their slices (fused ones)."""
     spec, reader = ckpt.spec, ckpt.reader
     e_count, i = spec.router.num_experts, spec.moe_intermediate_size
-    pool = experts.new_pool(spec, tag, e_count, torch.float32, device)
+    want = list(range(e_count)) if only is None else list(only)
+    slot = {e: k for k, e in enumerate(want)}
+    pool = experts.new_pool(spec, tag, len(want), torch.float32, device)
     seen: set[tuple[int, str]] = set()
 
     def add(expert: int, proj: str, fmt: str, parts: dict, at: str) -> None:
@@ -149,22 +157,30 @@ def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowL
             raise CheckpointError(f"{at}: expert {expert} is out of range (config says {e_count} experts)")
         if (expert, proj) in seen:
             raise CheckpointError(f"{at}: expert {expert} {proj} is stored twice (per-expert and fused?)")
-        experts.convert_into(pool, expert, spec, proj, fmt, parts, w2_opts, at)
+        experts.convert_into(pool, slot[expert], spec, proj, fmt, parts, w2_opts, at)
         seen.add((expert, proj))
 
     for s in srcs:
+        if s.expert >= 0 and only is not None and s.expert not in slot:
+            continue
         parts = {r: reader.get(n, copy=False) for r, n in s.names.items()}
         if s.expert >= 0:
             add(s.expert, s.proj, s.fmt, parts, s.where)
         elif s.proj == "down_proj":
-            for x in range(e_count):
+            for x in want:
                 add(x, "down_proj", s.fmt, {r: t[x] for r, t in parts.items()}, f"{s.where}[{x}]")
         else:  # fused gate_up [E, 2I, H]: gate rows first
-            for x in range(e_count):
+            for x in want:
                 for proj, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
                     add(x, proj, s.fmt, {r: t[x, rows] for r, t in parts.items()}, f"{s.where}[{x}]")
         del parts
-    experts.check_all_arrived(e_count, seen, where)
+    if only is None:
+        experts.check_all_arrived(e_count, seen, where)
+    else:
+        missing = [(e, p) for e in want for p in experts.PROJS if (e, p) not in seen]
+        if missing:
+            raise CheckpointError(f"{where}: routed expert tensors missing from the checkpoint, e.g. expert "
+                                  f"{missing[0][0]} {missing[0][1]}")
     layout.check_pool(pool, where)
     return pool_rows(pool, layout)
 
@@ -198,12 +214,23 @@ def _fresh_file(paths: PackPaths, meta: PackMeta) -> None:
     meta.write_atomic(paths.sidecar)
 
 
+LOCK_WAIT_S = 10.0     # how long open_pack waits for other readers before it gives up building
+
+
 def open_pack(ckpt: Checkpoint, pack_dir: str, *, tag: str = "w2", zero_mode: str = "auto",
               scale_rule: str = "published", verify: str = "lazy", rebuild: bool = False, o_direct: bool = False,
-              device: torch.device | str = "cpu", progress: bool = False, rank: int = 0) -> PackFile:
+              device: torch.device | str = "cpu", progress: bool = False, rank: int = 0,
+              lock_wait_s: float | None = None) -> PackFile:
     """The checkpoint's pack for `tag`, complete and valid; built / resumed / repaired first when
-    needed (under an exclusive lock: a second process waits, then finds it complete). The pack
-    is returned holding a shared lock until closed. `device` converts (a GPU is far faster)."""
+    needed. The pack is returned holding a shared lock until closed. `device` converts (a GPU is
+    far faster).
+
+    Locking (PackLock: a held lock is never converted in place): check under the shared lock;
+    if the pack cannot be used as it is, release it, take the exclusive lock, check again (another
+    process may have built it meanwhile), build, release, and start over under the shared lock.
+    Waiting for a process that builds is unbounded (a build ends); waiting for readers (another
+    server using this pack) to let go is bounded by `lock_wait_s` (default LOCK_WAIT_S), then a
+    PackError names them."""
     if verify not in VERIFY_MODES:
         raise ConfigError(f"pack_verify={verify!r} is not supported; choose one of {', '.join(VERIFY_MODES)}")
     if rank != 0:
@@ -212,36 +239,112 @@ def open_pack(ckpt: Checkpoint, pack_dir: str, *, tag: str = "w2", zero_mode: st
     ident = checkpoint_identity(ckpt.reader)
     paths = PackPaths.of(pack_dir, ident, tag, quantizer_key(q), rank)
     want = expected_meta(ckpt, tag, q, ident, rank)
+    wait_s = LOCK_WAIT_S if lock_wait_s is None else lock_wait_s
     lock = PackLock(paths.lock)
-    todo: list[int] = []
+    built, builds, trusted = 0, 0, None
     try:
-        # Readers share the lock (several servers, or one process opening a pack twice); a
-        # writer holds it alone, so nobody reads a pack that is being written, and a rebuild
-        # waits until every reader has closed it.
-        lock.shared(log.info)
-        meta = _reusable(paths, want, verify, rebuild)
-        if meta is None:
-            lock.exclusive(log.info)           # then re-plan: another process may have built it meanwhile
-            todo, meta = _plan(paths, want, verify, rebuild)
-            if todo:
-                _build(ckpt, tag, paths, meta, todo, q, device, progress)
+        while True:
             lock.shared(log.info)
-        pack = PackFile(paths, meta, o_direct=o_direct, lock=lock)
+            meta = None if rebuild else _reusable(paths, want, verify, trusted)
+            if meta is not None:
+                pack = PackFile(paths, meta, o_direct=o_direct, lock=lock)
+                break
+            lock.unlock()
+            if builds >= 3:                 # built and checked here, yet unusable right after: never loop
+                raise PackError(f"{paths.data}: the pack was built but does not read back as complete and valid "
+                                "(another process rebuilding it at the same time?); check the disk, or use "
+                                "--pack-dir for a separate pack")
+            _check_writable(paths)
+            if not _take_exclusive(lock, paths, wait_s, rebuild):
+                continue                    # a builder held it: wait for it under the shared lock, re-check
+            builds += 1
+            try:
+                todo, meta = _plan_writable(paths, want, verify, rebuild)
+                if todo:
+                    _build_writable(ckpt, tag, paths, meta, todo, q, device, progress)
+            finally:
+                lock.unlock()
+            built += len(todo)
+            rebuild = False                 # done once; a rebuild by another process meanwhile is theirs
+            trusted = meta.to_json()        # just built or checked: not verified again below
     except BaseException:
         lock.close()
         raise
-    pack.built_layers = len(todo)
+    pack.built_layers = built
     return pack
 
 
-def _reusable(paths: PackPaths, want: PackMeta, verify: str, rebuild: bool) -> PackMeta | None:
-    """The sidecar if the pack can be used as it is (checked under the shared lock), else None."""
-    have = PackMeta.read(paths.sidecar)
-    if rebuild or have is None or have.key() != want.key() or not have.complete:
+def _take_exclusive(lock: PackLock, paths: PackPaths, wait_s: float, rebuild: bool) -> bool:
+    """The exclusive lock (holding no lock before): True once held; False when a builder held it
+    (the caller waits for it under the shared lock and checks the pack again). Readers are waited
+    for at most `wait_s` seconds: a server holds its shared lock until it exits."""
+    t0 = time.monotonic()
+    while True:
+        if lock.try_exclusive():
+            return True
+        if not lock.try_shared():
+            return False                    # someone holds it exclusively: a build, which ends
+        lock.unlock()                       # only readers hold it
+        if time.monotonic() - t0 >= wait_s:
+            pids = lock.holders()
+            who = f"pid {', '.join(map(str, pids))}" if pids else "pid unknown"
+            why = "--rebuild-pack was given" if rebuild else "the pack must be built, resumed or repaired"
+            raise PackError(f"another moet process ({who}) holds the pack {paths.data} open for reading, and {why}; "
+                            f"waited {wait_s:g}s for it: stop that process (or wait for it to exit), or use "
+                            "--pack-dir for a separate pack")
+        time.sleep(0.05)
+
+
+def _check_writable(paths: PackPaths) -> None:
+    """Building needs the pack directory writable: say so (and name --pack-dir) before waiting
+    for a lock or converting anything."""
+    d = os.path.dirname(paths.data)
+    if not os.access(d, os.W_OK):
+        raise not_writable(d, OSError(errno.EACCES, "not writable"), "the pack is missing, incomplete or damaged "
+                           "and must be built there")
+
+
+def _plan_writable(paths: PackPaths, want: PackMeta, verify: str, rebuild: bool) -> tuple[list[int], PackMeta]:
+    d = os.path.dirname(paths.data)
+    try:
+        return _plan(paths, want, verify, rebuild)
+    except OSError as exc:
+        if exc.errno in READ_ONLY_ERRNOS:
+            raise not_writable(exc.filename or d, exc, "the pack must be built or repaired") from None
+        raise
+
+
+def _build_writable(ckpt, tag, paths, meta, todo, q, device, progress) -> None:
+    try:
+        _build(ckpt, tag, paths, meta, todo, q, device, progress)
+    except OSError as exc:
+        if exc.errno in READ_ONLY_ERRNOS:
+            raise not_writable(exc.filename or paths.data, exc, "writing the pack") from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ConfigError(f"{paths.data}: {exc.strerror} while writing the pack; free disk space or pass "
+                              "--pack-dir DIR on another disk") from None
+        raise
+
+
+def _read_sidecar(paths: PackPaths) -> tuple[PackMeta | None, str | None]:
+    """(the sidecar, None) or (None, why it cannot be used: missing or malformed)."""
+    try:
+        have = PackMeta.read(paths.sidecar)
+    except PackError as exc:
+        return None, str(exc)
+    return have, None if have is not None else "no sidecar"
+
+
+def _reusable(paths: PackPaths, want: PackMeta, verify: str, trusted: str | None = None) -> PackMeta | None:
+    """The sidecar if the pack can be used as it is (checked under the shared lock), else None.
+    `trusted`: the sidecar this process has just built or checked; if it is still the one on
+    disk, its rows are not verified again."""
+    have, _ = _read_sidecar(paths)
+    if have is None or have.key() != want.key() or not have.complete:
         return None
     if not os.path.exists(paths.data) or os.path.getsize(paths.data) < have.file_bytes:
         return None
-    if verify == "full":
+    if verify == "full" and have.to_json() != trusted:
         with PackFile(paths, have) as pf:
             buf = bytearray(pf.stride)
             if any(pf.verify_layer(l, buf) for l in range(len(have.layers))):
@@ -251,19 +354,19 @@ def _reusable(paths: PackPaths, want: PackMeta, verify: str, rebuild: bool) -> P
 
 def _plan(paths: PackPaths, want: PackMeta, verify: str, rebuild: bool) -> tuple[list[int], PackMeta]:
     """(pack layers to (re)build, the sidecar to build onto). Holds the exclusive lock."""
-    have = PackMeta.read(paths.sidecar)
+    have, unusable = _read_sidecar(paths)
     reason = None
     if rebuild:
         reason = "--rebuild-pack was given"
     elif have is None:
-        reason = "no sidecar" if not os.path.exists(paths.sidecar) else "unreadable sidecar"
+        reason = unusable
     elif have.key() != want.key():
         diff = [k for k in want.key() if have.key().get(k) != want.key()[k]]
         reason = f"sidecar differs in {', '.join(diff)}"
     elif not os.path.exists(paths.data):
         reason = "pack file missing"
     if reason is not None:
-        if have is not None or os.path.exists(paths.data):
+        if have is not None or os.path.exists(paths.data) or os.path.exists(paths.sidecar):
             log.warning("rebuilding pack %s: %s", paths.data, reason)
         _fresh_file(paths, want)
         return list(range(len(want.layers))), want
@@ -318,3 +421,50 @@ def _build(ckpt: Checkpoint, tag: str, paths: PackPaths, meta: PackMeta, todo: l
     ckpt.reader.close()
     bar.close()
     log.info("built %d pack layers of %s in %.1fs", len(todo), paths.data, time.monotonic() - t0)
+
+
+class RowRepairer:
+    """Rows of an open pack re-converted from its checkpoint while serving: a row that fails its
+    checksum when read (PackFile.read_row_into raises RowDamaged) gets the bytes the builder
+    would write, checked against the checksum the sidecar recorded for it, then written back
+    (PackFile.rewrite_row) so the pack is whole again. The checkpoint is read lazily, only the
+    damaged expert's tensors (per-expert checkpoints) or its slices (fused ones)."""
+
+    def __init__(self, ckpt: Checkpoint, pack: PackFile, device: torch.device | str = "cpu"):
+        self.ckpt, self.pack, self.device = ckpt, pack, device
+        self._sources: dict[int, list[_Source]] | None = None
+
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        """Row (layer, expert) converted from the checkpoint: uint8 [stride], CPU. Raises
+        PackError when it differs from the checksum the pack recorded (then the pack was built
+        from other bytes or by other code: only a rebuild helps), CheckpointError when the
+        checkpoint cannot be read."""
+        pack, meta = self.pack, self.pack.meta
+        if self._sources is None:
+            self._sources = _sources_by_layer(self.ckpt, meta.layers)
+        opts = meta.quantizer.get("options", {}) if meta.tag == "w2" else {}
+        where = f"{self.ckpt.path}: {meta.layers[layer]}"
+        try:
+            row = _convert_layer(self.ckpt, meta.tag, self._sources[layer], pack.layout, opts, self.device, where,
+                                 only=[expert])[0]
+        finally:
+            self.ckpt.reader.close()          # no shard stays mapped while serving
+        if pack._checksum(memoryview(row.numpy())) != meta.checksums[str(layer)][expert]:
+            raise PackError(f"{pack.where(layer, expert)}: re-converted from the checkpoint, the row still differs "
+                            "from the checksum the pack recorded (checkpoint or moet changed since the build?); "
+                            "restart with --rebuild-pack")
+        return row
+
+    def repair(self, layer: int, expert: int, out: memoryview) -> str | None:
+        """Fill `out` (stride bytes) with the row's right bytes and write them back to the pack.
+        Returns None when the row on disk is whole again, else why it is not (the bytes in
+        `out` are right either way)."""
+        row = self.row(layer, expert)
+        memoryview(out).cast("B")[:] = memoryview(row.numpy())
+        try:
+            self.pack.rewrite_row(layer, expert, row.numpy())
+        except OSError as exc:
+            return f"cannot rewrite it ({exc.strerror or exc}): served from the checkpoint, the pack stays damaged"
+        if not self.pack.row_ok(layer, expert):
+            return "rewritten, but it still reads back wrong (failing disk?)"
+        return None

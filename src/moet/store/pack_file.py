@@ -4,7 +4,7 @@ residency ladder (pack -> host arena -> device slots). Byte layout: docs/formats
 
     <pack_dir>/<checkpoint identity>/<tag>-<quantizer key>.rank<r>.pack   rows, nothing else
                                      <...>.rank<r>.json                   sidecar (this module's PackMeta)
-                                     <...>.rank<r>.lock                   flock: one writer at a time
+                                     <...>.rank<r>.lock                   flock: readers share, a builder alone
                                      <...>.rank<r>.hot.json               the host arena's hot set
 
 Row (l, e) starts at byte (l * num_experts + e) * stride; stride = the row's bytes rounded up
@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -39,6 +39,15 @@ FORMAT_VERSION = 1
 ROW_ALIGN = 4096          # rows start on a page: O_DIRECT-legal, no row shares a page
 FIELD_ALIGN = 64          # fields start on a cache line (any dtype's alignment)
 POOL_CLASSES = {"w2": W2Pool, "fp4": FP4Pool, "bf16": DensePool}
+
+
+class RowDamaged(PackError):
+    """A row read from disk is short or fails its checksum: (layer, expert) can be re-converted
+    from the checkpoint (pack_builder.RowRepairer) while serving."""
+
+    def __init__(self, msg: str, layer: int, expert: int):
+        super().__init__(msg)
+        self.layer, self.expert = layer, expert
 
 
 def _round_up(n: int, k: int) -> int:
@@ -65,11 +74,11 @@ def checksum_fn(name: str) -> Callable[[object], str]:
             import xxhash  # noqa: F401
         except ImportError:
             raise PackError("this pack's rows carry xxh64 checksums but the xxhash package is not installed; "
-                            "pip install xxhash (or rebuild the pack here with --rebuild-pack true)") from None
+                            "pip install xxhash (or rebuild the pack here with --rebuild-pack)") from None
         return _xxh64
     if name == "blake2b-64":
         return _blake2b64
-    raise PackError(f"unknown pack checksum {name!r} (written by a newer moet?); rebuild with --rebuild-pack true")
+    raise PackError(f"unknown pack checksum {name!r} (written by a newer moet?); rebuild with --rebuild-pack")
 
 
 def default_checksum() -> str:
@@ -176,6 +185,69 @@ class PackPaths:
         return cls(stem + ".pack", stem + ".json", stem + ".lock", stem + ".hot.json")
 
 
+
+class _Malformed(Exception):
+    """A sidecar field of the wrong shape (PackMeta.from_dict turns it into a PackError)."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Malformed(what)
+
+
+def _check_row(row) -> None:
+    _need(isinstance(row, dict), "row is not an object")
+    for k in ("tag", "fields", "attrs", "row_bytes", "stride"):
+        _need(k in row, f"row.{k} is missing")
+    _need(isinstance(row["tag"], str), "row.tag is not a string")
+    _need(isinstance(row["attrs"], dict), "row.attrs is not an object")
+    _need(_is_int(row["row_bytes"]) and row["row_bytes"] > 0, "row.row_bytes is not a positive integer")
+    _need(_is_int(row["stride"]) and row["stride"] >= row["row_bytes"] and row["stride"] % ROW_ALIGN == 0,
+          f"row.stride is not a multiple of {ROW_ALIGN} at least row_bytes")
+    _need(isinstance(row["fields"], list) and row["fields"], "row.fields is not a non-empty list")
+    for f in row["fields"]:
+        _need(isinstance(f, dict) and set(f) == {"name", "dtype", "shape", "offset", "nbytes"},
+              "a row field lacks name / dtype / shape / offset / nbytes")
+        _need(isinstance(f["name"], str) and isinstance(f["dtype"], str)
+              and isinstance(getattr(torch, f["dtype"], None), torch.dtype), f"row field {f.get('name')!r}: bad dtype")
+        _need(isinstance(f["shape"], list) and all(_is_int(x) and x >= 0 for x in f["shape"]),
+              f"row field {f['name']!r}: bad shape")
+        _need(_is_int(f["offset"]) and _is_int(f["nbytes"]) and f["offset"] >= 0 and f["nbytes"] >= 0
+              and f["offset"] + f["nbytes"] <= row["row_bytes"], f"row field {f['name']!r}: outside the row")
+
+
+def _check_sidecar(d) -> None:
+    _need(isinstance(d, dict), "not a JSON object")
+    known = {f.name for f in fields(PackMeta)} | {"complete"}
+    unknown = sorted(set(d) - known)
+    _need(not unknown, f"unknown keys {unknown}")
+    for k in ("tag", "checkpoint_identity", "quantizer", "layers", "num_experts", "row"):
+        _need(k in d, f"{k} is missing")
+    for k in ("tag", "checkpoint_identity", "checksum", "format"):
+        _need(k not in d or isinstance(d[k], str), f"{k} is not a string")
+    for k in ("rank", "num_ranks", "format_version"):
+        _need(k not in d or _is_int(d[k]), f"{k} is not an integer")
+    _need(isinstance(d["quantizer"], dict), "quantizer is not an object")
+    layers, e = d["layers"], d["num_experts"]
+    _need(isinstance(layers, list) and layers and all(isinstance(x, str) for x in layers),
+          "layers is not a non-empty list of names")
+    _need(_is_int(e) and e > 0, "num_experts is not a positive integer")
+    _check_row(d["row"])
+    written = d.get("layers_written", [])
+    _need(isinstance(written, list) and all(_is_int(l) and 0 <= l < len(layers) for l in written)
+          and len(set(written)) == len(written), f"layers_written is not a list of distinct layers 0..{len(layers) - 1}")
+    sums = d.get("checksums", {})
+    _need(isinstance(sums, dict), "checksums is not an object")
+    _need(set(sums) == {str(l) for l in written}, "checksums do not list exactly the layers in layers_written")
+    for k, v in sums.items():
+        _need(isinstance(v, list) and len(v) == e and all(isinstance(x, str) for x in v),
+              f"checksums[{k}] is not {e} strings (one per expert)")
+
+
 @dataclass
 class PackMeta:
     """The sidecar. Everything that decides whether a pack's bytes are the ones wanted."""
@@ -219,16 +291,31 @@ class PackMeta:
 
     @classmethod
     def read(cls, path: str) -> "PackMeta | None":
-        """The sidecar, or None if it is missing or unreadable (then the pack is rebuilt)."""
+        """The sidecar, or None if there is none. An unreadable or malformed one (not JSON, a
+        field of the wrong type, lists of the wrong length, layers out of range) raises PackError:
+        open_pack then rebuilds the pack, as for a missing sidecar."""
         try:
             with open(path) as f:
                 d = json.load(f)
-            d.pop("complete", None)
-            return cls(**d)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError):
-            return None
+        except (OSError, ValueError) as exc:          # ValueError: bad JSON or bad UTF-8
+            raise PackError(f"{path}: unreadable pack sidecar ({exc}); the pack is rebuilt "
+                            "(or pass --rebuild-pack)") from None
+        return cls.from_dict(d, path)
+
+    @classmethod
+    def from_dict(cls, d, where: str = "pack sidecar") -> "PackMeta":
+        """A sidecar's JSON object, checked field by field (every later use of it indexes lists
+        by layer and expert, so a short list must fail here, not as an IndexError mid-serve)."""
+        try:
+            _check_sidecar(d)
+            d = {k: v for k, v in d.items() if k != "complete"}
+            meta = cls(**d)
+        except _Malformed as exc:
+            raise PackError(f"{where}: malformed pack sidecar ({exc}); the pack is rebuilt "
+                            "(or pass --rebuild-pack)") from None
+        return meta
 
     def write_atomic(self, path: str) -> None:
         tmp = f"{path}.tmp.{os.getpid()}"
@@ -250,34 +337,121 @@ def fsync_dir(path: str) -> None:
 
 # ----------------------------------------------------------------------------- lock
 
+# errno values that mean "this directory / file system does not let us write"
+READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def not_writable(where: str, exc: OSError, doing: str) -> ConfigError:
+    """The one-line error for a pack directory moet cannot write (names the flag that fixes it)."""
+    return ConfigError(f"{where}: {exc.strerror or exc} ({doing}); the pack directory must be writable to build or "
+                       "repair a pack: pass --pack-dir DIR with a writable DIR")
+
+
+def lock_holders(fd: int) -> list[int]:
+    """Process ids (other than ours) holding a flock on the file of `fd`, from /proc/locks (Linux;
+    [] where it cannot be read): for the error message only."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    pids = []
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  READ  1234 08:02:5678 0 EOF" ("->" marks a blocked waiter)
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        try:
+            maj, mnr, ino = parts[5].split(":")
+            key = (int(maj, 16), int(mnr, 16), int(ino))
+            pid = int(parts[4])
+        except ValueError:
+            continue
+        if key == want and pid != os.getpid() and pid not in pids:
+            pids.append(pid)
+    return pids
+
+
 class PackLock:
-    """fcntl.flock on the pack's lock file: exclusive while a process checks, builds or repairs
-    the pack; shared while it reads a complete pack (a rebuild elsewhere waits for readers)."""
+    """fcntl.flock on the pack's lock file. Shared: the pack is read as it is (any number of
+    readers, e.g. several servers). Exclusive: one process checks and builds, resumes or repairs
+    layers, with no reader. A held lock is never converted in place: flock drops a lock before it
+    converts it (not atomic), and a reader upgrading to exclusive waits for every other reader,
+    which a server never lets go of until it exits. open_pack releases one lock before it asks
+    for the other and checks the pack again under each.
+
+    A read-only pack directory: the lock file is opened read-only when it exists (flock needs no
+    write access); when it does not exist and cannot be created, locking is skipped (`fd` = -1):
+    such a pack is only read, never built here (a writer elsewhere is still caught by the per-row
+    checksums)."""
 
     def __init__(self, path: str):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = -1
+        self.readonly = False
+        d = os.path.dirname(path)
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as exc:
+            if exc.errno not in READ_ONLY_ERRNOS:
+                raise
+            raise not_writable(d, exc, "creating the pack directory") from None
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno not in READ_ONLY_ERRNOS:
+                raise
+            self.readonly = True
+            try:
+                self.fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                self.fd = -1
 
-    def _take(self, mode: int, what: str, log: Callable[[str], None] | None) -> None:
+    def _try(self, mode: int) -> bool:
+        if self.fd < 0:
+            return True
         try:
             fcntl.flock(self.fd, mode | fcntl.LOCK_NB)
-            return
+            return True
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
-        if log:
-            log(f"waiting for {self.path}: another moet process is {what} this pack")
+            return False
+
+    def try_shared(self) -> bool:
+        return self._try(fcntl.LOCK_SH)
+
+    def try_exclusive(self) -> bool:
+        return self._try(fcntl.LOCK_EX)
+
+    def shared(self, log: Callable[[str], None] | None = None, poll_s: float = 30.0) -> None:
+        """Take the shared lock, waiting while another process holds it exclusively: a build or
+        repair, which ends (no exclusive holder waits for anything else). Logs who it waits for."""
+        if self.try_shared():
+            return
         t0 = time.monotonic()
-        fcntl.flock(self.fd, mode)
-        if log:
-            log(f"got {self.path} after {time.monotonic() - t0:.1f}s")
+        while True:
+            if log:
+                who = ", ".join(map(str, lock_holders(self.fd))) or "?"
+                log(f"waiting for {self.path}: another moet process (pid {who}) is building or repairing this pack "
+                    f"({time.monotonic() - t0:.0f}s so far)")
+            # a blocking flock cannot time out; poll so the wait stays visible in the log
+            deadline = time.monotonic() + poll_s
+            while time.monotonic() < deadline:
+                if self.try_shared():
+                    if log:
+                        log(f"got {self.path} after {time.monotonic() - t0:.1f}s")
+                    return
+                time.sleep(0.05)
 
-    def exclusive(self, log=None) -> None:
-        self._take(fcntl.LOCK_EX, "using or building", log)
+    def unlock(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    def shared(self, log=None) -> None:
-        self._take(fcntl.LOCK_SH, "building", log)
+    def holders(self) -> list[int]:
+        return lock_holders(self.fd) if self.fd >= 0 else []
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -329,12 +503,13 @@ class PackFile:
         fd = self.direct_fd if self.direct_fd >= 0 else self.fd
         n = os.preadv(fd, [buf], self.offset(layer, expert))
         if n != self.stride:
-            raise PackError(f"{self.where(layer, expert)}: read {n} of {self.stride} bytes (truncated pack file); "
-                            "restart with --pack-verify full to rebuild the damaged layers")
+            raise RowDamaged(f"{self.where(layer, expert)}: read {n} of {self.stride} bytes (truncated pack file); "
+                             "restart with --pack-verify full to rebuild the damaged layers", layer, expert)
         self.bytes_read += n
         if verify and self._checksum(buf) != sums[expert]:
-            raise PackError(f"{self.where(layer, expert)}: checksum mismatch (the pack is corrupt on disk); restart "
-                            "with --pack-verify full to find and rebuild damaged layers, or --rebuild-pack true")
+            raise RowDamaged(f"{self.where(layer, expert)}: checksum mismatch (the pack is corrupt on disk); restart "
+                             "with --pack-verify full to find and rebuild damaged layers, or --rebuild-pack",
+                             layer, expert)
 
     def verify_layer(self, layer: int, buf: bytearray | None = None) -> list[int]:
         """Experts of `layer` whose row is short or fails its checksum (reads the whole layer)."""
@@ -350,7 +525,31 @@ class PackFile:
                 bad.append(e)
         return bad
 
-    # ---- writes (builder)
+    def row_ok(self, layer: int, expert: int, buf: bytearray | None = None) -> bool:
+        """Row (layer, expert) reads back whole and matches its checksum (buffered read)."""
+        buf = buf if buf is not None else bytearray(self.stride)
+        sums = self.meta.checksums.get(str(layer))
+        n = os.preadv(self.fd, [memoryview(buf)], self.offset(layer, expert))
+        return sums is not None and n == self.stride and self._checksum(buf) == sums[expert]
+
+    # ---- writes (builder, row repair)
+
+    def rewrite_row(self, layer: int, expert: int, row) -> None:
+        """Put one row's bytes (exactly `stride`, already checked against the sidecar's checksum)
+        back on disk through a write descriptor of its own (the pack is open read-only while
+        serving) and make them durable. Safe under the shared lock: other readers see either the
+        damaged bytes (and repair them the same way) or these, which are the recorded ones."""
+        view = memoryview(row).cast("B")
+        if len(view) != self.stride:
+            raise ValueError(f"a row is {self.stride} bytes, got {len(view)}")
+        fd = os.open(self.paths.data, os.O_WRONLY)
+        try:
+            done, off = 0, self.offset(layer, expert)
+            while done < self.stride:
+                done += os.pwrite(fd, view[done:], off + done)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def write_layer(self, layer: int, rows: torch.Tensor) -> list[str]:
         """pwrite a layer's rows (uint8 [num_experts, stride], CPU) and fdatasync them; returns
