@@ -4,6 +4,8 @@ bytes with scales in the range quantized weights have: never zeros), one model a
 
     python -m moet.bench.engine_bench [--budget-s 560] [--out DIR] [--models qwen3_30b,glm45air]
         [--streams 1,4,8,16,32,64] [--decode-tokens 128] [--prefill 8192] [--hf-baseline] [--cpu-smoke]
+    python -m moet.bench.engine_bench --device cpu [--expert-formats w2,fp4,bf16] [--threads 2]
+        [--repeats 3] [--decode-tokens 128]
 
 Per model:
 1. correctness first: six identical greedy runs of 4 mixed-length prompts (token ids and
@@ -23,6 +25,9 @@ Per model:
 Results go to $OUT/engine_bench.json (rewritten after every measurement) and engine_bench.md.
 A time guard stops starting new measurements before --budget-s.
 --cpu-smoke: a tiny Qwen3-shaped model on CPU (tests this harness, numbers meaningless).
+--device cpu: the shipped moet-tiny (real weights) at batch 1 on the CPU, moet's engine per expert
+format against transformers' generate() on the same weights, same process and threads, decode tok/s
+from two generation lengths (prefill excluded); to $OUT/engine_bench_cpu.json and .md.
 """
 from __future__ import annotations
 
@@ -381,6 +386,127 @@ def hf_baseline(cfg: dict, device, args, budget: Budget, results: dict, path) ->
         torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------- CPU: moet-tiny against transformers
+
+CPU_PROMPT = "The capital of Poland is Warsaw. The capital of Germany is Berlin. The capital of France is"
+# moet's expert_format -> the weights transformers gets (moet.probe.loader): for the shipped NVFP4
+# checkpoint "nvfp4" is exactly what moet's fp4 and bf16 formats compute with
+HF_EXPERTS = {"w2": "w2", "fp4": "nvfp4", "bf16": "nvfp4"}
+
+
+def decode_tok_s(run, n: int) -> tuple[float, list[int]]:
+    """Decode tok/s of a greedy generation: the n-token run's wall time less a 1-token run's (same
+    prompt: prefill and the first token cancel), over the n - 1 decode steps. -> (tok/s, ids)."""
+    t0 = time.perf_counter()
+    run(1)
+    t1 = time.perf_counter()
+    ids = run(n)
+    t2 = time.perf_counter()
+    return (n - 1) / ((t2 - t1) - (t1 - t0)), ids
+
+
+def moet_cpu_runner(expert_format: str, prompt_ids: list[int]):
+    """moet's engine on the shipped moet-tiny (CPU, the checkpoint's dtype, every default but the
+    expert format) -> run(n): the greedy token ids of one n-token request."""
+    from moet.assets import default_model
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    from moet.sampling_params import SamplingParams
+
+    eng = LLMEngine.from_config(EngineConfig(model=str(default_model()), expert_format=expert_format, device="cpu"))
+
+    def run(n: int) -> list[int]:
+        eng.reset_prefix_cache()                   # every run prefills the whole prompt
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return list(eng.generate_all([("bench", prompt_ids, sp)])["bench"].outputs[0].token_ids)
+    return run, eng
+
+
+def hf_cpu_runner(hf_experts: str, prompt_ids: list[int], dtype: torch.dtype):
+    """transformers' DeepseekV3ForCausalLM with moet-tiny's weights (routed experts decoded from
+    `hf_experts`, moet.probe.loader) -> run(n): generate()'s greedy ids for n new tokens."""
+    from moet.probe.loader import load
+
+    model = load(experts=hf_experts, device="cpu", dtype=dtype).model
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    x = torch.tensor([prompt_ids])
+
+    @torch.inference_mode()
+    def run(n: int) -> list[int]:
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+        return out[0, x.shape[1]:].tolist()
+    return run
+
+
+def cpu_compare(args) -> int:
+    """--device cpu: single-stream greedy decode tok/s of moet's engine on the shipped moet-tiny,
+    per expert format, against transformers' generate() on the same weights, in one process with
+    the same torch threads; each system timed --repeats times, interleaved, median reported."""
+    import statistics
+
+    import transformers as tf
+
+    from moet.assets import default_model
+    from moet.engine.llm_engine import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = [f for f in args.expert_formats.split(",") if f]
+    unknown = sorted(set(formats) - set(HF_EXPERTS))
+    if unknown:
+        raise SystemExit(f"engine_bench: error: unknown --expert-formats {unknown}; choose from {sorted(HF_EXPERTS)}")
+    n = args.decode_tokens
+    path = out_dir(args.out) / "engine_bench_cpu.json"
+    tok = load_tokenizer(str(default_model()), False)
+    prompt_ids = tok(CPU_PROMPT)["input_ids"]
+    dtype = torch.bfloat16                        # moet-tiny's torch_dtype: what moet's engine runs in
+    res = {"info": device_info(torch.device("cpu")) | {"transformers": tf.__version__,
+                                                     "threads": torch.get_num_threads(), "dtype": str(dtype)},
+           "args": vars(args), "prompt_tokens": len(prompt_ids), "decode_tokens": n, "moet": {}, "transformers": {}}
+    systems = {}
+    for f in formats:
+        log(f"== loading moet-tiny, {f} experts")
+        systems[("moet", f)] = moet_cpu_runner(f, prompt_ids)[0]
+    for hf in sorted({HF_EXPERTS[f] for f in formats}):
+        log(f"== loading transformers DeepseekV3ForCausalLM, {hf} experts")
+        systems[("transformers", hf)] = hf_cpu_runner(hf, prompt_ids, dtype)
+    runs: dict = {key: [] for key in systems}
+    ids: dict = {}
+    for key, run in systems.items():               # warm-up: first calls allocate and fill caches
+        run(4)
+    for rep in range(args.repeats):
+        order = list(systems.items())
+        for key, run in (order if rep % 2 == 0 else order[::-1]):
+            rate, ids[key] = decode_tok_s(run, n)
+            runs[key].append(rate)
+            log(f"   {key[0]} {key[1]}: {rate:.1f} tok/s decode (repeat {rep + 1})")
+    for (who, f), rates in runs.items():
+        res[who][f] = {"decode_tok_s": statistics.median(rates), "runs": rates}
+    for f in formats:
+        m, h = ids[("moet", f)], ids[("transformers", HF_EXPERTS[f])]
+        same = next((i for i, (a, b) in enumerate(zip(m, h)) if a != b), min(len(m), len(h)))
+        res["moet"][f].update(transformers_experts=HF_EXPERTS[f], same_greedy_prefix_tokens=same,
+                              x_transformers=res["moet"][f]["decode_tok_s"]
+                              / res["transformers"][HF_EXPERTS[f]]["decode_tok_s"])
+    write_json(path, res)
+    lines = [f"# engine_bench --device cpu {res['info']['date_utc']}: moet-tiny, batch 1, {n} tokens, "
+             f"{res['info']['threads']} threads, {dtype}", "",
+             "| system | experts | decode tok/s (median) | runs | x transformers | same greedy tokens |",
+             "|---|---|---|---|---|---|"]
+    for f in formats:
+        r = res["moet"][f]
+        lines.append(f"| moet | {f} | {r['decode_tok_s']:.1f} | {', '.join(f'{x:.1f}' for x in r['runs'])} | "
+                     f"{r['x_transformers']:.2f} | {r['same_greedy_prefix_tokens']}/{n} |")
+    for hf, r in res["transformers"].items():
+        lines.append(f"| transformers {tf.__version__} generate() | {hf} | {r['decode_tok_s']:.1f} | "
+                     f"{', '.join(f'{x:.1f}' for x in r['runs'])} | 1.00 | |")
+    (path.parent / "engine_bench_cpu.md").write_text("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return 0
+
+
 def write_md(results: dict, path) -> None:
     lines = [f"# engine_bench {results['info'].get('date_utc')} on {results['info'].get('gpu', results['info']['device'])}", ""]
     if results.get("bf16_gemv"):
@@ -426,7 +552,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="EngineConfig.attention_fused_merge on (GQA decode without the merge launch)")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="cpu: moet-tiny's single-stream decode against transformers' generate() on the same "
+                         "weights (--expert-formats, --threads, --repeats, --decode-tokens); else the random-"
+                         "weight shapes on the GPU")
+    ap.add_argument("--expert-formats", default="w2,fp4,bf16", help="--device cpu: moet expert formats to time")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="--device cpu: torch threads for both systems (default: torch's own choice)")
+    ap.add_argument("--repeats", type=int, default=3, help="--device cpu: timed runs per system (median reported)")
     args = ap.parse_args(argv)
+    if args.device == "cpu":
+        return cpu_compare(args)
     budget = Budget(args.budget_s)
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     models = {"smoke": ("tiny Qwen3-shaped (smoke)", SMOKE)} if args.cpu_smoke else \

@@ -23,6 +23,7 @@ each hold a runner later; a rank / world size joins the config when parallelism 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -50,6 +51,15 @@ def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
     raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: choose auto, bf16 or fp8")
 
 
+def cpu_decoded_experts_budget() -> int:
+    """Bytes a CPU run may spend on float32 copies of its routed experts: a quarter of the
+    machine's memory (the rest stays for the quantized pools, the KV cache and other processes)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def graph_buckets(max_num_seqs: int) -> list[int]:
     out, b = [], 1
     while b < max_num_seqs:
@@ -70,6 +80,14 @@ class ModelRunner:
             set_gqa_fused_merge(config.attention_fused_merge)
             if config.overlap_shared_experts:
                 model.overlap_shared_experts(device)
+        elif residency is None:
+            # CPU, every expert resident for good: repack the routed experts once for CPU GEMVs
+            # instead of the torch reference decoding them at every MoE call of every step (most
+            # of a CPU decode step); a float32 model's exact float32 copies cost 4 bytes per
+            # weight, so those only while they stay a small part of the machine's memory
+            n = model.prepare_cpu(cpu_decoded_experts_budget())
+            if n:
+                log.info("routed experts decoded once for the CPU: %.0f MiB float32", n / 2**20)
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.kv_format = kv_format_for(config.kv_cache_dtype, model.dtype)

@@ -59,6 +59,20 @@ class DensePool:
         return self.gate_up.shape[0]
 
 
+@dataclass(slots=True)
+class DecodedPool:
+    """A W2 / FP4 pool's experts decoded once to float32: exactly the values the reference decodes
+    on every call (moet.kernels.reference.decoded_pool), computed with the same float32 math. For
+    CPU runs whose slots never change (every expert resident, no expert store): a step then reads
+    weights instead of decoding them. 4 bytes per weight, which is why it is made only there."""
+    gate_up: torch.Tensor          # float32 [S, 2I, H]
+    down: torch.Tensor             # float32 [S, H, I]
+
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up.shape[0]
+
+
 def pool_nbytes(pool) -> int:
     return sum(v.nbytes for v in (getattr(pool, f) for f in pool.__slots__) if isinstance(v, torch.Tensor))
 

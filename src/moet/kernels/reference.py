@@ -3,7 +3,8 @@ calls on CPU, and the signature the Triton kernels (moe_w2.py, moe_fp4.py) imple
 
 Experts are addressed through a slot table, never by expert id directly:
   slot_table  int32 [num_experts]   slot of each expert in the pool, -1 = not resident
-  pool        one of W2Pool / FP4Pool / DensePool (plain tensors, leading dim = slots)
+  pool        one of W2Pool / FP4Pool / DensePool (plain tensors, leading dim = slots), or a
+              DecodedPool: a W2 / FP4 pool decoded once (decoded_pool), the CPU runs' fast path
 A (token, expert) pair whose expert is not resident contributes zero and adds one to
 `miss_counter` (int32/int64 [1]); the runner fetches the missing experts and replays.
 
@@ -12,7 +13,7 @@ Math per pair (t, j), e = topk_ids[t, j], s = slot_table[e]:
   (optional SwiGLU clamp, fp32: gate <= limit, -limit <= up <= limit)
   y[t, j] = W_down[s] @ (silu(gate) * up)
   out[t] = sum_j topk_weights[t, j] * y[t, j]    fixed order j = 0..k-1 (deterministic)
-Accumulation is in fp32 for the quantized pools (as the kernels do) and in the input dtype
+Accumulation is in fp32 for the quantized pools and their DecodedPool (as the kernels do) and in the input dtype
 for DensePool (as transformers does, so the bf16 reference matches it bit for bit in fp32).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moet.formats import w2
-from moet.kernels.pools import ROW_TILED_FIELDS, DensePool, FP4Pool, W2Pool, untile_field
+from moet.kernels.pools import ROW_TILED_FIELDS, DecodedPool, DensePool, FP4Pool, W2Pool, untile_field
 
 W2_LEVELS = (-4.0, -1.0, 1.0, 4.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -87,7 +88,7 @@ def _slot_fields(pool, slot: int) -> dict[str, torch.Tensor]:
 
 def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up [2I, H], down [H, I]) of one slot, decoded."""
-    if isinstance(pool, DensePool):
+    if isinstance(pool, (DensePool, DecodedPool)):
         return pool.gate_up[slot], pool.down[slot]
     if isinstance(pool, W2Pool):
         f = _slot_fields(pool, slot)
@@ -105,12 +106,20 @@ def _slot_weights(pool, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
     raise TypeError(f"unknown expert pool type {type(pool).__name__}")
 
 
+def decoded_pool(pool: W2Pool | FP4Pool) -> DecodedPool:
+    """Every slot of a W2 / FP4 pool decoded as moe_experts_reference decodes it per call (the
+    same function, so the same float32 values and, through the same F.linear calls, the same
+    outputs bit for bit)."""
+    pairs = [_slot_weights(pool, s, torch.float32) for s in range(pool.num_slots)]
+    return DecodedPool(torch.stack([g for g, _ in pairs]), torch.stack([d for _, d in pairs]))
+
+
 def moe_experts_reference(
     hidden: torch.Tensor,            # [T, H]
     topk_ids: torch.Tensor,          # [T, k] int, expert ids
     topk_weights: torch.Tensor,      # [T, k] float, router weights (already scaled)
     slot_table: torch.Tensor,        # int32 [num_experts], -1 = not resident
-    pool: W2Pool | FP4Pool | DensePool,
+    pool: W2Pool | FP4Pool | DensePool | DecodedPool,
     miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
     *,
     swiglu_limit: float | None = None,

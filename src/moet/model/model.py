@@ -148,6 +148,41 @@ class CausalLM(nn.Module):
             m.shared_stream = stream
         return len(blocks)
 
+    def prepare_cpu(self, expert_bytes: int) -> int:
+        """Once, before a CPU run's first step, for weights that never change after (every expert
+        resident, no expert store): bf16 Linears keep a oneDNN-packed copy of their weight (the
+        same results, Linear.pack_for_cpu), MLA layers keep kv_b_proj in float32 (what their
+        absorbed-form references compute with), and every MoE layer gets a `cpu_pool` (kernels/moe_cpu.py): W2 /
+        FP4 experts repacked for CPU GEMVs in a bf16 model; in a float32 model an exact float32
+        decode while all of those fit in `expert_bytes` (4 bytes per weight), else none (the
+        reference decodes per call); a bf16 DensePool as it is. -> bytes of float32 decodes."""
+        from moet.kernels.moe_cpu import cpu_pool
+        from moet.kernels.pools import DensePool
+        from moet.kernels.reference import decoded_pool
+
+        for a in self._attention_layers():
+            if isinstance(a, MLAttention):
+                a.keep_float32_kv_b()
+        for m in self.modules():
+            if type(m) is Linear:
+                m.pack_for_cpu()
+        exact = []
+        for m in self.modules():
+            if not isinstance(m, MoE) or m.pool is None:
+                continue
+            if isinstance(m.pool, DensePool):
+                m.cpu_pool = m.pool
+            else:
+                m.cpu_pool = cpu_pool(m.pool, self.dtype)
+                if m.cpu_pool is None:
+                    exact.append(m)
+        need = 4 * 3 * self.spec.hidden_size * self.spec.moe_intermediate_size * sum(m.pool.num_slots for m in exact)
+        if not exact or need > expert_bytes:
+            return 0
+        for m in exact:
+            m.cpu_pool = decoded_pool(m.pool)
+        return need
+
     # ------------------------------------------------------------------ caches
 
     def new_cache(self, max_len: int, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -19,13 +19,41 @@ from moet.kernels.fp8_gemm_reference import MODES as FP8_MODES
 FP8_BLOCK = 128
 
 
+def _onednn_packing() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        # CPU, bf16: the weight in oneDNN's blocked layout, made once (pack_for_cpu). F.linear on a
+        # bf16 CPU weight runs the same oneDNN matmul but re-lays the plain weight out at every
+        # call, which is most of a small decode GEMV's time; packed, the results are the same bits.
+        self.cpu_packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Pack a bf16 CPU weight for oneDNN (see cpu_packed), where this torch has the ops and the
+        packed matmul gives F.linear's bits on a probe input. -> packed?"""
+        w = self.weight
+        if w.dtype != torch.bfloat16 or w.is_cuda or not _onednn_packing():
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+            x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], ""),
+                               F.linear(x, w, self.bias)):
+                return False
+        except RuntimeError:
+            return False
+        self.cpu_packed = packed
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_packed is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.cpu_packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -38,6 +38,13 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, 1e-6, dtype)
         self.kv_b_proj = Linear(spec.kv_lora_rank, nh * (spec.qk_nope_head_dim + spec.v_head_dim), False, dtype)
         self.o_proj = Linear(nh * spec.v_head_dim, hidden, spec.o_bias, dtype)
+        # CPU: kv_b_proj.weight in float32, made once (keep_float32_kv_b): the absorbed forms'
+        # torch references compute in float32 and would otherwise convert the weight twice per
+        # layer per step. The same values, so the same results.
+        self.kv_b_f32: torch.Tensor | None = None
+
+    def keep_float32_kv_b(self) -> None:
+        self.kv_b_f32 = self.kv_b_proj.weight.float()
 
     def cache_shapes(self, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (max_len, self.spec.kv_lora_rank), (max_len, self.spec.qk_rope_head_dim)
@@ -80,7 +87,7 @@ class MLAttention(nn.Module):
         s = self.spec
         q_pass, q_rot, latent, k_rot = self._project(x, cos, sin)
         ops.write_mla_kv(kv, latent, k_rot, batch.slot_mapping)
-        w = self.kv_b_proj.weight
+        w = self.kv_b_proj.weight if self.kv_b_f32 is None else self.kv_b_f32
         q_latent = ops.mla_absorb_q(q_pass, w, s.qk_nope_head_dim)
         out = attend_mla(q_latent, q_rot, kv, batch, s.scale, split_tokens)
         out = ops.mla_output(out, w, s.qk_nope_head_dim).to(x.dtype)

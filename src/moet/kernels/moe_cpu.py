@@ -1,0 +1,221 @@
+"""Routed experts on the CPU, fast: the experts repacked once for CPU GEMVs, then only the routed
+ones computed, with none of the reference's per-call decoding and grouping machinery at one token.
+
+The torch reference (moet.kernels.reference) decodes every routed expert's W2 / FP4 rows at
+every call and groups rows by slot with several small ops: right as the Triton kernels' exact
+reference, but most of a CPU decode step. A CPU run whose slots never change (every expert
+resident, no expert store; CausalLM.prepare_cpu) repacks each pool once into a CpuPool:
+
+  w2 ("int4")  the 2-bit levels -4, -1, 1, 4 are int4 codes 4, 7, 9, 12 minus torch's fixed
+               zero point 8, and the UE8M0 group scale 2^(e - 127) is a bf16 power of two, so
+               torch's CPU int4 weight-only GEMM (aten._weight_int4pack_mm_for_cpu, group 32)
+               reads the exact W2 weights at 0.625 bytes per weight (codes + bf16 scale/zero).
+  fp4 ("bf16") e2m1 * e4m3 (<= 6 significant bits) is exact in bf16; the per-tensor scale_2
+               multiplies the fp32 output, as the Triton kernel applies it to its accumulator.
+Both take bf16 activations and accumulate in fp32, as the GPU kernels do; unlike them the GEMM
+outputs (gate/up, down) are rounded to bf16 before the float32 SwiGLU and the float32 weighted
+sum. So against the reference they differ by float rounding only (tests/kernels/test_moe_cpu.py
+bounds it as the Triton kernels' tests do). Only for bf16 models: a float32 model keeps the exact
+float32 decode (reference.decoded_pool).
+
+moe_experts_cpu also takes a DecodedPool or a DensePool: at one token it runs the reference's
+own ops for the routed experts only (bit for bit the reference's result), else the reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moet.kernels.pools import DecodedPool, DensePool, FP4Pool, W2Pool
+from moet.kernels.reference import _slot_fields, decode_fp4, decode_w2, moe_experts_reference
+
+W2_GROUP = 32
+
+
+@dataclass(slots=True)
+class CpuPool:
+    """A W2 / FP4 pool repacked for CPU GEMVs (kind "int4": W2; "bf16": FP4, see the module doc)."""
+    kind: str
+    gate_up: torch.Tensor                # int4: uint8 [S, 2I, H/2]; bf16: [S, 2I, H]
+    down: torch.Tensor                   # int4: uint8 [S, H, I/2];  bf16: [S, H, I]
+    gate_up_sz: torch.Tensor | None      # int4: bf16 [S, H/32, 2I, 2] (scale, zero 0)
+    down_sz: torch.Tensor | None         # int4: bf16 [S, I/32, H, 2]
+    gate_up_scale: torch.Tensor | None   # bf16 kind: fp32 [S, 2I] per-row multiplier (FP4 scale_2)
+    down_scale: torch.Tensor | None      # bf16 kind: fp32 [S]
+
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up.shape[0]
+
+    def gate_up_mm(self, x: torch.Tensor, s: int) -> torch.Tensor:
+        """x bf16 [n, H] -> fp32 [n, 2I]."""
+        if self.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.gate_up[s], W2_GROUP, self.gate_up_sz[s]).float()
+        return F.linear(x, self.gate_up[s]).float() * self.gate_up_scale[s]
+
+    def down_mm(self, act: torch.Tensor, s: int) -> torch.Tensor:
+        """act bf16 [n, I] -> fp32 [n, H]."""
+        if self.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(act, self.down[s], W2_GROUP, self.down_sz[s]).float()
+        return F.linear(act, self.down[s]).float() * self.down_scale[s]
+
+
+def have_int4_gemm() -> bool:
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+def _int4_pack(w: torch.Tensor, scale_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One W2 projection decoded exactly (float32 [N, K]) and its UE8M0 bytes [N, K/32] -> (int4
+    codes packed for the CPU GEMM, bf16 scale/zero [K/32, N, 2])."""
+    scale = torch.ldexp(torch.ones(scale_bytes.shape), scale_bytes.to(torch.int32) - 127)       # [N, K/32]
+    level = w / scale.repeat_interleave(W2_GROUP, dim=1)                                      # -4, -1, 1, 4
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((level + 8).to(torch.int32).contiguous(), 1)
+    sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, sz
+
+
+def _w2_int4(pool: W2Pool) -> CpuPool | None:
+    """None where the int4 GEMM cannot read these weights exactly (an op missing from this torch,
+    a scale byte outside bf16's normal powers of two, a shape the op refuses)."""
+    if not have_int4_gemm():
+        return None
+    if int(pool.gate_up_scales.min()) < 1 or int(pool.down_scales.min()) < 1 \
+            or int(pool.gate_up_scales.max()) > 254 or int(pool.down_scales.max()) > 254:
+        return None
+    layout = "nb8" if pool.layout == "nb8t" else pool.layout
+    gu, gsz, dn, dsz = [], [], [], []
+    try:
+        for s in range(pool.num_slots):
+            f = _slot_fields(pool, s)
+            p, sz = _int4_pack(decode_w2(f["gate_up_codes"], f["gate_up_scales"], layout), f["gate_up_scales"])
+            gu.append(p)
+            gsz.append(sz)
+            p, sz = _int4_pack(decode_w2(f["down_codes"], f["down_scales"], layout), f["down_scales"])
+            dn.append(p)
+            dsz.append(sz)
+        out = CpuPool("int4", torch.stack(gu), torch.stack(dn), torch.stack(gsz), torch.stack(dsz), None, None)
+        if not _self_check(out, pool):
+            return None
+    except RuntimeError:            # a shape or dtype this torch's kernel does not take
+        return None
+    return out
+
+
+def _self_check(cpu: CpuPool, pool: W2Pool) -> bool:
+    """Slot 0 through the int4 GEMM against the exact float32 decode, on a fixed input: guards the
+    private op's semantics (zero point 8, scale and zero order) across torch versions."""
+    f = _slot_fields(pool, 0)
+    layout = "nb8" if pool.layout == "nb8t" else pool.layout
+    w = decode_w2(f["gate_up_codes"], f["gate_up_scales"], layout)
+    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want = F.linear(x.float(), w)
+    got = cpu.gate_up_mm(x, 0)
+    return bool(((got - want).abs() <= 1e-2 * want.abs() + 1e-3 * want.abs().max()).all())
+
+
+def _fp4_bf16(pool: FP4Pool) -> CpuPool:
+    gu, dn = [], []
+    i = pool.gate_up_weight.shape[1] // 2
+    one = torch.ones(())
+    for s in range(pool.num_slots):
+        f = _slot_fields(pool, s)
+        gu.append(decode_fp4(f["gate_up_weight"], f["gate_up_scale"], one).to(torch.bfloat16))
+        dn.append(decode_fp4(f["down_weight"], f["down_scale"], one).to(torch.bfloat16))
+    # gate rows take scale_2[slot, 0], up rows scale_2[slot, 1] (reference._slot_weights)
+    row_scale = pool.gate_up_scale_2.float().repeat_interleave(i, dim=1)
+    return CpuPool("bf16", torch.stack(gu), torch.stack(dn), None, None, row_scale, pool.down_scale_2.float().clone())
+
+
+def cpu_pool(pool, dtype: torch.dtype) -> CpuPool | None:
+    """The CpuPool of a W2 / FP4 pool for a model computing in `dtype`, or None (not bf16, or W2
+    weights the int4 GEMM cannot take: the caller keeps an exact float32 decode instead)."""
+    if dtype != torch.bfloat16:
+        return None
+    if isinstance(pool, W2Pool):
+        return _w2_int4(pool)
+    if isinstance(pool, FP4Pool):
+        return _fp4_bf16(pool)
+    return None
+
+
+def _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_limit):
+    """moe_experts_reference's ops at T = 1, for the routed slots only (each slot's rows are the one
+    row, so every F.linear sees what the reference's does): its result bit for bit."""
+    k = topk_ids.shape[1]
+    slots = slot_table[topk_ids[0]].tolist()
+    if len(set(slots)) < k:          # one slot for two pairs: the reference batches them; let it
+        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+                                     swiglu_limit=swiglu_limit)
+    cdtype = hidden.dtype if isinstance(pool, DensePool) else torch.float32
+    x = hidden.to(cdtype)
+    tw = topk_weights.to(cdtype)
+    ys, missed = [], 0
+    for j, s in enumerate(slots):
+        if s < 0:
+            missed += 1
+            ys.append(torch.zeros(1, hidden.shape[1], dtype=cdtype))
+            continue
+        gate, up = F.linear(x, pool.gate_up[s]).chunk(2, dim=-1)
+        if swiglu_limit is not None:
+            gate = gate.float().clamp(max=swiglu_limit)
+            up = up.float().clamp(-swiglu_limit, swiglu_limit)
+        act = (F.silu(gate) * up).to(cdtype)
+        ys.append(F.linear(act, pool.down[s]) * tw[:, j:j + 1])
+    if missed:
+        miss_counter += missed
+    out = ys[0]
+    for y in ys[1:]:                                                  # fixed-order combine
+        out = out + y
+    return out.to(hidden.dtype)
+
+
+def _expert(pool: CpuPool, x: torch.Tensor, s: int, swiglu_limit: float | None) -> torch.Tensor:
+    gate, up = pool.gate_up_mm(x, s).chunk(2, dim=-1)
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+    return pool.down_mm((F.silu(gate) * up).to(torch.bfloat16), s)
+
+
+def moe_experts_cpu(
+    hidden: torch.Tensor,            # [T, H]
+    topk_ids: torch.Tensor,          # [T, k] int, expert ids
+    topk_weights: torch.Tensor,      # [T, k] float, router weights (already scaled)
+    slot_table: torch.Tensor,        # int32 [num_experts], -1 = not resident
+    pool: CpuPool | DecodedPool | DensePool,
+    miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
+    *,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """moe_experts_reference's signature and semantics (CPU tensors)."""
+    if not isinstance(pool, CpuPool):
+        if topk_ids.shape[0] == 1:
+            return _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+                                             swiglu_limit)
+        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+                                     swiglu_limit=swiglu_limit)
+    t, k = topk_ids.shape
+    x = hidden.to(torch.bfloat16)
+    tw = topk_weights.float()
+    slots = slot_table.long()[topk_ids.long()]                       # [T, k]
+    y = torch.zeros(t, k, hidden.shape[1], dtype=torch.float32)
+    if t == 1:
+        for j, s in enumerate(slots[0].tolist()):
+            if s < 0:
+                miss_counter += 1
+            else:
+                y[:, j] = _expert(pool, x, s, swiglu_limit) * tw[:, j:j + 1]
+    else:
+        missed = slots < 0
+        if bool(missed.any()):
+            miss_counter += missed.sum().to(miss_counter.dtype)
+        for s in torch.unique(slots[~missed]).tolist():
+            rows, cols = torch.where(slots == s)
+            y[rows, cols] = _expert(pool, x[rows], s, swiglu_limit) * tw[rows, cols, None]
+    out = y[:, 0]
+    for j in range(1, k):                                             # fixed-order combine
+        out = out + y[:, j]
+    return out.to(hidden.dtype)
