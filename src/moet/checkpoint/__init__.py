@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from moet.checkpoint import weight_format as _wf
 from moet.checkpoint.reader import CheckpointReader, TensorInfo
-from moet.checkpoint.spec import FAMILIES, ModelSpec, spec_from_config
+from moet.checkpoint.spec import FAMILIES, ModelSpec, check_against_weights, spec_from_config
 
 
 @dataclass
@@ -26,6 +26,7 @@ def open_checkpoint(path: str) -> Checkpoint:
     reader = CheckpointReader.open(path)
     where = f"{reader.path}/config.json"
     spec = spec_from_config(reader.config, where)
+    check_against_weights(spec, reader.tensors, where)
     fmt = _wf.detect(reader.config, reader.hf_quant_config, where)
     return Checkpoint(reader.path, reader, spec, fmt)
 

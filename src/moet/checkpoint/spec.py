@@ -8,10 +8,11 @@ The model (moet.model) is built from the spec alone.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
-from moet.errors import CheckpointError
+from moet.errors import CheckpointError, ConfigError
 
 
 # Tensors of an MTP block that are not part of its decoder layer (DeepSeek-V3 layout).
@@ -150,6 +151,17 @@ def _int(s: str | None) -> int | None:
 
 # ---------------------------------------------------------------------------- helpers
 
+# Every number read from config.json goes through _int / _float: a wrong type, a non-integer, a
+# value out of range or not finite is one CheckpointError naming the field (spec_from_config puts
+# the file's path in place of "config.json"), never a ValueError / ZeroDivisionError deep in the
+# model code later.
+_REQUIRED = object()
+
+
+def _bad(key: str, v, want: str) -> CheckpointError:
+    return CheckpointError(f"config.json: {key}={v!r} {want}")
+
+
 def _get(cfg: dict, key: str, default=None, *, required: bool = False):
     if key in cfg and cfg[key] is not None:
         return cfg[key]
@@ -158,46 +170,110 @@ def _get(cfg: dict, key: str, default=None, *, required: bool = False):
     return default
 
 
-def _first(cfg: dict, *keys: str):
+def _as_int(key: str, v, lo: int | None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise _bad(key, v, "must be an integer")
+    v = int(v)
+    if lo is not None and v < lo:
+        raise _bad(key, v, f"must be at least {lo}")
+    return v
+
+
+def _cint(cfg: dict, key: str, default=_REQUIRED, *, lo: int | None = 1):
+    """cfg[key] as an int >= lo (None: no bound); `default` when absent or null (required when
+    no default is given). Integral floats (64.0) pass; strings, bools and fractions do not."""
+    v = cfg.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"config.json: required field {key!r} is missing")
+        return default
+    return _as_int(key, v, lo)
+
+
+def _first_int(cfg: dict, *keys: str, lo: int | None = 1) -> int:
     """The first of several aliases present (transformers renames some fields on save)."""
     for k in keys:
         if cfg.get(k) is not None:
-            return cfg[k]
+            return _as_int(k, cfg[k], lo)
     raise CheckpointError(f"config.json: required field {keys[0]!r} is missing")
+
+
+def _float(cfg: dict, key: str, default=_REQUIRED, *, positive: bool = False, nonneg: bool = False):
+    """cfg[key] as a finite float (> 0 with positive, >= 0 with nonneg); `default` when absent."""
+    v = cfg.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"config.json: required field {key!r} is missing")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(key, v, "must be a finite number")
+    if positive and not v > 0:
+        raise _bad(key, v, "must be greater than 0")
+    if nonneg and v < 0:
+        raise _bad(key, v, "must not be negative")
+    return float(v)
+
+
+def _bool(cfg: dict, key: str, default: bool) -> bool:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (bool, int)) or isinstance(v, int) and not isinstance(v, bool) and v not in (0, 1):
+        raise _bad(key, v, "must be true or false")
+    return bool(v)
+
+
+def _dict(cfg: dict, key: str) -> dict:
+    v = cfg.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise _bad(key, v, "must be an object")
+    return v
 
 
 def _rope(cfg: dict, dim: int, *, interleave: bool = False) -> RopeSpec:
     """Rope parameters from either the transformers-5 `rope_parameters` dict or the older
     top-level `rope_theta` + `rope_scaling` fields (what most released checkpoints have)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    for k, v in scaling.items():
+    params = dict(_dict(cfg, "rope_parameters"))
+    for k, v in _dict(cfg, "rope_scaling").items():
         params.setdefault(k, v)
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    params.setdefault("rope_theta", cfg.get("rope_theta"))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ("default", "linear", "yarn"):
         raise CheckpointError(f"config.json: rope type {rope_type!r} is not supported (supported: default, linear, yarn)")
+    opt = lambda k, **kw: _float(params, k, None, **kw)    # noqa: E731
+    orig = _cint(params, "original_max_position_embeddings", None)
     return RopeSpec(
-        dim=dim, theta=float(theta), rope_type=rope_type, factor=float(params.get("factor", 1.0) or 1.0),
-        original_max_position_embeddings=params.get("original_max_position_embeddings",
-                                                    cfg.get("max_position_embeddings")),
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-        mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
+        dim=dim, theta=_float(params, "rope_theta", 10000.0, positive=True), rope_type=rope_type,
+        factor=_float(params, "factor", 1.0, positive=True),
+        original_max_position_embeddings=orig if orig is not None else _cint(cfg, "max_position_embeddings", None),
+        beta_fast=opt("beta_fast") or 32.0, beta_slow=opt("beta_slow") or 1.0,
+        mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+        attention_factor=opt("attention_factor", positive=True), truncate=_bool(params, "truncate", True),
         interleave=interleave,
     )
 
 
 def _partial_rotary(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    params = _dict(cfg, "rope_parameters")
+    src = params if params.get("partial_rotary_factor") is not None else cfg
+    f = _float(src, "partial_rotary_factor", 1.0, positive=True)
+    if f > 1:
+        raise _bad("partial_rotary_factor", f, "must be in (0, 1]")
+    return f
+
+
+def _token_ids(cfg: dict, key: str) -> tuple[int, ...]:
+    v = cfg.get(key)
+    if v is None:
+        return ()
+    ids = v if isinstance(v, list) else [v]
+    return tuple(_as_int(key, t, 0) for t in ids)
 
 
 def _eos(cfg: dict) -> tuple[int, ...]:
-    eos = cfg.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return _token_ids(cfg, "eos_token_id")
 
 
 def _dtype(cfg: dict) -> str:
@@ -207,28 +283,42 @@ def _dtype(cfg: dict) -> str:
 def _first_k_dense_kinds(cfg: dict, n: int) -> tuple[str, ...]:
     kinds = cfg.get("mlp_layer_types")
     if kinds:
+        if not isinstance(kinds, list):
+            raise _bad("mlp_layer_types", kinds, "must be a list")
         if len(kinds) < n:
             raise CheckpointError(f"config.json: mlp_layer_types has {len(kinds)} entries for {n} layers")
         return tuple("moe" if k in ("sparse", "moe") else "dense" for k in kinds[:n])
-    k = int(_get(cfg, "first_k_dense_replace", 0))
-    freq = int(_get(cfg, "moe_layer_freq", 1))
+    k = _cint(cfg, "first_k_dense_replace", 0, lo=0)
+    freq = _cint(cfg, "moe_layer_freq", 1)
     return tuple("moe" if i >= k and i % freq == 0 else "dense" for i in range(n))
 
 
+def _head_dim(cfg: dict, hidden: int, heads: int) -> int:
+    """head_dim, or hidden_size / num_attention_heads when the config leaves it out."""
+    if cfg.get("head_dim") is not None:
+        return _cint(cfg, "head_dim")
+    if hidden % heads:
+        raise CheckpointError(f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                              "and no head_dim is given")
+    return hidden // heads
+
+
 def _common(cfg: dict, family: str) -> dict:
+    swiglu = _float(cfg, "swiglu_limit", None, positive=True)
+    bos = _token_ids(cfg, "bos_token_id")
     return dict(
         family=family,
         architecture=cfg["architectures"][0],
-        vocab_size=int(_get(cfg, "vocab_size", required=True)),
-        hidden_size=int(_get(cfg, "hidden_size", required=True)),
-        num_layers=int(_get(cfg, "num_hidden_layers", required=True)),
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
+        vocab_size=_cint(cfg, "vocab_size"),
+        hidden_size=_cint(cfg, "hidden_size"),
+        num_layers=_cint(cfg, "num_hidden_layers"),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, positive=True),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
+        max_position_embeddings=_cint(cfg, "max_position_embeddings", 4096),
         hidden_act=str(_get(cfg, "hidden_act", "silu")),
-        swiglu_limit=_get(cfg, "swiglu_limit"),
+        swiglu_limit=swiglu,
         torch_dtype=_dtype(cfg),
-        bos_token_id=cfg.get("bos_token_id"),
+        bos_token_id=bos[0] if bos else None,
         eos_token_ids=_eos(cfg),
     )
 
@@ -237,18 +327,18 @@ def _common(cfg: dict, family: str) -> dict:
 
 def deepseek_v3_spec(cfg: dict) -> ModelSpec:
     base = _common(cfg, "deepseek_v3")
-    heads = int(_get(cfg, "num_attention_heads", required=True))
-    nope, rope_d = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
-    rope = _rope(cfg, rope_d, interleave=bool(cfg.get("rope_interleave", True)))
+    heads = _cint(cfg, "num_attention_heads")
+    nope, rope_d = _cint(cfg, "qk_nope_head_dim", lo=0), _cint(cfg, "qk_rope_head_dim")
+    rope = _rope(cfg, rope_d, interleave=_bool(cfg, "rope_interleave", True))
     scale = (nope + rope_d) ** -0.5
     if rope.rope_type != "default" and rope.mscale_all_dim:
         m = _yarn_mscale(rope.factor, rope.mscale_all_dim)
         scale = scale * m * m
     attn = AttentionSpec(
         kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=nope + rope_d,
-        v_head_dim=int(cfg["v_head_dim"]), o_bias=bool(cfg.get("attention_bias", False)),
-        qkv_bias=bool(cfg.get("attention_bias", False)), scale=scale,
-        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
+        v_head_dim=_cint(cfg, "v_head_dim"), o_bias=_bool(cfg, "attention_bias", False),
+        qkv_bias=_bool(cfg, "attention_bias", False), scale=scale,
+        q_lora_rank=_cint(cfg, "q_lora_rank", None), kv_lora_rank=_cint(cfg, "kv_lora_rank"),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope_d,
     )
     return _sigmoid_routed_moe_spec(cfg, base, attn, rope)
@@ -258,74 +348,70 @@ def _sigmoid_routed_moe_spec(cfg: dict, base: dict, attn: "AttentionSpec", rope)
     """The MoE half shared by DeepSeek-V3 and GLM-4.5: sigmoid scores + e_score_correction_bias,
     group-limited top-k, routed_scaling_factor, shared experts, first_k_dense_replace, MTP."""
     router = RouterSpec(
-        num_experts=int(_first(cfg, "n_routed_experts", "num_local_experts")), top_k=int(cfg["num_experts_per_tok"]),
-        scoring="sigmoid", norm_topk_prob=bool(_get(cfg, "norm_topk_prob", True)),
-        routed_scaling_factor=float(_get(cfg, "routed_scaling_factor", 1.0)),
-        n_group=int(_get(cfg, "n_group", 1)), topk_group=int(_get(cfg, "topk_group", 1)),
+        num_experts=_first_int(cfg, "n_routed_experts", "num_local_experts"), top_k=_cint(cfg, "num_experts_per_tok"),
+        scoring="sigmoid", norm_topk_prob=_bool(cfg, "norm_topk_prob", True),
+        routed_scaling_factor=_float(cfg, "routed_scaling_factor", 1.0, positive=True),
+        n_group=_cint(cfg, "n_group", 1), topk_group=_cint(cfg, "topk_group", 1),
         correction_bias=True, fp32_weight=True,
     )
-    moe_i = int(cfg["moe_intermediate_size"])
+    moe_i = _cint(cfg, "moe_intermediate_size")
+    mtp = _cint(cfg, "num_nextn_predict_layers", None, lo=0)
     return ModelSpec(
-        **base, layer_kinds=_first_k_dense_kinds(cfg, base["num_layers"]), intermediate_size=int(cfg["intermediate_size"]),
-        moe_intermediate_size=moe_i, shared_intermediate_size=moe_i * int(_get(cfg, "n_shared_experts", 0)),
+        **base, layer_kinds=_first_k_dense_kinds(cfg, base["num_layers"]),
+        intermediate_size=_cint(cfg, "intermediate_size"),
+        moe_intermediate_size=moe_i, shared_intermediate_size=moe_i * _cint(cfg, "n_shared_experts", 0, lo=0),
         attention=attn, rope=rope, router=router,
-        num_mtp_layers=int(_get(cfg, "num_nextn_predict_layers", _get(cfg, "num_mtp_layers", 0))),
+        num_mtp_layers=mtp if mtp is not None else _cint(cfg, "num_mtp_layers", 0, lo=0),
     )
+
+
+def _gqa(cfg: dict, base: dict, **kw) -> AttentionSpec:
+    heads = _cint(cfg, "num_attention_heads")
+    head_dim = _head_dim(cfg, base["hidden_size"], heads)
+    return AttentionSpec(kind="gqa", num_heads=heads, num_kv_heads=_cint(cfg, "num_key_value_heads", heads),
+                         head_dim=head_dim, v_head_dim=head_dim, scale=head_dim ** -0.5, **kw)
 
 
 def glm4_moe_spec(cfg: dict) -> ModelSpec:
     base = _common(cfg, "glm4_moe")
-    heads = int(_get(cfg, "num_attention_heads", required=True))
-    head_dim = int(_get(cfg, "head_dim", base["hidden_size"] // heads))
-    attn = AttentionSpec(
-        kind="gqa", num_heads=heads, num_kv_heads=int(_get(cfg, "num_key_value_heads", heads)),
-        head_dim=head_dim, v_head_dim=head_dim, qkv_bias=bool(cfg.get("attention_bias", False)),
-        qk_norm=bool(cfg.get("use_qk_norm", False)), scale=head_dim ** -0.5,
-    )
-    rope = _rope(cfg, int(head_dim * _partial_rotary({"partial_rotary_factor": 0.5, **cfg})))
+    bias = _bool(cfg, "attention_bias", False)
+    attn = _gqa(cfg, base, qkv_bias=bias, qk_norm=_bool(cfg, "use_qk_norm", False))
+    rope = _rope(cfg, int(attn.head_dim * _partial_rotary({"partial_rotary_factor": 0.5, **cfg})))
     return _sigmoid_routed_moe_spec(cfg, base, attn, rope)
 
 
 def qwen3_moe_spec(cfg: dict) -> ModelSpec:
     base = _common(cfg, "qwen3_moe")
     n = base["num_layers"]
-    heads = int(_get(cfg, "num_attention_heads", required=True))
-    head_dim = int(_get(cfg, "head_dim", base["hidden_size"] // heads))
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    attn = AttentionSpec(
-        kind="gqa", num_heads=heads, num_kv_heads=int(_get(cfg, "num_key_value_heads", heads)),
-        head_dim=head_dim, v_head_dim=head_dim, qkv_bias=bool(cfg.get("attention_bias", False)),
-        o_bias=bool(cfg.get("attention_bias", False)), qk_norm=True, sliding_window=window,
-        scale=head_dim ** -0.5,
-    )
-    n_experts = int(_first(cfg, "num_experts", "num_local_experts"))
-    only = set(cfg.get("mlp_only_layers") or [])
-    step = int(_get(cfg, "decoder_sparse_step", 1))
-    kinds = tuple("moe" if i not in only and n_experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
-    router = RouterSpec(num_experts=n_experts, top_k=int(cfg["num_experts_per_tok"]), scoring="softmax",
-                        norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)))
+    bias = _bool(cfg, "attention_bias", False)
+    window = _cint(cfg, "sliding_window", None) if _bool(cfg, "use_sliding_window", False) else None
+    attn = _gqa(cfg, base, qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_window=window)
+    n_experts = _first_int(cfg, "num_experts", "num_local_experts")
+    only_layers = cfg.get("mlp_only_layers") or []
+    if not isinstance(only_layers, list):
+        raise _bad("mlp_only_layers", only_layers, "must be a list of layer indices")
+    only = {_as_int("mlp_only_layers", x, 0) for x in only_layers}
+    step = _cint(cfg, "decoder_sparse_step", 1)
+    kinds = tuple("moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n))
+    router = RouterSpec(num_experts=n_experts, top_k=_cint(cfg, "num_experts_per_tok"), scoring="softmax",
+                        norm_topk_prob=_bool(cfg, "norm_topk_prob", False))
     return ModelSpec(
-        **base, layer_kinds=kinds, intermediate_size=int(_get(cfg, "intermediate_size", 0)),
-        moe_intermediate_size=int(cfg["moe_intermediate_size"]), shared_intermediate_size=0,
-        attention=attn, rope=_rope(cfg, head_dim), router=router,
+        **base, layer_kinds=kinds, intermediate_size=_cint(cfg, "intermediate_size", 0, lo=0),
+        moe_intermediate_size=_cint(cfg, "moe_intermediate_size"), shared_intermediate_size=0,
+        attention=attn, rope=_rope(cfg, attn.head_dim), router=router,
     )
 
 
 def mixtral_spec(cfg: dict) -> ModelSpec:
     base = _common(cfg, "mixtral")
     n = base["num_layers"]
-    heads = int(_get(cfg, "num_attention_heads", required=True))
-    head_dim = int(_get(cfg, "head_dim", base["hidden_size"] // heads))
-    attn = AttentionSpec(
-        kind="gqa", num_heads=heads, num_kv_heads=int(_get(cfg, "num_key_value_heads", heads)),
-        head_dim=head_dim, v_head_dim=head_dim, sliding_window=cfg.get("sliding_window"), scale=head_dim ** -0.5,
-    )
-    router = RouterSpec(num_experts=int(_get(cfg, "num_local_experts", required=True)),
-                        top_k=int(cfg["num_experts_per_tok"]), scoring="softmax", norm_topk_prob=True)
+    attn = _gqa(cfg, base, sliding_window=_cint(cfg, "sliding_window", None))
+    router = RouterSpec(num_experts=_cint(cfg, "num_local_experts"),
+                        top_k=_cint(cfg, "num_experts_per_tok"), scoring="softmax", norm_topk_prob=True)
     return ModelSpec(
         **base, layer_kinds=("moe",) * n, intermediate_size=0,
-        moe_intermediate_size=int(cfg["intermediate_size"]), shared_intermediate_size=0,
-        attention=attn, rope=_rope(cfg, head_dim), router=router,
+        moe_intermediate_size=_cint(cfg, "intermediate_size"), shared_intermediate_size=0,
+        attention=attn, rope=_rope(cfg, attn.head_dim), router=router,
         # Mixtral checkpoints name the MoE block block_sparse_moe and the expert projections
         # w1 (gate), w3 (up), w2 (down).
         renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
@@ -354,12 +440,16 @@ MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3For
 
 
 def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: not a JSON object")
     archs = cfg.get("architectures") or []
     if not archs and cfg.get("model_type") in MODEL_TYPES:
         cfg = {**cfg, "architectures": [MODEL_TYPES[cfg["model_type"]]]}
         archs = cfg["architectures"]
     if not archs:
         raise CheckpointError(f"{where}: no 'architectures' field; supported: {', '.join(FAMILIES)}")
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise CheckpointError(f"{where}: architectures={archs!r} must be a list of class names")
     arch = archs[0]
     if arch not in FAMILIES:
         raise CheckpointError(f"{where}: architecture {arch} is not supported; supported: {', '.join(FAMILIES)}")
@@ -371,6 +461,25 @@ def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         raise CheckpointError(f"{where}: required field {exc.args[0]!r} for {arch} is missing") from None
     except CheckpointError as exc:
         raise CheckpointError(str(exc).replace("config.json", where, 1)) from None
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
+        # a value of a shape no check above anticipated: still one line, with the file
+        raise CheckpointError(f"{where}: a value does not fit {arch} ({type(exc).__name__}: {exc})") from None
+
+
+def resolve_max_model_len(spec: ModelSpec, requested: int | None, allow_long: bool,
+                          where: str = "config.json") -> int:
+    """max_model_len for an engine: `requested`, else the trained context
+    (max_position_embeddings). Beyond the trained context only with allow_long (vLLM's rule:
+    positions past it are extrapolated and outputs may be wrong)."""
+    trained = spec.max_position_embeddings
+    if requested is None:
+        return trained
+    if requested > trained and not allow_long:
+        raise ConfigError(f"max_model_len={requested} exceeds the trained context of the model "
+                          f"(max_position_embeddings={trained} in {where}); lower --max-model-len to at most "
+                          f"{trained}, or pass --allow-long-max-model-len to accept outputs past it that may "
+                          "be wrong")
+    return requested
 
 
 def _validate(s: ModelSpec) -> None:
@@ -387,9 +496,47 @@ def _validate(s: ModelSpec) -> None:
         raise bad(f"n_group={r.n_group} / topk_group={r.topk_group} do not divide {r.num_experts} experts")
     if r.n_group > 1 and r.top_k > r.topk_group * (r.num_experts // r.n_group):
         raise bad(f"num_experts_per_tok={r.top_k} exceeds the experts of topk_group={r.topk_group} groups")
-    if a.num_heads % a.num_kv_heads:
+    if a.num_kv_heads > a.num_heads or a.num_heads % a.num_kv_heads:
         raise bad(f"num_attention_heads={a.num_heads} is not a multiple of num_key_value_heads={a.num_kv_heads}")
-    if s.rope.dim % 2 or s.rope.dim > a.head_dim:
-        raise bad(f"rotary dimension {s.rope.dim} must be even and at most head_dim={a.head_dim}")
+    if s.rope.dim < 2 or s.rope.dim % 2 or s.rope.dim > a.head_dim:
+        src = (f"qk_rope_head_dim={s.rope.dim}" if a.kind == "mla" else
+               f"head_dim={a.head_dim} (hidden_size={s.hidden_size} / num_attention_heads={a.num_heads} unless "
+               "head_dim is given) x partial_rotary_factor")
+        raise bad(f"rotary dimension {s.rope.dim} from {src} must be even, at least 2 and at most head_dim")
+    if a.kind == "mla" and a.q_lora_rank is not None and a.q_lora_rank < 1:
+        raise bad(f"q_lora_rank={a.q_lora_rank} must be at least 1 (or null)")
     if len(s.layer_kinds) != s.num_layers:
         raise bad(f"{len(s.layer_kinds)} layer kinds for num_hidden_layers={s.num_layers}")
+    if "dense" in s.layer_kinds and s.intermediate_size < 1:
+        raise bad(f"intermediate_size={s.intermediate_size} must be at least 1 (layers "
+                  f"{[i for i, k in enumerate(s.layer_kinds) if k == 'dense'][:4]} are dense MLPs)")
+    if s.rope.original_max_position_embeddings is not None and s.rope.original_max_position_embeddings < 1:
+        raise bad("original_max_position_embeddings must be at least 1")
+
+
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def check_against_weights(s: ModelSpec, tensors: dict, where: str = "config.json") -> None:
+    """The config's dimensions against a few tensors' headers (embedding, LM head, the first dense
+    MLP and the first router), before anything is allocated from them: a config that disagrees
+    with the weights (e.g. a vocab_size or intermediate_size too large) would otherwise first show
+    as an allocation failure of the model. `tensors`: {on-disk name: TensorInfo}. Quantized
+    tensors (other shapes on disk) are left to the loader's checks."""
+    by_canon = {s.canonical_name(n): info for n, info in tensors.items()}
+    dense = next((i for i, k in enumerate(s.layer_kinds) if k == "dense"), None)
+    moe = next((i for i, k in enumerate(s.layer_kinds) if k == "moe"), None)
+    want = [("model.embed_tokens.weight", (s.vocab_size, s.hidden_size), "vocab_size / hidden_size"),
+            ("lm_head.weight", (s.vocab_size, s.hidden_size), "vocab_size / hidden_size")]
+    if dense is not None:
+        want.append((f"model.layers.{dense}.mlp.down_proj.weight", (s.hidden_size, s.intermediate_size),
+                     "hidden_size / intermediate_size"))
+    if moe is not None:
+        want.append((f"model.layers.{moe}.mlp.gate.weight", (s.router.num_experts, s.hidden_size),
+                     "the expert count (n_routed_experts / num_experts / num_local_experts) / hidden_size"))
+    for name, shape, fields in want:
+        info = by_canon.get(name)
+        if info is None or info.dtype not in _FLOAT_DTYPES or tuple(info.shape) == shape:
+            continue
+        raise CheckpointError(f"{where}: {fields} disagree with the weights: {info.file}: tensor {info.name} has "
+                              f"shape {list(info.shape)}, config.json implies {list(shape)}")

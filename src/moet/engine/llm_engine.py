@@ -234,13 +234,18 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         from moet.checkpoint import open_checkpoint
+        from moet.checkpoint.spec import resolve_max_model_len
         from moet.engine.expert_residency import ExpertResidency, store_reason
+        from moet.engine.model_runner import check_kv_request
         from moet.model import load_model
 
         ckpt = open_checkpoint(config.model)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, ckpt.spec.torch_dtype, ckpt.weight_format)
-        max_model_len = config.max_model_len or ckpt.spec.max_position_embeddings
+        # config.json and the flags against each other, before any weight is read
+        max_model_len = resolve_max_model_len(ckpt.spec, config.max_model_len, config.allow_long_max_model_len,
+                                              f"{ckpt.path}/config.json")
+        check_kv_request(config, ckpt.spec, max_model_len, dtype, device)
         reason = store_reason(config, ckpt, device, dtype)
         model = load_model(ckpt, expert_format=config.expert_format, dtype=dtype, device=device,
                            zero_mode=config.w2_zero_mode, scale_rule=config.w2_scale_rule,

@@ -4,6 +4,9 @@
     gpu_memory_utilization leaves after the weights and a profiled forward of
     max_num_batched_tokens tokens, else (CPU) what max_num_seqs full-length sequences need,
     at most 4 GiB. Bytes per token come from the model (all attention layers, MTP included).
+    A size that cannot hold one max_model_len sequence, or exceeds the free memory, is one
+    ConfigError naming the flag and what fits (check_kv_size; the explicit sizes are checked
+    before the weights load too, check_kv_request).
   * A step: the scheduler's sequences -> one flat varlen AttentionBatch -> model.forward_paged
     -> logits of the rows that sample (and of prompt rows whose logprobs were asked for).
   * CUDA graphs: pure-decode steps of up to max_num_seqs sequences replay a graph captured for
@@ -32,7 +35,7 @@ from moet.config import EngineConfig
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.attention_ops import set_gqa_fused_merge
-from moet.kernels.kv_cache import KVFormat
+from moet.kernels.kv_cache import KVFormat, kv_layer_bytes_per_token
 from moet.kernels.pdl_flag import set_small_kernel_pdl
 from moet.model.attention_batch import AttentionBatch
 
@@ -58,6 +61,90 @@ def cpu_decoded_experts_budget() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def available_kv_bytes(device: torch.device) -> int:
+    """Bytes a new KV cache can take on `device` now: free GPU memory, or the host's MemAvailable
+    (a CPU tensor larger than that is not refused by the allocator under overcommit: zeroing it
+    would page the machine to death or wake the OOM killer instead)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_bytes_per_token_of(spec, kv_format: KVFormat, load_mtp: bool) -> int:
+    """CausalLM.kv_bytes_per_token from the spec alone (every attention layer, the MTP layers when
+    loaded): the KV checks that run before the weights are read."""
+    layers = spec.num_layers + (spec.num_mtp_layers if load_mtp else 0)
+    return kv_layer_bytes_per_token(spec.attention, kv_format) * layers
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n < 1000 * 2**30 else f"{n / 2**30:,.0f} GiB"
+
+
+def check_kv_size(config: EngineConfig, num_blocks: int, bytes_per_token: int, max_model_len: int,
+                  available: int | None, device: torch.device, source: str) -> None:
+    """One clear ConfigError when `num_blocks` blocks cannot hold one max_model_len sequence or do
+    not fit in `available` bytes (None: not known here), saying what fits and which flag to
+    change. `source`: what sized the cache ("num_kv_blocks", "kv_cache_memory_gb", "cpu_default",
+    "gpu_budget"), so the message names that flag."""
+    bs = config.block_size
+    per_block = bytes_per_token * bs
+    need = -(-max_model_len // bs)
+    tokens = num_blocks * bs
+    if source == "num_kv_blocks":
+        flag = f"--num-kv-blocks {num_blocks}"
+    elif source == "kv_cache_memory_gb":
+        flag = f"--kv-cache-memory-gb {config.kv_cache_memory_gb:g}"
+    elif source == "cpu_default":
+        flag = f"the CPU default KV cache (at most {_gib(CPU_DEFAULT_KV_BYTES)})"
+    else:
+        flag = "the GPU budget left after the weights and activations"
+    shorter = (f" or lower --max-model-len to at most {tokens}" if tokens else "")
+    if num_blocks < need:
+        if source == "num_kv_blocks":
+            fix = f"raise --num-kv-blocks to at least {need}"
+        elif source == "gpu_budget":
+            fix = "raise --gpu-memory-utilization, use --kv-cache-dtype fp8"
+        else:
+            fix = f"set --kv-cache-memory-gb to at least {need * per_block / 2**30:.3g}"
+        raise ConfigError(f"{flag} holds {num_blocks} blocks x {bs} tokens = {tokens} tokens ({bytes_per_token} "
+                          f"bytes per token), less than one max_model_len={max_model_len} sequence ({need} blocks); "
+                          f"{fix}{shorter}")
+    if available is not None and num_blocks * per_block > available:
+        fit = available // per_block
+        if source == "kv_cache_memory_gb":
+            fix = f"lower --kv-cache-memory-gb to at most {available / 2**30:.3g}"
+        else:
+            fix = f"lower --num-kv-blocks to at most {fit}" if source == "num_kv_blocks" else \
+                "set --num-kv-blocks or --kv-cache-memory-gb to fit"
+        raise ConfigError(f"{flag}: {num_blocks} blocks need {_gib(num_blocks * per_block)} of KV cache but {device} "
+                          f"has {_gib(available)} free ({fit} blocks = {fit * bs} tokens fit); {fix}")
+
+
+def check_kv_request(config: EngineConfig, spec, max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The KV sizes the config fixes (num_kv_blocks, kv_cache_memory_gb), checked before the
+    weights are read: too small for one max_model_len sequence, or more than the device has free
+    now (the runner checks again after loading, against what the weights left)."""
+    if config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
+        return
+    per_token = kv_bytes_per_token_of(spec, kv_format_for(config.kv_cache_dtype, dtype), config.load_mtp)
+    blocks, source = _explicit_blocks(config, per_token)
+    check_kv_size(config, blocks, per_token, max_model_len, available_kv_bytes(device), device, source)
+
+
+def _explicit_blocks(config: EngineConfig, bytes_per_token: int) -> tuple[int, str]:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, "num_kv_blocks"
+    return int(config.kv_cache_memory_gb * (1 << 30)) // (bytes_per_token * config.block_size), "kv_cache_memory_gb"
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -98,13 +185,15 @@ class ModelRunner:
         if residency is not None:
             slots = residency.requested_slots()
             residency.start(slots if slots is not None else residency.auto_slots(self._kv_floor_bytes()))
-        self.num_blocks = self._plan_num_blocks()
-        if self.num_blocks * self.block_size < max_model_len:
-            raise ConfigError(
-                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = "
-                f"{self.num_blocks * self.block_size} tokens, less than one max_model_len={max_model_len} sequence; "
-                "raise gpu_memory_utilization / kv_cache_memory_gb / num_kv_blocks or lower max_model_len")
-        self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device)
+        self.num_blocks, source = self._plan_num_blocks()
+        check_kv_size(config, self.num_blocks, self.bytes_per_token, max_model_len,
+                      available_kv_bytes(device) if source != "gpu_budget" else None, device, source)
+        try:
+            self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device)
+        except torch.OutOfMemoryError as exc:
+            raise ConfigError(f"the KV cache of {self.num_blocks} blocks ({_gib(self.kv_cache_bytes)}) could not be "
+                              f"allocated on {device} ({str(exc).splitlines()[0]}); lower --num-kv-blocks / "
+                              "--kv-cache-memory-gb / --gpu-memory-utilization") from None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_error: str | None = None
         if device.type == "cuda" and not config.enforce_eager:
@@ -126,17 +215,16 @@ class ModelRunner:
             return int(cfg.kv_cache_memory_gb * (1 << 30))
         return min(cfg.max_num_seqs, 4) * self.max_blocks_per_seq * per_block
 
-    def _plan_num_blocks(self) -> int:
+    def _plan_num_blocks(self) -> tuple[int, str]:
+        """(blocks, what sized them: the flag check_kv_size names)."""
         cfg = self.config
         per_block = self.bytes_per_token * self.block_size
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory_gb is not None:
-            return max(1, int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block)
+        if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gb is not None:
+            return _explicit_blocks(cfg, self.bytes_per_token)
         if self.device.type != "cuda":
             want = cfg.max_num_seqs * self.max_blocks_per_seq
-            return max(1, min(want, CPU_DEFAULT_KV_BYTES // per_block))
-        return self._profile_cuda_blocks(per_block)
+            return max(1, min(want, CPU_DEFAULT_KV_BYTES // per_block)), "cpu_default"
+        return self._profile_cuda_blocks(per_block), "gpu_budget"
 
     @torch.inference_mode()
     def _profile_cuda_blocks(self, per_block: int) -> int:

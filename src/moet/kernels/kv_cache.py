@@ -122,6 +122,14 @@ def mla_bytes_per_token(kv_lora_rank: int, rope_dim: int, fmt: KVFormat) -> int:
     return kv_lora_rank + rope_dim
 
 
+def kv_layer_bytes_per_token(attention, fmt: KVFormat) -> int:
+    """Per attention layer for an AttentionSpec (checkpoint/spec.py): the sizing that runs before
+    a model exists (CausalLM.kv_bytes_per_token is this times its attention layers)."""
+    if attention.kind == "mla":
+        return mla_bytes_per_token(attention.kv_lora_rank, attention.qk_rope_head_dim, fmt)
+    return gqa_bytes_per_token(attention.num_kv_heads, attention.head_dim, attention.v_head_dim, fmt)
+
+
 def new_gqa_layer(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, v_head_dim: int,
                   fmt: KVFormat, device: torch.device | str = "cpu") -> GQALayerKV:
     data = torch.float8_e4m3fn if fmt.is_fp8 else fmt.dtype
