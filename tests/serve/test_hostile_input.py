@@ -307,3 +307,18 @@ def test_generation_config_numbers_as_floats_still_serve():
 def test_sampling_refusals_name_their_field(server):
     r = _post(server, {"messages": HI, "stop": ["ok", ""]})       # past the schema, refused by SamplingParams
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+
+
+def test_health_reports_a_degraded_engine():
+    """An engine that serves but is not whole (a pack row failed its checksum and is being repaired)
+    answers /health with 503 and the reason, in OpenAI's error shape; whole again, 200."""
+    engine = FakeAsyncEngine()
+    state = {"v": ("degraded", "1 pack row failed its checksum, repair pending")}
+    engine.health = lambda: state["v"]
+    with ServerThread(make_app(engine)) as s:
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "degraded"
+        assert "checksum" in r.json()["error"]["message"]
+        assert httpx.post(s.url + "/v1/chat/completions", json={"messages": HI}, timeout=30).status_code == 200
+        state["v"] = ("ok", "")
+        assert httpx.get(s.url + "/health").status_code == 200

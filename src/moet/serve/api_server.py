@@ -5,7 +5,7 @@
     POST /v1/chat/completions  chat (JSON or server-sent events)
     POST /v1/completions       raw prompts (JSON or server-sent events)
     POST /tokenize, /detokenize  vLLM's tokenizer endpoints
-    GET  /health               200 while the engine answers stats(), else 503
+    GET  /health               200 while the engine answers stats() and is whole, else 503
     GET  /metrics              Prometheus text format (moet.serve.metrics)
     GET  /version              moet's version
 
@@ -204,12 +204,19 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
 
     # stats() waits for the engine's lock, which a step holds: never on the event loop, where it
     # would stall every stream for a step's length
+    def engine_health() -> tuple[str, str]:
+        engine.stats()                                  # raises once the engine is gone
+        check = getattr(engine, "health", None)
+        return check() if check is not None else ("ok", "")
+
     @app.get("/health")
     async def health():
         try:
-            await asyncio.to_thread(engine.stats)
+            status, reason = await asyncio.to_thread(engine_health)
         except Exception as exc:
             return error_response(Unavailable(f"engine not healthy: {type(exc).__name__}: {exc}"))
+        if status != "ok":      # serving, but not whole (a pack row being repaired): not ready for more
+            return error_response(Unavailable(f"engine {status}: {reason}", code=status))
         return Response(status_code=200)
 
     @app.get("/metrics")
