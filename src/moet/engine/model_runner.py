@@ -343,7 +343,12 @@ class ModelRunner:
                 for bs in reversed(graph_buckets(mx)):
                     batch = self._static_batch(bs)
                     ids = self._static["input_ids"][:bs]
-                    self.model.forward_paged(ids, batch, self.kv)                 # warm-up (compiles kernels)
+                    # warm-up (compiles kernels) on the capture stream: what a stream gets on its first
+                    # use (cuBLAS's workspace) is then made here, not inside the capture, where it
+                    # would come from the graph pool and hold it for the life of the process
+                    stream.wait_stream(caller)
+                    with torch.cuda.stream(stream):
+                        self.model.forward_paged(ids, batch, self.kv)
                     torch.cuda.synchronize(dev)
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, self.graph_pool, stream=stream):
@@ -375,6 +380,7 @@ class ModelRunner:
         st["seq_lens"][b:bucket].fill_(1)
         self.graphs[bucket].replay()
         return self._graph_out[bucket][:b]
+
 
 # ---------------------------------------------------------------------------- a failed capture
 
