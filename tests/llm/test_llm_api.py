@@ -12,6 +12,10 @@ from moet.sampling_params import SamplingParams
 from moet.testing.tiny_checkpoint import EOS, cached_checkpoint, reference_model
 
 PROMPT = "The quick brown fox jumps"
+# An explicit KV cache size for every engine here: left to gpu_memory_utilization, each engine on a
+# GPU claims 90% of the card, and this module holds several at once (the module's `llm` beside the
+# one a test builds; pytest-xdist workers on the same GPU besides). Plenty for these prompts, on CPU too.
+KV_GB = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +25,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def llm(path):
-    return LLM(path, expert_format="bf16", dtype="float32")
+    return LLM(path, expert_format="bf16", dtype="float32", kv_cache_memory_gb=KV_GB)
 
 
 def test_string_and_token_prompts_agree(llm):
@@ -103,7 +107,7 @@ def test_stop_strings_stop_tokens_and_eos(llm):
 
 
 def test_max_model_len_caps_generation(path):
-    small = LLM(path, expert_format="w2", dtype="float32", max_model_len=len(PROMPT) + 3)
+    small = LLM(path, expert_format="w2", dtype="float32", max_model_len=len(PROMPT) + 3, kv_cache_memory_gb=KV_GB)
     out = small.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     with pytest.raises(ConfigError):
@@ -138,7 +142,7 @@ def test_every_engine_config_field_is_an_llm_keyword(path, tmp_path):
 
 
 def test_w2_generation_runs_and_differs_from_reference_precision(llm, path):
-    w2llm = LLM(path, expert_format="w2", dtype="float32")
+    w2llm = LLM(path, expert_format="w2", dtype="float32", kv_cache_memory_gb=KV_GB)
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     a, b = w2llm.generate(PROMPT, sp)[0], llm.generate(PROMPT, sp)[0]
     diffs = [abs(a.prompt_logprobs[i][t].logprob - b.prompt_logprobs[i][t].logprob)
@@ -168,7 +172,7 @@ def test_token_prompts_work_without_tokenizer_files(tmp_path):
     src = cached_checkpoint("mixtral")
     dst = tmp_path / "notok"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("tokenizer*"))
-    llm = LLM(str(dst), expert_format="w2", dtype="float32")
+    llm = LLM(str(dst), expert_format="w2", dtype="float32", kv_cache_memory_gb=KV_GB)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=3,
                                                                        ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].text == ""
@@ -199,9 +203,10 @@ def test_generate_subcommand_matches_the_api(path, capsys):
     parser = argparse.ArgumentParser()
     add_subcommand(parser.add_subparsers())
     args = parser.parse_args(["generate", path, "--prompt", PROMPT, "--max-tokens", "5", "--ignore-eos",
-                              "--expert-format", "bf16", "--dtype", "float32", "--json"])
+                              "--expert-format", "bf16", "--dtype", "float32", "--kv-cache-memory-gb", str(KV_GB),
+                              "--json"])
     assert args.func(args) == 0
     got = json.loads(capsys.readouterr().out.strip())
-    want = LLM(path, expert_format="bf16", dtype="float32").generate(
+    want = LLM(path, expert_format="bf16", dtype="float32", kv_cache_memory_gb=KV_GB).generate(
         PROMPT, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0]
     assert got["token_ids"] == want.token_ids and got["text"] == want.text and got["prompt"] == PROMPT

@@ -10,6 +10,9 @@ from moet.sampling_params import SamplingParams
 from moet.testing.tiny_checkpoint import cached_checkpoint, reference_model
 
 PROMPT = list(range(40, 40 + 37))  # longer than Mixtral's sliding window (12)
+# An explicit KV cache size: left to gpu_memory_utilization, an engine on a GPU claims 90% of the
+# card, and a test here holds two at once (pytest-xdist workers on the same GPU besides).
+KV_GB = 0.05
 CASES = [
     ("deepseek_v3", {}),
     ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1,
@@ -32,7 +35,7 @@ def test_prompt_logprobs_and_greedy_match_transformers(case):
     family, kw = case
     path = cached_checkpoint(family, "bf16", **kw)
     ref = reference_model(path)
-    llm = LLM(path, expert_format="bf16", dtype="float32")
+    llm = LLM(path, expert_format="bf16", dtype="float32", kv_cache_memory_gb=KV_GB)
     out = llm.generate({"prompt_token_ids": PROMPT},
                        SamplingParams(temperature=0.0, max_tokens=10, prompt_logprobs=0, ignore_eos=True))[0]
     with torch.no_grad():
@@ -74,8 +77,8 @@ def test_fused_experts_on_disk_match_per_expert():
     fused = cached_checkpoint("qwen3_moe", "bf16", fused_experts=True)
     from moet.checkpoint import open_checkpoint
     assert any(n.endswith("experts.gate_up_proj") for n in open_checkpoint(fused).reader.tensors)
-    a = LLM(per_expert, expert_format="bf16", dtype="float32")
-    b = LLM(fused, expert_format="bf16", dtype="float32")
+    a = LLM(per_expert, expert_format="bf16", dtype="float32", kv_cache_memory_gb=KV_GB)
+    b = LLM(fused, expert_format="bf16", dtype="float32", kv_cache_memory_gb=KV_GB)
     sp = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
     oa, ob = a.generate({"prompt_token_ids": PROMPT}, sp)[0], b.generate({"prompt_token_ids": PROMPT}, sp)[0]
     assert oa.outputs[0].token_ids == ob.outputs[0].token_ids
@@ -115,7 +118,7 @@ def test_bfloat16_checkpoint_runs_in_bfloat16_close_to_transformers():
     """dtype=auto keeps a BF16 checkpoint in bf16; bf16 rounding differs from transformers' op
     order only in the last bits, so logprobs agree loosely and the top-1 mostly."""
     path = cached_checkpoint("qwen3_moe", "bf16", dtype=torch.bfloat16)
-    llm = LLM(path, expert_format="bf16")
+    llm = LLM(path, expert_format="bf16", kv_cache_memory_gb=KV_GB)
     assert llm.dtype == torch.bfloat16 and llm.model.lm_head.weight.dtype == torch.bfloat16
     ref = reference_model(path, dtype=torch.bfloat16)
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
