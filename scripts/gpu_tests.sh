@@ -10,8 +10,9 @@
 #       pytest-xdist (N workers share the GPU; default 12) and pytest-timeout (240 s a test), then
 #       re-runs the failures one at a time: a test that fails in parallel and passes alone is the
 #       parallel run's (GPU memory taken by another worker), not a bug. Writes DIR/suite.log,
-#       DIR/suite.xml (junit) and DIR/rerun.log. The parallel pass stops after --budget seconds
-#       (default 330; pytest still writes its summary), the re-run after --rerun-budget (150).
+#       DIR/suite.xml (junit) and DIR/rerun.log (DIR default /tmp/moet-gpu-tests). The parallel
+#       pass stops after --budget seconds (default 330; pytest still writes its summary), the re-run
+#       after --rerun-budget (150).
 #       PYTEST ARGS replace the default "tests".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ wheels() {
 }
 
 run() {
-    local out=gpu-test-out workers=12 budget=330 rerun_budget=150 args=()
+    local out=/tmp/moet-gpu-tests workers=12 budget=330 rerun_budget=150 args=()
     while [ $# -gt 0 ]; do
         case "$1" in
             --out) out=$2; shift 2 ;;
