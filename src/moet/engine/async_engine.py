@@ -27,11 +27,12 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from typing import AsyncIterator
 
 from moet.config import EngineConfig
 from moet.engine.llm_engine import LLMEngine
-from moet.engine.stats import EngineStats
+from moet.engine.stats import SNAPSHOT_INTERVAL_S, EngineStats
 from moet.errors import MoetError
 from moet.outputs import RequestOutput
 from moet.sampling_params import SamplingParams
@@ -141,7 +142,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}        # engine thread only
         self._stopping = False
         self._closed = False                          # the engine thread has exited (set under _inbox_lock)
-        self._stats = engine.stats()
+        self._stats = engine.stats()                  # refreshed when idle, else every SNAPSHOT_INTERVAL_S
+        self._stats_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="moet-engine", daemon=True)
         self._thread.start()
 
@@ -190,7 +192,8 @@ class AsyncEngine:
             await fut
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the last step (never waits for a running step)."""
+        """The latest snapshot: at most SNAPSHOT_INTERVAL_S old while steps run, current once the
+        engine is idle (never waits for a running step)."""
         return self._stats
 
     def health(self) -> tuple[str, str]:
@@ -276,7 +279,10 @@ class AsyncEngine:
                         self._streams.clear()
                         self._flush(batches)
                         continue
-                    self._stats = self.engine.stats()
+                    # a request that ends sees a snapshot as new as its last output
+                    now = time.monotonic()
+                    if now - self._stats_at >= SNAPSHOT_INTERVAL_S or any(o.finished for o in outs):
+                        self._stats, self._stats_at = self.engine.stats(), now
                     streams = self._streams
                     for out in outs:
                         stream = streams.get(out.request_id)

@@ -45,11 +45,13 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 import signal
 import threading
+import time
 import traceback
 import weakref
 from typing import Any, AsyncIterator, Callable
 
 from moet.engine.async_engine import _END, _call, _push_all, _Refused, _Stream, _stream_outputs, served_model_name
+from moet.engine.stats import SNAPSHOT_INTERVAL_S
 from moet.errors import MoetError, RequestFailed
 from moet.outputs import CompletionOutput, Logprob, RequestOutput
 from moet.sampling_params import SamplingParams
@@ -170,6 +172,7 @@ class _EngineLoop:
         self.ops: list[tuple] = []
         self.stopping = False
         self.sent: dict[str, _Sent] = {}            # request id -> what the parent has of it
+        self.stats_at = 0.0                          # when the last stats snapshot went to the parent
 
     def receive(self) -> None:
         """Inbox thread: the parent's adds / aborts into `ops`; EOF (the parent is gone) or STOP ends it."""
@@ -185,7 +188,13 @@ class _EngineLoop:
                 return
 
     def send(self, events: list) -> None:
-        stats = self.engine.stats()
+        # the stats snapshot rides along when due, with any request's end, and always once the
+        # engine is idle (so the parent's is current: blocks freed by an abort, the last step's counters)
+        now = time.monotonic()
+        stats = None
+        if (now - self.stats_at >= SNAPSHOT_INTERVAL_S or any(ev[0] != _OUT or ev[-1] for ev in events)
+                or not self.engine.has_unfinished_requests()):
+            stats, self.stats_at = self.engine.stats(), now
         try:
             self.outbox.send(("step", events, stats))
         except OSError:                              # the parent is gone
@@ -524,7 +533,9 @@ class EngineProcess:
             except Exception:                          # an undecodable message: the child misbehaves
                 log.exception("bad message from the engine process")
                 break
-            _, events, self._stats = msg
+            _, events, stats = msg
+            if stats is not None:
+                self._stats = stats
             batches: dict = {}
             for ev in events:
                 kind, key = ev[0], ev[1]

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# How stale a busy engine's published snapshot may get. Building one (and, for the engine process,
+# pickling it into every step message) costs tens of microseconds, a few percent of a short decode
+# step; /metrics and /health need no per-step freshness. An engine that goes idle publishes at once.
+SNAPSHOT_INTERVAL_S = 0.05
+
 
 @dataclass
 class EngineStats:
