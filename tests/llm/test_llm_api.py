@@ -118,7 +118,7 @@ def test_every_engine_config_field_is_an_llm_keyword(path, tmp_path):
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     assert set(fields) >= {"model", "expert_format", "dtype", "device", "max_model_len"}
     kwargs = dict(tokenizer=path, expert_format="fp4", dtype="float32", device="cpu", max_model_len=64,
-                  seed=3, w2_zero_mode="sign", w2_scale_rule="mse", load_mtp=False, trust_remote_code=False,
+                  allow_long_max_model_len=False, seed=3, w2_zero_mode="sign", w2_scale_rule="mse", load_mtp=False, trust_remote_code=False,
                   block_size=8, kv_cache_dtype="bf16", gpu_memory_utilization=0.5, kv_cache_memory_gb=0.01,
                   num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False,
                   enable_chunked_prefill=False, enforce_eager=True, overlap_shared_experts=True, async_scheduling=True,
@@ -157,7 +157,7 @@ def test_cli_flags_map_one_to_one_to_engine_config(path):
 
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
-    args = parser.parse_args([path, "--expert-format", "fp4", "--max-model-len", "99", "--load-mtp", "false",
+    args = parser.parse_args([path, "--expert-format", "fp4", "--max-model-len", "99", "--no-load-mtp",
                               "--w2-zero-mode", "alt"])
     cfg = from_cli_args(args)
     assert cfg == EngineConfig(model=path, expert_format="fp4", max_model_len=99, load_mtp=False, w2_zero_mode="alt")
