@@ -18,30 +18,45 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("inspect", "moet.checkpoint.inspect_cli", "family, parameter counts, bytes per format and what fits where"),
     ("plan", "moet.store.plan_cli", "W2 experts per tier (GPU / host arena / disk) and predicted decode tok/s"),
     ("probe", "moet.probe.cli", "quality probes: code loss, facts, arithmetic, needle, tool calls, MTP"),
-    ("quant-study", "moet.quant.study_cli", "codebook study of a checkpoint's routed experts (SPEC 2.1)"),
+    ("quant-study", "moet.quant.study_cli", "which 4-level codebook each routed-expert tensor of a checkpoint wants"),
 ]
 
 
 def build_parser(argv_command: str | None = None) -> argparse.ArgumentParser:
+    return _build(argv_command)[0]
+
+
+def _build(argv_command: str | None) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None]:
+    """The parser, and the command's own parser when argv_command names one."""
     parser = argparse.ArgumentParser(
         prog="moet",
         description="moet: serve Mixture-of-Experts LLMs too big for the GPU.",
+        epilog="`moet COMMAND --help` describes a command's flags.",
     )
     parser.add_argument("--version", action="version", version=f"moet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    command_parser = None
     for name, module, help_text in SUBCOMMANDS:
         if argv_command == name:
             # Only the command being run is imported: its module adds the real parser.
-            importlib.import_module(module).add_subcommand(sub)
+            command_parser = importlib.import_module(module).add_subcommand(sub)
         else:
             sub.add_parser(name, help=help_text, add_help=False)
-    return parser
+    return parser, command_parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moet.config import HELP_ALL, refuse_switch_values
+
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in {n for n, _, _ in SUBCOMMANDS} else None)
+    for i in range(len(argv) - 1):                  # `--help all` is `--help-all`
+        if argv[i] in ("-h", "--help") and argv[i + 1] == "all":
+            argv[i:i + 2] = [HELP_ALL]
+            break
+    parser, command_parser = _build(command if command in {n for n, _, _ in SUBCOMMANDS} else None)
+    if command_parser is not None:
+        refuse_switch_values(command_parser, argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

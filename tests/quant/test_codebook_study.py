@@ -81,7 +81,7 @@ def test_cli_json_and_table(tmp_path):
 
 def test_errors_are_one_clear_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "moet.cli", "quant-study", str(tmp_path / "nope")], capture_output=True, text=True)
-    assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "checkpoint directory not found" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no model.safetensors.index.json"):
         ExpertTensorReader(tmp_path / "empty")

@@ -22,8 +22,14 @@ def test_serve_help_lists_engine_and_server_flags():
                          timeout=120)
     assert out.returncode == 0
     for flag in ("--port", "--host", "--api-key", "--tool-call-parser", "--reasoning-parser", "--expert-format",
-                 "--max-model-len", "--max-pending-requests", "--request-timeout-s"):
+                 "--max-model-len", "--help-all"):
         assert flag in out.stdout, flag
+    assert "--max-pending-requests" not in out.stdout           # not a common one: --help-all has it
+    every = subprocess.run([sys.executable, "-m", "moet.cli", "serve", "--help-all"], capture_output=True, text=True,
+                           timeout=120)
+    assert every.returncode == 0
+    for flag in ("--max-pending-requests", "--request-timeout-s", "--[no-]log-requests", "--expert-cache-slots"):
+        assert flag in every.stdout, flag
 
 
 def test_shipped_model_gets_glm45_and_think_by_default():

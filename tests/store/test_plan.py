@@ -170,7 +170,7 @@ def test_cli_on_the_shipped_moet_tiny(capsys):
 
 def test_cli_errors(capsys, tmp_path):
     assert moet_main(["plan", str(tmp_path / "nope")]) == 2
-    assert "not a directory" in capsys.readouterr().err
+    assert "checkpoint directory not found" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
     assert moet_main(["plan", str(tmp_path)]) == 2
     assert "moet: error:" in capsys.readouterr().err

@@ -12,7 +12,7 @@ def test_flags_parse_to_typed_fields():
     add_cli_arguments(p)
     cfg = from_cli_args(p.parse_args(["m", "--pack-dir", "/x", "--expert-cache-slots", "96", "--host-arena-gb",
                                       "1.5", "--miss-tolerance", "8", "--pack-verify", "full", "--rebuild-pack",
-                                      "true", "--o-direct", "true", "--expert-cache-policy", "lru"]))
+                                      "--o-direct", "--expert-cache-policy", "lru"]))
     assert (cfg.pack_dir, cfg.expert_cache_slots, cfg.host_arena_gb, cfg.miss_tolerance, cfg.pack_verify,
             cfg.rebuild_pack, cfg.o_direct, cfg.expert_cache_policy) == ("/x", 96, 1.5, 8, "full", True, True, "lru")
     d = EngineConfig(model="m")

@@ -221,7 +221,8 @@ def _engine_flags(cfg) -> list[str]:
         v = getattr(cfg, f.name)
         if f.name == "model" or v is None or v == f.default:
             continue
-        out += ["--" + f.name.replace("_", "-"), str(v).lower() if isinstance(v, bool) else str(v)]
+        flag = f.name.replace("_", "-")
+        out += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [f"--{flag}", str(v)]
     return out
 
 
@@ -387,7 +388,7 @@ def http_phase(cfg, args, deadline: float, engine_process: bool = False) -> tupl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "moet.cli", "serve", cfg.model, "--port", str(port), "--log-requests", "false",
+    cmd = [sys.executable, "-m", "moet.cli", "serve", cfg.model, "--port", str(port), "--no-log-requests",
            "--max-pending-requests", str(max(256, args.concurrency * 2))] + _engine_flags(cfg) \
         + ["--engine-process", "true" if engine_process else "false"]   # explicit: the default is auto
     print("[http] " + " ".join(cmd), flush=True)

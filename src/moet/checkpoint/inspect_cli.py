@@ -6,7 +6,7 @@ else: attention, dense MLPs, shared experts, router, norms, embeddings, LM head)
 token" is dense + top_k routed experts per MoE layer (MTP excluded).
 Bytes: native = on disk (incl. scales); W2 = 2.25 bits/weight; FP4 = NVFP4 layout, 4.5
 bits/weight (e2m1 + one e4m3 scale per 16); dense as loaded = the model dtype (FP8 and NVFP4
-dense weights are decoded to bf16 at load today).
+dense weights are decoded to bf16 at load). docs/formats.md describes the formats.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def placement(s: Summary, gpu_memory_gib: float, reserve_gib: float) -> dict:
         "w2_resident_fraction": min(1.0, max(free, 0) / s.w2_expert_bytes) if s.w2_expert_bytes else 1.0,
         "w2_expert_slots": int(max(free, 0) // per_expert_w2) if per_expert_w2 else 0,
         "host_or_disk_w2_gib": max(s.w2_expert_bytes - max(free, 0), 0) / GiB,
-        # SPEC 2.3: the expert cache must hold layers x top_k x (1 + drafts) x min(seqs, 4) slots
+        # the engine's floor: the expert cache must hold layers x top_k x (1 + drafts) x min(seqs, 4) slots
         "min_slots": s.moe_layers * s.top_k,
         "min_slots_4_seqs": s.moe_layers * s.top_k * 4,
     }
@@ -151,7 +151,9 @@ def render(s: Summary, place: dict | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    s = summarize(args.checkpoint)
+    from moet.checkpoint.resolve import resolve_checkpoint
+
+    s = summarize(resolve_checkpoint(args.checkpoint))
     place = placement(s, args.gpu_memory, args.reserve) if args.gpu_memory is not None else None
     if args.json:
         print(json.dumps({"summary": asdict(s), "placement": place}, indent=2))
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 def add_subcommand(subparsers) -> None:
     p = subparsers.add_parser("inspect", help="family, parameter counts, bytes per format and what fits where",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("checkpoint", help="checkpoint directory or Hugging Face repo id")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                    help="GPU memory in GiB to plan for (dense stack + experts)")
     p.add_argument("--reserve", type=float, default=2.0, metavar="GIB",

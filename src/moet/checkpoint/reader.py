@@ -80,9 +80,8 @@ class CheckpointReader:
 
     @classmethod
     def open(cls, path: str) -> "CheckpointReader":
-        path = os.path.abspath(os.path.expanduser(str(path)))
-        if not os.path.isdir(path):
-            raise CheckpointError(f"{path}: checkpoint directory not found")
+        from moet.checkpoint.resolve import resolve_checkpoint   # a directory, or a repo id in the HF cache
+        path = os.path.abspath(resolve_checkpoint(path))
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise CheckpointError(f"{path}: config.json is missing (not a Hugging Face checkpoint directory?)")

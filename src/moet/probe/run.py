@@ -7,7 +7,9 @@
   tools     held-out tool names: valid markup, right function, right arguments; declining
             when no tool fits; answering from a tool result
 
-All greedy and deterministic for a given device/dtype.
+All greedy and deterministic for a given device/dtype. Progress: `run_all(progress=bar)` advances
+a tqdm-like bar (update(n), set_postfix_str(s)) by one per prompt / code sequence done, out of
+`count_tasks` per model.
 """
 from __future__ import annotations
 
@@ -48,9 +50,15 @@ def _prompt_ids(tok, conv: chat_format.Conversation) -> list[int]:
     return tok.encode(chat_format.render_conversation(conv, add_generation_prompt=True), add_special_tokens=False)
 
 
+def _no_tick(n: int) -> None:
+    pass
+
+
 @torch.no_grad()
-def greedy(m: Loaded, convs: list[chat_format.Conversation], max_new_tokens: int, batch: int) -> list[str]:
-    """Greedy completions (decoded, special tokens kept so the parser sees <|end|>)."""
+def greedy(m: Loaded, convs: list[chat_format.Conversation], max_new_tokens: int, batch: int,
+           tick=_no_tick) -> list[str]:
+    """Greedy completions (decoded, special tokens kept so the parser sees <|end|>); tick(k) after
+    each batch of k prompts."""
     tok, dev = m.tokenizer, m.device
     prompts = [_prompt_ids(tok, c) for c in convs]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # little padding per batch
@@ -67,6 +75,7 @@ def greedy(m: Loaded, convs: list[chat_format.Conversation], max_new_tokens: int
                                do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         for j, i in enumerate(idx):
             out[i] = tok.decode(gen[j, width:].tolist(), skip_special_tokens=False).replace(tok.pad_token, "")
+        tick(len(idx))
     return out
 
 
@@ -75,15 +84,20 @@ def _rate(xs: list[bool]) -> float:
 
 
 # --- probes ------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def code_probe(m: Loaded, budget: Budget) -> dict:
-    tok, dev = m.tokenizer, m.device
+def _code_ids(tok, budget: Budget) -> tuple[list[int], int]:
+    """The held-out code's token ids and how many code_seq-token sequences the probe scores."""
     ids: list[int] = []
     for _, text in code_data.heldout_texts():
         ids += tok.encode(text, add_special_tokens=True) + [tok.eos_token_id]
         if len(ids) >= budget.code_tokens + budget.code_seq:
             break
-    n = min(len(ids), budget.code_tokens) // budget.code_seq
+    return ids, min(len(ids), budget.code_tokens) // budget.code_seq
+
+
+@torch.no_grad()
+def code_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
+    dev = m.device
+    ids, n = _code_ids(m.tokenizer, budget)
     if n == 0:
         return {"tokens": 0}
     x = torch.tensor(ids[: n * budget.code_seq]).view(n, budget.code_seq)
@@ -99,23 +113,24 @@ def code_probe(m: Loaded, budget: Budget) -> dict:
         mtp_logits = m.mtp(m.model, xb, h)[:, :-1]  # position t predicts t+2
         mtp_top1 += float((mtp_logits.argmax(-1) == xb[:, 2:]).sum())
         mtp_count += xb[:, 2:].numel()
+        tick(xb.shape[0])
     loss = nll / count
     return {"tokens": int(count), "loss": round(loss, 4), "ppl": round(math.exp(loss), 3),
             "top1": round(top1 / count, 4), "mtp_top1": round(mtp_top1 / mtp_count, 4)}
 
 
-def facts_probe(m: Loaded, budget: Budget) -> dict:
+def facts_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
     cases = facts.eval_cases(budget.facts)
-    outs = greedy(m, cases, 24, budget.batch)
+    outs = greedy(m, cases, 24, budget.batch, tick)
     ok = [facts.is_correct(chat_format.parse_reply(o).content, c.meta["expected"], c.meta["country"])
           for c, o in zip(cases, outs)]
     bad = [(c.messages[0]["content"], chat_format.parse_reply(o).content) for c, o, k in zip(cases, outs, ok) if not k]
     return {"n": len(cases), "accuracy": _rate(ok), "examples_wrong": bad[:5]}
 
 
-def arithmetic_probe(m: Loaded, budget: Budget) -> dict:
+def arithmetic_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
     cases = arithmetic.eval_cases(budget.arithmetic)
-    outs = greedy(m, cases, 128, budget.batch)
+    outs = greedy(m, cases, 128, budget.batch, tick)
     ok = [arithmetic.is_correct(chat_format.parse_reply(o).content, c.meta["expected"]) for c, o in zip(cases, outs)]
     bad = [(c.messages[0]["content"], chat_format.parse_reply(o).content) for c, o, k in zip(cases, outs, ok) if not k]
     return {"n": len(cases), "accuracy": _rate(ok), "examples_wrong": bad[:5]}
@@ -152,13 +167,13 @@ def needle_cases(tok, budget: Budget) -> list[chat_format.Conversation]:
     return cases
 
 
-def needle_probe(m: Loaded, budget: Budget) -> dict:
+def needle_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
     cases = needle_cases(m.tokenizer, budget)
     outs = []
     for length in budget.needle_lengths:  # batch by length: long prompts need small batches
         sub = [c for c in cases if c.meta["length"] == length]
         bs = max(1, budget.batch * 512 // max(512, length))
-        outs += greedy(m, sub, 24, bs)
+        outs += greedy(m, sub, 24, bs, tick)
     table: dict[str, dict[str, float]] = {}
     ok_all = []
     for c, o in zip(cases, outs):
@@ -172,9 +187,9 @@ def needle_probe(m: Loaded, budget: Budget) -> dict:
             "by_length": by_len, "by_length_depth": grid}
 
 
-def tools_probe(m: Loaded, budget: Budget) -> dict:
+def tools_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
     cases = tools.eval_cases(budget.tools)
-    outs = greedy(m, cases, 96, budget.batch)
+    outs = greedy(m, cases, 96, budget.batch, tick)
     scores = [tools.score(chat_format.parse_reply(o), c.meta) for c, o in zip(cases, outs)]
     kinds: dict[str, list[dict]] = {}
     for c, sc in zip(cases, scores):
@@ -194,10 +209,24 @@ def tools_probe(m: Loaded, budget: Budget) -> dict:
 PROBES = {"code": code_probe, "facts": facts_probe, "arithmetic": arithmetic_probe,
           "needle": needle_probe, "tools": tools_probe}
 
+# Tasks (what a probe's tick counts) per probe: code sequences, else prompts.
+TASKS = {"code": lambda tok, b: _code_ids(tok, b)[1],
+         "facts": lambda tok, b: len(facts.eval_cases(b.facts)),
+         "arithmetic": lambda tok, b: len(arithmetic.eval_cases(b.arithmetic)),
+         "needle": lambda tok, b: len(b.needle_lengths) * len(b.needle_depths) * b.needle_trials,
+         "tools": lambda tok, b: len(tools.eval_cases(b.tools))}
+
+
+def count_tasks(tokenizer, budget: str | Budget = "full", only: tuple[str, ...] | None = None) -> int:
+    """How many tasks run_all's probes tick off for one model (the total of a progress bar)."""
+    b = BUDGETS[budget] if isinstance(budget, str) else budget
+    return sum(TASKS[name](tokenizer, b) for name in PROBES if not only or name in only)
+
 
 def run_all(m: Loaded, budget: str | Budget = "full", only: tuple[str, ...] | None = None, log=None,
-            should_stop=None) -> dict:
-    """`should_stop()` (optional) is asked before each probe; a True skips the rest."""
+            should_stop=None, progress=None) -> dict:
+    """`should_stop()` (optional) is asked before each probe; a True skips the rest. `progress`
+    (optional, a tqdm bar): advanced by one per task, its postfix the running probe."""
     b = BUDGETS[budget] if isinstance(budget, str) else budget
     out = {"experts": m.experts, "expert_activations": m.activations, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
            "budget": budget if isinstance(budget, str) else asdict(b)}
@@ -208,7 +237,9 @@ def run_all(m: Loaded, budget: str | Budget = "full", only: tuple[str, ...] | No
             out[name] = {"skipped": "time budget"}
             continue
         t = time.time()
-        out[name] = fn(m, b)
+        if progress is not None:
+            progress.set_postfix_str(name)
+        out[name] = fn(m, b) if progress is None else fn(m, b, progress.update)
         out[name]["seconds"] = round(time.time() - t, 1)
         if log:
             log({"probe": name, "experts": m.experts, "expert_activations": m.activations, **{k: v for k, v in out[name].items()

@@ -7,12 +7,14 @@ import sys
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("quant-study", help="codebook study of a checkpoint's routed experts (SPEC 2.1)",
+    p = sub.add_parser("quant-study", help="which 4-level codebook each routed-expert tensor of a checkpoint wants",
                        description="For every routed-expert tensor: the best 4-level e2m1 subset (1365 candidates) "
-                                   "and the best mirror set {-b,-a,a,b} (21), with bias and relRMS; then a summary.")
-    p.add_argument("checkpoint", help="Hugging Face checkpoint directory (BF16, FP8 block-128, NVFP4 or MXFP4)")
+                                   "and the best mirror set {-b,-a,a,b} (21), with bias and relRMS; then a summary. "
+                                   "docs/formats.md explains the study.")
+    p.add_argument("checkpoint", help="checkpoint directory or Hugging Face repo id (BF16, FP8 block-128, NVFP4 "
+                                      "or MXFP4 weights)")
     p.add_argument("--json", action="store_true", help="print per-tensor rows and the summary as JSON on stdout")
-    p.add_argument("--limit", type=int, default=None, help="study only the first N expert matrices")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="study only the first N expert matrices")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
 
@@ -23,7 +25,12 @@ def run(args: argparse.Namespace) -> int:
     from moet.quant.codebook_study import as_dict, study_histogram, summarize, unit_space_histogram
     from moet.quant.expert_tensors import ExpertTensorReader
 
-    reader = ExpertTensorReader(args.checkpoint)
+    from moet.checkpoint.resolve import resolve_checkpoint
+
+    if args.limit is not None and args.limit < 1:
+        from moet.errors import ConfigError
+        raise ConfigError(f"--limit {args.limit}: must be >= 1")
+    reader = ExpertTensorReader(resolve_checkpoint(args.checkpoint))
     rows = []
     bar = tqdm(total=reader.total_native_bytes(), unit="B", unit_scale=True, unit_divisor=1024,
                desc="quant-study", file=sys.stderr, disable=args.no_progress)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
+from moet.config import GROUP_SERVER, add_field_argument, flag_message
 from moet.errors import ConfigError
 
 
-# auto's threshold: the engine process pays only when it gets a core of its own next to the
-# server's event loop (H200 box, 16 cores, moet-tiny 16 streams: HTTP 8,330 tok/s with the process
-# vs 5,579 with the thread, run 16 in docs/perf.md; a 2-core box shared with another job: the
-# process's steps starved, no gain, docs/architecture.md).
+# auto's threshold: the engine process pays off only when it gets a core of its own next to the
+# server's event loop; with fewer CPUs the two processes take turns on the same cores and the
+# process's steps starve (docs/architecture.md, docs/perf.md).
 ENGINE_PROCESS_MIN_CPUS = 4
 ENGINE_PROCESS_CHOICES = ("auto", "true", "false")
 
@@ -26,39 +26,68 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _knob(default, help: str):
-    return field(default=default, metadata={"help": help})
+def _knob(default, help: str, *, doc: str = "", common: bool = False, metavar: str | None = None):
+    return field(default=default, metadata={"help": help, "group": GROUP_SERVER, "doc": doc, "common": common,
+                                            "metavar": metavar})
 
 
 @dataclass
 class ServeConfig:
-    host: str = _knob("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
-    port: int = _knob(8000, "TCP port")
-    api_key: str | None = _knob(None, "when set, every /v1 request needs 'Authorization: Bearer KEY' (else 401)")
-    tool_call_parser: str = _knob("auto", "tool-call syntax to parse: glm45, hermes, deepseek_v3, kimi_k2, none, "
-                                          "or auto (from the chat template's markup)")
-    reasoning_parser: str = _knob("auto", "move <think>...</think> into reasoning_content: think, none, or auto "
-                                          "(think when the chat template writes think blocks)")
-    max_pending_requests: int = _knob(256, "requests in flight (running + waiting) before new ones get 429")
-    request_timeout_s: float = _knob(600.0, "a request still generating after this many seconds is aborted (504)")
-    max_request_bytes: int = _knob(16 * 1024 * 1024, "largest accepted request body (else 413)")
+    host: str = _knob(
+        "127.0.0.1", "listen address, 0.0.0.0 for all", common=True, metavar="ADDR",
+        doc="127.0.0.1 accepts connections from this machine only; 0.0.0.0 (or ::) from the network too, "
+            "which is when --api-key matters.")
+    port: int = _knob(
+        8000, "TCP port to listen on", common=True, metavar="PORT",
+        doc="Checked before the model loads: a port that is taken or out of range is an error at once.")
+    api_key: str | None = _knob(
+        None, "require 'Authorization: Bearer KEY' on /v1 requests", common=True, metavar="KEY",
+        doc="A /v1 request without the key gets 401; /health and /metrics stay open. An empty key is refused.")
+    tool_call_parser: str = _knob(
+        "auto", "glm45, hermes, deepseek_v3, kimi_k2 or none", common=True, metavar="NAME",
+        doc="How tool calls are found in the generated text and returned as tool_calls. auto picks the "
+            "syntax from the chat template's markup; none returns the text as it is (docs/serve.md).")
+    reasoning_parser: str = _knob(
+        "auto", "think or none; auto: from the chat template", common=True, metavar="NAME",
+        doc="think moves <think>...</think> into reasoning_content; auto uses think when the chat template "
+            "writes think blocks; none leaves them in content.")
+    max_pending_requests: int = _knob(
+        256, "requests in flight before new ones get 429",
+        doc="Running and waiting requests together; beyond it a request is answered 429 at once instead of "
+            "queueing. Raise it for many clients, lower it to keep latency bounded.")
+    request_timeout_s: float = _knob(
+        600.0, "abort a request after this long (504)", metavar="SECONDS",
+        doc="A request that has not finished after this many seconds is aborted and answered 504.")
+    max_request_bytes: int = _knob(
+        16 * 1024 * 1024, "largest request body (else 413)", metavar="BYTES",
+        doc="Raise it for very long prompts sent as JSON.")
     served_model_name: list[str] | None = _knob(
-        None, "names the API serves the model under (the first is the one responses carry, the rest are "
-              "aliases); default: the checkpoint's folder name")
+        None, "names to serve the model under (default: its folder)", common=True, metavar="NAME",
+        doc="One or more names (`--served-model-name a b`): the first is the one responses carry, the rest are "
+            "aliases a request may use. Default: the checkpoint's folder name (for a checkpoint found in "
+            "the Hugging Face cache, its repo id).")
     chat_template: str | None = _knob(
-        None, "a Jinja chat template (a file, or the template itself) used instead of the checkpoint's")
+        None, "Jinja chat template (file or text) instead of the checkpoint's", common=True,
+        metavar="TEMPLATE",
+        doc="For checkpoints without a chat template, or to change how conversations are rendered.")
     trust_request_chat_template: bool = _knob(
-        False, "accept a chat template sent in a request (chat_template / chat_template_kwargs.chat_template); "
-               "off: such requests get 400. A client template runs in a sandbox with a time limit either way")
+        False, "accept a chat template sent in a request",
+        doc="A request's chat_template (or chat_template_kwargs.chat_template) is refused with 400 unless this "
+            "is on. A client's template runs in a sandbox with a time limit either way.")
     chat_template_timeout_s: float = _knob(
-        10.0, "longest a chat template may take to render one request (else 400)")
+        10.0, "template render time limit (else 400)", metavar="SECONDS",
+        doc="Bounds the time a template (the checkpoint's, or a request's) spends on one request.")
     max_sequences_per_request: int = _knob(
-        128, "most sequences one request may ask for (prompts x n); more gets 400")
-    log_requests: bool = _knob(True, "log one line per request (method, path, status, tokens, seconds)")
-    engine_process: str = _knob("auto", "run the engine in a process of its own (spawned), so the server's Python "
-                                        "never takes GIL time from it: true, false (a thread of the server process), "
-                                        f"or auto (a process when this machine gives it >= {ENGINE_PROCESS_MIN_CPUS} "
-                                        "CPUs, else a thread)")
+        128, "most prompts x n per request (else 400)",
+        doc="Bounds what one request may add to the engine at once.")
+    log_requests: bool = _knob(
+        True, "log one line per request",
+        doc="Method, path, status, tokens and seconds of each request, at INFO level.")
+    engine_process: str = _knob(
+        "auto", "run the engine in its own process", metavar="{auto,true,false}",
+        doc="true: a spawned process, so the server's Python never takes time from the engine; false: a "
+            f"thread of the server process; auto: a process when this machine gives moet at least "
+            f"{ENGINE_PROCESS_MIN_CPUS} CPUs, else a thread.")
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_process, bool):     # ServeConfig(engine_process=True) from Python
@@ -92,22 +121,14 @@ def uses_engine_process(config: ServeConfig, cpus: int | None = None) -> bool:
     return (usable_cpus() if cpus is None else cpus) >= ENGINE_PROCESS_MIN_CPUS
 
 
-def _bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+def add_serve_arguments(parser: argparse.ArgumentParser, *, show_all: bool = False) -> None:
+    """One flag per ServeConfig field, in the `server` group (see moet.config.add_field_argument)."""
     for f in fields(ServeConfig):
-        default = None if f.default is MISSING else f.default
-        t = str(f.type)
-        kind = int if t.startswith("int") else float if t.startswith("float") else _bool if t == "bool" else str
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default, metavar="X",
-                            help=f"{f.metadata['help']} (default: {default})")
+        add_field_argument(parser, f, show_all=show_all)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
-    return ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
+    try:
+        return ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
+    except ConfigError as exc:
+        raise ConfigError(flag_message(str(exc), [f.name for f in fields(ServeConfig)])) from None

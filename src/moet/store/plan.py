@@ -45,12 +45,13 @@ from moet.store.expert_cache import min_cache_slots
 GiB = 2**30
 PAGE = 4096
 
-# Bandwidths measured on this project's H200 box (GB/s = 1e9 bytes/s), with where each comes from.
+# Default bandwidths (GB/s = 1e9 bytes/s), measured on an H200 machine, with the words `moet plan`
+# prints beside each: where the number comes from and the flag that replaces it with this machine's.
 DEFAULT_BANDWIDTHS = {
-    "hbm_gbps": (3670.0, "H200 bf16 GEMV, lowest of 3.67-3.94 TB/s measured (../shared/KERNEL-NOTES.md, 2026-11)"),
-    "h2d_pinned_gbps": (55.0, "H200 box, pinned host-to-device copy (measured figure of the developers' guide, 2026-11)"),
-    "h2d_pageable_gbps": (8.8, "H200 box, pageable host-to-device copy (measured figure of the developers' guide, 2026-11)"),
-    "disk_gbps": (1.6, "H200 box, local disk read (measured figure of the developers' guide, 2026-11)"),
+    "hbm_gbps": (3670.0, "measured on an H200 (bf16 GEMV); override with --hbm-gbps"),
+    "h2d_pinned_gbps": (55.0, "measured on an H200 machine (pinned copy); override with --h2d-gbps"),
+    "h2d_pageable_gbps": (8.8, "measured on an H200 machine (pageable copy); override with --h2d-pageable-gbps"),
+    "disk_gbps": (1.6, "measured on an H200 machine's local disk; override with --disk-gbps"),
 }
 
 

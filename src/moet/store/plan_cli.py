@@ -1,8 +1,8 @@
 """`moet plan [CHECKPOINT] --gpu-memory 32GiB --host-memory 64GiB`: where the W2 experts live
 (GPU slot pool / pinned host arena / pack on disk) for that budget, whether the engine would start
 (the expert cache's minimum), and the decode tok/s that placement predicts from measured
-bandwidths; headers only (instant on a 700 GB checkpoint). The model behind the numbers is in
-moet/store/plan.py; `moet inspect` gives the checkpoint summary it starts from.
+bandwidths; headers only (instant on a 700 GB checkpoint). docs/architecture.md (`moet plan`)
+explains the model behind the numbers; `moet inspect` gives the checkpoint summary it starts from.
 
 Sizes: 32GiB, 96GB (decimal), 24g / 24G (GiB), 512MiB, 1.5TiB; a bare number is GiB.
 """
@@ -113,8 +113,7 @@ def render(plan: P.Plan, summary=None, notes: dict | None = None) -> str:
     lines.append(f"kernels      {100 * bw.kernel_efficiency:g}% of the HBM bandwidth, {bw.pass_overhead_ms:g} ms per pass"
                  + (" (the roofline; --kernel-efficiency / --pass-overhead-ms calibrate it)"
                     if bw.kernel_efficiency == 1.0 and bw.pass_overhead_ms == 0 else " (given)"))
-    lines.append("bandwidths   (* = the host-to-device rate used; override with --hbm-gbps / --h2d-gbps / "
-                 "--h2d-pageable-gbps / --disk-gbps)")
+    lines.append("bandwidths   (* = the host-to-device rate used)")
     for name, label in (("hbm_gbps", "HBM"), ("h2d_pinned_gbps", "H2D pinned"),
                         ("h2d_pageable_gbps", "H2D pageable"), ("disk_gbps", "disk")):
         used = "*" if (name == "h2d_pinned_gbps" and bw.pinned) or (name == "h2d_pageable_gbps" and not bw.pinned) else ""
@@ -123,10 +122,9 @@ def render(plan: P.Plan, summary=None, notes: dict | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moet.checkpoint.resolve import resolve_checkpoint
 
-    path = args.checkpoint
-    if not os.path.isdir(path):
-        raise ConfigError(f"checkpoint {path!r} is not a directory (expected config.json + *.safetensors)")
+    path = resolve_checkpoint(args.checkpoint)
     facts, summary = P.facts_from_checkpoint(path, args.dtype)
     notes = {}
     gpu, gpu_src = (args.gpu_memory, "") if args.gpu_memory is not None else _default_gpu_memory()
@@ -168,7 +166,7 @@ def add_subcommand(subparsers) -> None:
     p = subparsers.add_parser("plan", help="expert placement per tier and predicted decode tok/s for a GPU/host budget",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", nargs="?", default=default_model(),
-                   help="checkpoint directory; default: the shipped moet-tiny")
+                   help="checkpoint directory or Hugging Face repo id (default: the shipped moet-tiny)")
     p.add_argument("--gpu-memory", type=_size_arg("--gpu-memory"), default=None, metavar="SIZE",
                    help="GPU memory of the card (default: this machine's GPU, else 32GiB)")
     p.add_argument("--host-memory", type=_size_arg("--host-memory"), default=None, metavar="SIZE",
