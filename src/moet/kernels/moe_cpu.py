@@ -200,21 +200,25 @@ def moe_experts_cpu(
     t, k = topk_ids.shape
     x = hidden.to(torch.bfloat16)
     tw = topk_weights.float()
+    if t == 1:                       # the k routed experts in order, summed as they come (fixed order)
+        out, missed = None, 0
+        for j, s in enumerate(slot_table[topk_ids[0]].tolist()):
+            if s < 0:
+                missed += 1
+                continue
+            y = _expert(pool, x, s, swiglu_limit) * tw[:, j:j + 1]
+            out = y if out is None else out + y
+        if missed:
+            miss_counter += missed
+        return (out if out is not None else torch.zeros(1, hidden.shape[1])).to(hidden.dtype)
     slots = slot_table.long()[topk_ids.long()]                       # [T, k]
     y = torch.zeros(t, k, hidden.shape[1], dtype=torch.float32)
-    if t == 1:
-        for j, s in enumerate(slots[0].tolist()):
-            if s < 0:
-                miss_counter += 1
-            else:
-                y[:, j] = _expert(pool, x, s, swiglu_limit) * tw[:, j:j + 1]
-    else:
-        missed = slots < 0
-        if bool(missed.any()):
-            miss_counter += missed.sum().to(miss_counter.dtype)
-        for s in torch.unique(slots[~missed]).tolist():
-            rows, cols = torch.where(slots == s)
-            y[rows, cols] = _expert(pool, x[rows], s, swiglu_limit) * tw[rows, cols, None]
+    missed = slots < 0
+    if bool(missed.any()):
+        miss_counter += missed.sum().to(miss_counter.dtype)
+    for s in torch.unique(slots[~missed]).tolist():
+        rows, cols = torch.where(slots == s)
+        y[rows, cols] = _expert(pool, x[rows], s, swiglu_limit) * tw[rows, cols, None]
     out = y[:, 0]
     for j in range(1, k):                                             # fixed-order combine
         out = out + y[:, j]

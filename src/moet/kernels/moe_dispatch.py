@@ -3,8 +3,10 @@
 CUDA device; for a bf16 DensePool on a CUDA device, moe_experts_dense_batched (every slot over every
 row as two batched matmuls: no host sync, so a decode step with it can be captured in a CUDA graph)
 while its intermediates stay under DENSE_BATCHED_MAX_ELEMENTS; the torch reference
-(moet.kernels.reference) for everything else (CPU, longer DensePool batches, a W2 pool still in the
-file layout v1). Same signature and semantics either way.
+(moet.kernels.reference) for everything else (longer DensePool batches on CUDA, a W2 pool still in the
+file layout v1), except on the CPU: moe_experts_cpu (moet.kernels.moe_cpu) for the pools a CPU run
+repacked (CpuPool, DecodedPool) and for CPU DensePools (the reference's own ops at one token, the
+reference otherwise). Same signature and semantics either way.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from moet.kernels.pools import DensePool, FP4Pool, W2Pool
+from moet.kernels.moe_cpu import CpuPool, moe_experts_cpu
+from moet.kernels.pools import DecodedPool, DensePool, FP4Pool, W2Pool
 from moet.kernels.reference import moe_experts_reference
 
 # The batched DensePool form's largest intermediate, slots x rows x max(2I, H) elements: it computes
@@ -57,6 +60,9 @@ def moe_experts(
     if isinstance(pool, DensePool) and hidden.is_cuda and dense_batched_fits(pool, hidden.shape[0]):
         return moe_experts_dense_batched(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
                                          swiglu_limit=swiglu_limit)
+    if isinstance(pool, (CpuPool, DecodedPool)) or (isinstance(pool, DensePool) and not hidden.is_cuda):
+        return moe_experts_cpu(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+                               swiglu_limit=swiglu_limit)
     return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
                                  swiglu_limit=swiglu_limit)
 

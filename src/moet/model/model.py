@@ -152,10 +152,10 @@ class CausalLM(nn.Module):
         """Once, before a CPU run's first step, for weights that never change after (every expert
         resident, no expert store): bf16 Linears keep a oneDNN-packed copy of their weight (the
         same results, Linear.pack_for_cpu), MLA layers keep kv_b_proj in float32 (what their
-        absorbed-form references compute with), and every MoE layer gets a `cpu_pool` (kernels/moe_cpu.py): W2 /
-        FP4 experts repacked for CPU GEMVs in a bf16 model; in a float32 model an exact float32
-        decode while all of those fit in `expert_bytes` (4 bytes per weight), else none (the
-        reference decodes per call); a bf16 DensePool as it is. -> bytes of float32 decodes."""
+        absorbed-form references compute with), and every W2 / FP4 MoE layer gets a `cpu_pool`
+        (kernels/moe_cpu.py): its experts repacked for CPU GEMVs in a bf16 model; in a float32
+        model an exact float32 decode while all of those fit in `expert_bytes` (4 bytes per
+        weight), else none (the reference decodes per call). -> bytes of float32 decodes."""
         from moet.kernels.moe_cpu import cpu_pool
         from moet.kernels.pools import DensePool
         from moet.kernels.reference import decoded_pool
@@ -170,9 +170,7 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if not isinstance(m, MoE) or m.pool is None:
                 continue
-            if isinstance(m.pool, DensePool):
-                m.cpu_pool = m.pool
-            else:
+            if not isinstance(m.pool, DensePool):       # dense experts need no repacking
                 m.cpu_pool = cpu_pool(m.pool, self.dtype)
                 if m.cpu_pool is None:
                     exact.append(m)

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from moet.checkpoint.spec import ModelSpec
-from moet.kernels.moe_cpu import moe_experts_cpu
 from moet.kernels.moe_dispatch import moe_experts
 from moet.model.layers.linear import MLP
 from moet.model.layers.router import route
@@ -40,8 +39,8 @@ class MoE(nn.Module):
         self.slot_table = torch.full((spec.router.num_experts,), -1, dtype=torch.int32)
         self.pool = None                               # set by the loader
         # CPU runs without the expert store: `pool` repacked once for CPU GEMVs (kernels/moe_cpu.py,
-        # set by CausalLM.prepare_cpu), which moe_experts_cpu computes with instead of the torch
-        # reference decoding the routed experts' rows on every call; None elsewhere
+        # set by CausalLM.prepare_cpu), which the MoE computes with instead of the torch reference
+        # decoding the routed experts' rows on every call; None elsewhere
         self.cpu_pool = None
         self.miss_counter = torch.zeros(1, dtype=torch.int64)
         # The store's route log (int32 [num_experts] or None): how many tokens chose each expert
@@ -81,10 +80,8 @@ class MoE(nn.Module):
             flat = ids.reshape(-1)
             self.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.route_counts.dtype))
         # Triton grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
-        if self.cpu_pool is not None:
-            return moe_experts_cpu(x, ids, weights, self.slot_table, self.cpu_pool, self.miss_counter,
-                                   swiglu_limit=self.spec.swiglu_limit)
-        return moe_experts(x, ids, weights, self.slot_table, self.pool, self.miss_counter,
+        pool = self.pool if self.cpu_pool is None else self.cpu_pool
+        return moe_experts(x, ids, weights, self.slot_table, pool, self.miss_counter,
                            swiglu_limit=self.spec.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
