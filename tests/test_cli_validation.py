@@ -57,6 +57,8 @@ def _error_line(capsys) -> str:
     (["serve", "--max-num-batched-tokens", "8"], "--max-num-batched-tokens=8 must be >= --max-num-seqs=64"),
     (["serve", "--served-model-name", ""], "--served-model-name=[''] must be one or more non-empty names"),
     (["serve", "/nonexistent/ckpt"], "/nonexistent/ckpt: checkpoint directory not found"),
+    (["serve", "--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
+    (["serve", "--chat-template", "{% for m in messages %}{{ m.content }"], "not a valid Jinja template"),
 ])
 def test_bad_arguments_stop_before_the_model_loads(argv, expect, no_load, capsys):
     assert moet_main(argv) == 2

@@ -48,6 +48,31 @@ def test_shipped_model_gets_glm45_and_think_by_default():
         resolve_parsers(None, None, "glm99", "auto")
 
 
+def test_chat_template_file_replaces_the_checkpoints(tmp_path):
+    """--chat-template FILE: the server renders with it (and picks parsers from it: no think or tool
+    markup here, so none), the served names from --served-model-name."""
+    import httpx
+
+    from moet.assets import default_model
+    from moet.config import EngineConfig
+    from moet.serve.serve_config import ServeConfig
+    from tests.serve.server_thread import ServerThread
+    path = tmp_path / "plain.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
+    engine = FakeAsyncEngine()
+    app = build_server_app(EngineConfig(model=default_model()),
+                           ServeConfig(chat_template=str(path), served_model_name=["tiny", "alias"]), engine=engine)
+    state = app.state.moet
+    assert state.tool_parser is None and state.reasoning_parser is None and state.model_names == ["tiny", "alias"]
+    with ServerThread(app) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=30,
+                       json={"model": "alias", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == "alias"
+        assert engine.prompts_seen[-1].endswith("[user] hi\n[assistant]")
+        tok = httpx.post(s.url + "/tokenize", timeout=30, json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert tok["tokens"] == engine.tokenizer.encode("[user] hi\n[assistant]", add_special_tokens=False)
+
+
 def _req(messages, tools=None):
     return ChatCompletionRequest.model_validate({"messages": messages, "tools": tools})
 

@@ -164,6 +164,9 @@ class InstantEngine:
         self._stats.num_running = len(self.requests)
         return replace(self._stats, extra=dict(self._stats.extra))
 
+    def health(self) -> tuple[str, str]:
+        return ("ok", "")
+
     def close(self) -> None:
         """Nothing to release: the stand-in holds no model, cache or device memory."""
 

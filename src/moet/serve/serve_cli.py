@@ -67,8 +67,9 @@ def load_chat_template(value: str) -> str:
     return text
 
 
-def build_server_app(engine_config, serve_config, engine=None):
-    """The app for a checkpoint: starts the engine (unless given one) and resolves the parsers."""
+def build_server_app(engine_config, serve_config, engine=None, chat_template: str | None = None):
+    """The app for a checkpoint: starts the engine (unless given one) and resolves the parsers.
+    chat_template: --chat-template already read (load_chat_template), else read here."""
     from moet.serve.api_server import build_app
     from moet.serve.serve_config import uses_engine_process
 
@@ -85,7 +86,8 @@ def build_server_app(engine_config, serve_config, engine=None):
             engine = AsyncEngine.from_config(engine_config)
     model_dir = engine_config.model
     arch = (_read_json(os.path.join(model_dir, "config.json")).get("architectures") or [None])[0]
-    override = load_chat_template(serve_config.chat_template) if serve_config.chat_template else None
+    override = chat_template if chat_template is not None else \
+        (load_chat_template(serve_config.chat_template) if serve_config.chat_template else None)
     template = override or (getattr(engine.tokenizer, "chat_template", None) if engine.tokenizer is not None else None)
     if isinstance(template, dict):  # several named templates: the default one decides
         template = template.get("default") or next(iter(template.values()), None)
@@ -159,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model != os.path.expanduser(given) and looks_like_repo_id(given) and serve_config.served_model_name is None:
         serve_config.served_model_name = [given]      # found in the Hugging Face cache: served as the repo id
     check_parser_names(serve_config)
+    chat_template = load_chat_template(serve_config.chat_template) if serve_config.chat_template else None
     # 2. the port: a taken one is found now, not after the model has loaded
     sock = bind_socket(serve_config.host, serve_config.port)
     try:
@@ -166,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         # 3. the engine
         from moet.engine.gc_pauses import freeze_start_up, server_start_up
         with server_start_up():                         # its collections are not pauses while serving
-            app = build_server_app(engine_config, serve_config)
+            app = build_server_app(engine_config, serve_config, chat_template=chat_template)
         freeze_start_up()                               # start-up's objects out of the GC's walks while serving
         # 4. serve on the bound socket; "serving at" once uvicorn listens on it
         url = _url(serve_config.host, serve_config.port)
