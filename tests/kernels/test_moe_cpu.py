@@ -110,7 +110,7 @@ def test_float32_models_get_no_cpu_pool():
     assert cpu_pool(_fp4_pool("nvfp4"), torch.float32) is None
 
 
-@pytest.mark.parametrize("kind", ["decoded-w2", "decoded-fp4", "dense-bf16", "dense-fp32"])
+@pytest.mark.parametrize("kind", ["decoded-w2", "decoded-fp4", "dense-bf16", "dense-fp32", "packed-dense-bf16"])
 @pytest.mark.parametrize("limit", [None, 0.5])
 def test_one_token_is_bit_for_bit_the_reference(kind, limit):
     if kind.startswith("decoded"):
@@ -118,11 +118,16 @@ def test_one_token_is_bit_for_bit_the_reference(kind, limit):
         pool, ref_pool = decoded_pool(src), src
         x_dtype = torch.bfloat16
     else:
-        dt = torch.bfloat16 if kind == "dense-bf16" else torch.float32
+        dt = torch.float32 if kind == "dense-fp32" else torch.bfloat16
         gate_up, down = _weights()
         pool = ref_pool = DensePool(gate_up.to(dt), down.to(dt))
         x_dtype = dt
-    assert isinstance(pool, (DecodedPool, DensePool))
+        if kind == "packed-dense-bf16":
+            pool = cpu_pool(ref_pool, torch.bfloat16)
+            if pool is None:
+                pytest.skip("this torch cannot pack bf16 weights for oneDNN")
+            assert pool.kind == "dense" and pool.packed and pool.source is ref_pool
+    assert isinstance(pool, (DecodedPool, DensePool, CpuPool))
     for seed in range(4):
         x, ids, w = _inputs(1, seed)
         x = x.to(x_dtype)

@@ -55,8 +55,8 @@ def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
 
 
 def cpu_decoded_experts_budget() -> int:
-    """Bytes a CPU run may spend on float32 copies of its routed experts: a quarter of the
-    machine's memory (the rest stays for the quantized pools, the KV cache and other processes)."""
+    """Bytes a CPU run may spend on repacked copies of its routed experts (CausalLM.prepare_cpu): a
+    quarter of the machine's memory (the rest stays for the pools, the KV cache and other processes)."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     except (ValueError, OSError, AttributeError):
@@ -170,11 +170,11 @@ class ModelRunner:
         elif residency is None:
             # CPU, every expert resident for good: repack the routed experts once for CPU GEMVs
             # instead of the torch reference decoding them at every MoE call of every step (most
-            # of a CPU decode step); a float32 model's exact float32 copies cost 4 bytes per
-            # weight, so those only while they stay a small part of the machine's memory
+            # of a CPU decode step); the copies take host memory (a float32 model's exact decode
+            # 4 bytes per weight), so only while they stay a small part of the machine's memory
             n = model.prepare_cpu(cpu_decoded_experts_budget())
             if n:
-                log.info("routed experts decoded once for the CPU: %.0f MiB float32", n / 2**20)
+                log.info("routed experts repacked for the CPU: %.0f MiB", n / 2**20)
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.kv_format = kv_format_for(config.kv_cache_dtype, model.dtype)

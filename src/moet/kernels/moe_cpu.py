@@ -18,8 +18,11 @@ sum. So against the reference they differ by float rounding only (tests/kernels/
 bounds it as the Triton kernels' tests do). Only for bf16 models: a float32 model keeps the exact
 float32 decode (reference.decoded_pool).
 
-moe_experts_cpu also takes a DecodedPool or a DensePool: at one token it runs the reference's
-own ops for the routed experts only (bit for bit the reference's result), else the reference.
+A bf16 DensePool (expert_format bf16) becomes a "dense" CpuPool: its weights oneDNN-packed (the
+same matmul as F.linear, without re-laying the weight out at every call). moe_experts_cpu also
+takes a DecodedPool or a DensePool as they are. For those three, at one token it runs the
+reference's own ops for the routed experts only (bit for bit the reference's result), else the
+reference.
 """
 from __future__ import annotations
 
@@ -36,30 +39,63 @@ W2_GROUP = 32
 
 @dataclass(slots=True)
 class CpuPool:
-    """A W2 / FP4 pool repacked for CPU GEMVs (kind "int4": W2; "bf16": FP4, see the module doc)."""
+    """A pool repacked for CPU GEMVs. kind "int4": W2; "bf16": FP4 (see the module doc); "dense": a
+    bf16 DensePool whose weights are oneDNN-packed (computed as the reference computes it, same
+    bits; `source` is the DensePool, for the reference itself at several tokens). gate_up / down
+    are lists of per-slot oneDNN-packed weights where `packed` (see pack_bf16)."""
     kind: str
-    gate_up: torch.Tensor                # int4: uint8 [S, 2I, H/2]; bf16: [S, 2I, H]
-    down: torch.Tensor                   # int4: uint8 [S, H, I/2];  bf16: [S, H, I]
+    gate_up: torch.Tensor | list         # int4: uint8 [S, 2I, H/2]; bf16 / dense: [S, 2I, H]
+    down: torch.Tensor | list            # int4: uint8 [S, H, I/2];  bf16 / dense: [S, H, I]
     gate_up_sz: torch.Tensor | None      # int4: bf16 [S, H/32, 2I, 2] (scale, zero 0)
     down_sz: torch.Tensor | None         # int4: bf16 [S, I/32, H, 2]
     gate_up_scale: torch.Tensor | None   # bf16 kind: fp32 [S, 2I] per-row multiplier (FP4 scale_2)
     down_scale: torch.Tensor | None      # bf16 kind: fp32 [S]
+    packed: bool = False
+    source: DensePool | None = None
 
     @property
     def num_slots(self) -> int:
-        return self.gate_up.shape[0]
+        return len(self.gate_up)
+
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x @ w^T for a bf16 / dense pool's weight (F.linear's bits either way)."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return F.linear(x, w)
 
     def gate_up_mm(self, x: torch.Tensor, s: int) -> torch.Tensor:
         """x bf16 [n, H] -> fp32 [n, 2I]."""
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.gate_up[s], W2_GROUP, self.gate_up_sz[s]).float()
-        return F.linear(x, self.gate_up[s]).float() * self.gate_up_scale[s]
+        return self.linear(x, self.gate_up[s]).float() * self.gate_up_scale[s]
 
     def down_mm(self, act: torch.Tensor, s: int) -> torch.Tensor:
         """act bf16 [n, I] -> fp32 [n, H]."""
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(act, self.down[s], W2_GROUP, self.down_sz[s]).float()
-        return F.linear(act, self.down[s]).float() * self.down_scale[s]
+        return self.linear(act, self.down[s]).float() * self.down_scale[s]
+
+
+def have_onednn_packing() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_bf16(ws: torch.Tensor) -> list | None:
+    """bf16 weights [S, N, K] -> one oneDNN-packed weight per slot, or None where this torch cannot
+    pack or the packed matmul does not give F.linear's bits on a probe input. F.linear on a plain
+    bf16 CPU weight runs the same oneDNN matmul but re-lays the weight out at every call: most of a
+    small GEMV's time."""
+    if ws.dtype != torch.bfloat16 or not have_onednn_packing():
+        return None
+    try:
+        out = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+        x = torch.randn(3, ws.shape[2], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, out[0], None, "none", [], ""), F.linear(x, ws[0])):
+            return None
+    except RuntimeError:
+        return None
+    return out
 
 
 def have_int4_gemm() -> bool:
@@ -124,32 +160,65 @@ def _fp4_bf16(pool: FP4Pool) -> CpuPool:
         f = _slot_fields(pool, s)
         gu.append(decode_fp4(f["gate_up_weight"], f["gate_up_scale"], one).to(torch.bfloat16))
         dn.append(decode_fp4(f["down_weight"], f["down_scale"], one).to(torch.bfloat16))
+    gu, dn = torch.stack(gu), torch.stack(dn)
+    pgu, pdn = pack_bf16(gu), pack_bf16(dn)
+    packed = pgu is not None and pdn is not None
     # gate rows take scale_2[slot, 0], up rows scale_2[slot, 1] (reference._slot_weights)
     row_scale = pool.gate_up_scale_2.float().repeat_interleave(i, dim=1)
-    return CpuPool("bf16", torch.stack(gu), torch.stack(dn), None, None, row_scale, pool.down_scale_2.float().clone())
+    return CpuPool("bf16", pgu if packed else gu, pdn if packed else dn, None, None, row_scale,
+                   pool.down_scale_2.float().clone(), packed=packed)
+
+
+def _dense(pool: DensePool) -> CpuPool | None:
+    gu, dn = pack_bf16(pool.gate_up), pack_bf16(pool.down)
+    if gu is None or dn is None:
+        return None
+    return CpuPool("dense", gu, dn, None, None, None, None, packed=True, source=pool)
+
+
+def cpu_pool_bytes(pool, dtype: torch.dtype) -> int:
+    """Host bytes cpu_pool(pool, dtype) will add (0: it makes none), to check a memory budget first."""
+    if dtype != torch.bfloat16:
+        return 0
+    if isinstance(pool, W2Pool):
+        n = pool.num_slots * (pool.gate_up_codes.shape[1] * pool.gate_up_codes.shape[2]
+                              + pool.down_codes.shape[1] * pool.down_codes.shape[2]) * 4    # weights
+        return n * 5 // 8 if have_int4_gemm() else 0                    # int4 codes + bf16 scale/zero
+    if isinstance(pool, FP4Pool):
+        return 2 * pool.num_slots * (pool.gate_up_weight.shape[1] * pool.gate_up_weight.shape[2]
+                                     + pool.down_weight.shape[1] * pool.down_weight.shape[2]) * 2
+    if isinstance(pool, DensePool) and pool.gate_up.dtype == torch.bfloat16 and have_onednn_packing():
+        return pool.gate_up.nbytes + pool.down.nbytes
+    return 0
 
 
 def cpu_pool(pool, dtype: torch.dtype) -> CpuPool | None:
-    """The CpuPool of a W2 / FP4 pool for a model computing in `dtype`, or None (not bf16, or W2
-    weights the int4 GEMM cannot take: the caller keeps an exact float32 decode instead)."""
+    """The CpuPool of a pool for a model computing in `dtype`, or None: not bf16, W2 weights the
+    int4 GEMM cannot take (the caller may keep an exact float32 decode instead), a DensePool this
+    torch cannot pack (the reference's ops run it as well)."""
     if dtype != torch.bfloat16:
         return None
     if isinstance(pool, W2Pool):
         return _w2_int4(pool)
     if isinstance(pool, FP4Pool):
         return _fp4_bf16(pool)
+    if isinstance(pool, DensePool) and pool.gate_up.dtype == torch.bfloat16:
+        return _dense(pool)
     return None
 
 
-def _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_limit):
+def _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, ref_pool, miss_counter,
+                              swiglu_limit):
     """moe_experts_reference's ops at T = 1, for the routed slots only (each slot's rows are the one
-    row, so every F.linear sees what the reference's does): its result bit for bit."""
+    row, so every matmul sees what the reference's F.linear does, and a packed dense pool's matmul
+    gives F.linear's bits): its result bit for bit. ref_pool: what the reference reads."""
     k = topk_ids.shape[1]
     slots = slot_table[topk_ids[0]].tolist()
     if len(set(slots)) < k:          # one slot for two pairs: the reference batches them; let it
-        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, ref_pool, miss_counter,
                                      swiglu_limit=swiglu_limit)
-    cdtype = hidden.dtype if isinstance(pool, DensePool) else torch.float32
+    cdtype = hidden.dtype if isinstance(ref_pool, DensePool) else torch.float32
+    lin = pool.linear if isinstance(pool, CpuPool) else F.linear
     x = hidden.to(cdtype)
     tw = topk_weights.to(cdtype)
     ys, missed = [], 0
@@ -158,12 +227,12 @@ def _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, 
             missed += 1
             ys.append(torch.zeros(1, hidden.shape[1], dtype=cdtype))
             continue
-        gate, up = F.linear(x, pool.gate_up[s]).chunk(2, dim=-1)
+        gate, up = lin(x, pool.gate_up[s]).chunk(2, dim=-1)
         if swiglu_limit is not None:
             gate = gate.float().clamp(max=swiglu_limit)
             up = up.float().clamp(-swiglu_limit, swiglu_limit)
         act = (F.silu(gate) * up).to(cdtype)
-        ys.append(F.linear(act, pool.down[s]) * tw[:, j:j + 1])
+        ys.append(lin(act, pool.down[s]) * tw[:, j:j + 1])
     if missed:
         miss_counter += missed
     out = ys[0]
@@ -191,11 +260,12 @@ def moe_experts_cpu(
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """moe_experts_reference's signature and semantics (CPU tensors)."""
-    if not isinstance(pool, CpuPool):
+    if not isinstance(pool, CpuPool) or pool.kind == "dense":
+        ref_pool = pool.source if isinstance(pool, CpuPool) else pool
         if topk_ids.shape[0] == 1:
-            return _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
-                                             swiglu_limit)
-        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
+            return _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, ref_pool,
+                                             miss_counter, swiglu_limit)
+        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, ref_pool, miss_counter,
                                      swiglu_limit=swiglu_limit)
     t, k = topk_ids.shape
     x = hidden.to(torch.bfloat16)

@@ -152,11 +152,12 @@ class CausalLM(nn.Module):
         """Once, before a CPU run's first step, for weights that never change after (every expert
         resident, no expert store): bf16 Linears keep a oneDNN-packed copy of their weight (the
         same results, Linear.pack_for_cpu), MLA layers keep kv_b_proj in float32 (what their
-        absorbed-form references compute with), and every W2 / FP4 MoE layer gets a `cpu_pool`
-        (kernels/moe_cpu.py): its experts repacked for CPU GEMVs in a bf16 model; in a float32
-        model an exact float32 decode while all of those fit in `expert_bytes` (4 bytes per
-        weight), else none (the reference decodes per call). -> bytes of float32 decodes."""
-        from moet.kernels.moe_cpu import cpu_pool
+        absorbed-form references compute with), and MoE layers get a `cpu_pool`
+        (kernels/moe_cpu.py): in a bf16 model their experts repacked for CPU GEMVs; W2 / FP4
+        experts in a float32 model an exact float32 decode (4 bytes per weight). All of those
+        only while the bytes they add fit `expert_bytes`; else the layers keep the reference.
+        -> bytes added for the routed experts (0: none)."""
+        from moet.kernels.moe_cpu import cpu_pool, cpu_pool_bytes
         from moet.kernels.pools import DensePool
         from moet.kernels.reference import decoded_pool
 
@@ -166,19 +167,22 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if type(m) is Linear:
                 m.pack_for_cpu()
-        exact = []
-        for m in self.modules():
-            if not isinstance(m, MoE) or m.pool is None:
-                continue
-            if not isinstance(m.pool, DensePool):       # dense experts need no repacking
-                m.cpu_pool = cpu_pool(m.pool, self.dtype)
-                if m.cpu_pool is None:
-                    exact.append(m)
-        need = 4 * 3 * self.spec.hidden_size * self.spec.moe_intermediate_size * sum(m.pool.num_slots for m in exact)
-        if not exact or need > expert_bytes:
+        moes = [m for m in self.modules() if isinstance(m, MoE) and m.pool is not None]
+        exact_bytes = 4 * 3 * self.spec.hidden_size * self.spec.moe_intermediate_size      # per slot
+        plan = []
+        for m in moes:
+            n = cpu_pool_bytes(m.pool, self.dtype)
+            if n == 0 and not isinstance(m.pool, DensePool):
+                n = exact_bytes * m.pool.num_slots
+            plan.append((m, n))
+        need = sum(n for _, n in plan)
+        if need == 0 or need > expert_bytes:
             return 0
-        for m in exact:
-            m.cpu_pool = decoded_pool(m.pool)
+        for m, n in plan:
+            if n:
+                m.cpu_pool = cpu_pool(m.pool, self.dtype)
+            if m.cpu_pool is None and not isinstance(m.pool, DensePool):
+                m.cpu_pool = decoded_pool(m.pool)
         return need
 
     # ------------------------------------------------------------------ caches
