@@ -49,11 +49,15 @@ class Linear(nn.Module):
         except RuntimeError:
             return False
         self.cpu_packed = packed
+        self.forward = self._forward_packed      # this instance only: other Linears keep F.linear
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_packed is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+    def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and not x.is_cuda:
             return torch.ops.mkldnn._linear_pointwise(x, self.cpu_packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
