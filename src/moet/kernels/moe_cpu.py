@@ -149,7 +149,9 @@ def _self_check(cpu: CpuPool, pool: W2Pool) -> bool:
     x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     want = F.linear(x.float(), w)
     got = cpu.gate_up_mm(x, 0)
-    return bool(((got - want).abs() <= 1e-2 * want.abs() + 1e-3 * want.abs().max()).all())
+    # one bf16 rounding of each output (plus float32 summation-order noise); a wrong zero point,
+    # scale or code order is far outside it
+    return bool(((got - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all())
 
 
 def _fp4_bf16(pool: FP4Pool) -> CpuPool:
