@@ -102,7 +102,7 @@ def test_port_is_bound_before_the_engine_loads_and_released_after(monkeypatch, n
         port = probe.getsockname()[1]
     seen = []
 
-    def loader(engine_config, serve_config):
+    def loader(engine_config, serve_config, **kwargs):
         with socket.socket() as other:                          # held by moet while the model loads
             other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             seen.append(other.connect_ex(("127.0.0.1", port)))  # bound, not listening yet: refused
@@ -132,7 +132,7 @@ def test_serving_at_is_printed_once_the_socket_listens(monkeypatch, capsys):
 
     real_build, real_make = serve_cli.build_server_app, serve_cli._make_server
     monkeypatch.setattr(serve_cli, "build_server_app",
-                        lambda ec, sc: real_build(EngineConfig(model=default_model()), sc, engine=FakeAsyncEngine()))
+                        lambda ec, sc, **kw: real_build(EngineConfig(model=default_model()), sc, engine=FakeAsyncEngine(), **kw))
     state = {}
 
     def make(config, on_started):
@@ -198,7 +198,7 @@ def test_repo_id_in_the_hf_cache_is_used(tmp_path, monkeypatch, no_load, capsys)
     assert reader.path == os.path.abspath(snap) and reader.tensors
     seen = {}
 
-    def loader(engine_config, serve_config):
+    def loader(engine_config, serve_config, **kwargs):
         seen.update(model=engine_config.model, names=serve_config.served_model_name)
         raise _Loaded("stop")
 
