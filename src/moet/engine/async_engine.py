@@ -279,9 +279,10 @@ class AsyncEngine:
                         self._streams.clear()
                         self._flush(batches)
                         continue
-                    # a request that ends sees a snapshot as new as its last output
+                    # a request that starts or ends sees a snapshot as new as that output
                     now = time.monotonic()
-                    if now - self._stats_at >= SNAPSHOT_INTERVAL_S or any(o.finished for o in outs):
+                    if (now - self._stats_at >= SNAPSHOT_INTERVAL_S
+                            or any(o.finished or len(o.outputs[0].token_ids) <= 1 for o in outs if o.outputs)):
                         self._stats, self._stats_at = self.engine.stats(), now
                     streams = self._streams
                     for out in outs:

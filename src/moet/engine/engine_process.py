@@ -188,12 +188,12 @@ class _EngineLoop:
                 return
 
     def send(self, events: list) -> None:
-        # the stats snapshot rides along when due, with any request's end, and always once the
-        # engine is idle (so the parent's is current: blocks freed by an abort, the last step's counters)
+        # the stats snapshot rides along when due, with any request's first output or end, and always
+        # once the engine is idle (so the parent's is current: blocks freed by an abort, the last step's counters)
         now = time.monotonic()
         stats = None
-        if (now - self.stats_at >= SNAPSHOT_INTERVAL_S or any(ev[0] != _OUT or ev[-1] for ev in events)
-                or not self.engine.has_unfinished_requests()):
+        if (now - self.stats_at >= SNAPSHOT_INTERVAL_S or not self.engine.has_unfinished_requests()
+                or any(ev[0] != _OUT or ev[-1] or ev[2] is not None for ev in events)):   # an end, or a first output
             stats, self.stats_at = self.engine.stats(), now
         try:
             self.outbox.send(("step", events, stats))
