@@ -1,8 +1,7 @@
 """CausalLM.prepare_cpu (what a CPU model runner does once before its first step): the same
-outputs as the unprepared model -- bit for bit where it only re-lays weights out (packed bf16
-Linears, float32 kv_b, exact float32 expert decodes, DensePool experts), within bf16 rounding for
-the int4 / bf16 expert repacks -- over a paged prefill and decode steps; and the CPU engine
-prepares its model."""
+outputs as the unprepared model, bit for bit (packed bf16 Linears, float32 kv_b, exact float32
+expert decodes, packed DensePool experts) over a paged prefill and decode steps; and the CPU
+engine prepares its model."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +11,6 @@ from moet.checkpoint import open_checkpoint
 from moet.config import EngineConfig
 from moet.engine.llm_engine import LLMEngine
 from moet.kernels.kv_cache import KVFormat
-from moet.kernels.moe_cpu import CpuPool
 from moet.kernels.pools import DecodedPool
 from moet.model import load_model
 from moet.model.attention_batch import AttentionBatch
@@ -50,7 +48,8 @@ def _pair(fmt, dtype):
     return a, b
 
 
-@pytest.mark.parametrize("fmt,dtype", [("bf16", torch.bfloat16), ("w2", torch.float32), ("fp4", torch.float32)])
+@pytest.mark.parametrize("fmt,dtype", [("bf16", torch.bfloat16), ("w2", torch.float32), ("fp4", torch.float32),
+                                       ("w2", torch.bfloat16), ("fp4", torch.bfloat16)])
 def test_relayouts_give_the_same_bits(fmt, dtype):
     plain, prepared = _pair(fmt, dtype)
     decoded = prepared.prepare_cpu(1 << 30)
@@ -65,18 +64,6 @@ def test_relayouts_give_the_same_bits(fmt, dtype):
         assert any(m.cpu_packed is not None for m in prepared.modules() if type(m) is Linear)
     for a, b in zip(_run(plain, dtype), _run(prepared, dtype)):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("fmt", ["w2", "fp4"])
-def test_bf16_repacks_stay_within_rounding(fmt):
-    plain, prepared = _pair(fmt, torch.bfloat16)
-    prepared.prepare_cpu(1 << 30)
-    pools = [m.cpu_pool for m in prepared.modules() if isinstance(m, MoE)]
-    if not all(isinstance(p, CpuPool) for p in pools):
-        pytest.skip("this torch has no CPU int4 GEMM")
-    for a, b in zip(_run(plain, torch.bfloat16), _run(prepared, torch.bfloat16)):
-        pa, pb = a.log_softmax(-1), b.log_softmax(-1)
-        assert (pa - pb).abs().max() < 0.1, (pa - pb).abs().max()
 
 
 def test_float32_decodes_respect_the_budget():

@@ -153,9 +153,9 @@ class CausalLM(nn.Module):
         resident, no expert store): bf16 Linears keep a oneDNN-packed copy of their weight (the
         same results, Linear.pack_for_cpu), MLA layers keep kv_b_proj in float32 (what their
         absorbed-form references compute with), and MoE layers get a `cpu_pool`
-        (kernels/moe_cpu.py): in a bf16 model their experts repacked for CPU GEMVs; W2 / FP4
-        experts in a float32 model an exact float32 decode (4 bytes per weight). All of those
-        only while the bytes they add fit `expert_bytes`; else the layers keep the reference.
+        (kernels/moe_cpu.py): W2 / FP4 experts an exact float32 decode (4 bytes per weight), bf16
+        experts their weights oneDNN-packed; the reference's bits either way. All of those only
+        while the bytes they add fit `expert_bytes`; else the layers keep the reference.
         -> bytes added for the routed experts (0: none)."""
         from moet.kernels.moe_cpu import cpu_pool, cpu_pool_bytes
         from moet.kernels.pools import DensePool

@@ -104,6 +104,9 @@ class ExpertCache:
             if moe.spec.router.num_experts != self.num_experts:
                 raise ConfigError(f"{name}: {moe.spec.router.num_experts} experts, the pack has {self.num_experts}")
             moe.pool = self.pool
+            # a CPU layout of the experts (CausalLM.prepare_cpu) is a copy of the pool this one
+            # replaces, indexed by its slots: the cache's slots change, so the MoE reads the cache
+            moe.cpu_pool = None
             moe.slot_table = self.slot_table[l]
             moe.miss_counter = self.miss_counters[l:l + 1]
             moe.route_counts = self.route_counts[l]
