@@ -69,14 +69,8 @@ def available_kv_bytes(device: torch.device) -> int:
     would page the machine to death or wake the OOM killer instead)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from moet.store.host_arena import available_host_bytes
+    return available_host_bytes()
 
 
 def kv_bytes_per_token_of(spec, kv_format: KVFormat, load_mtp: bool) -> int:
