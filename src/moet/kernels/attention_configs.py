@@ -1,10 +1,10 @@
 """Launch configurations of the Triton GQA paged decode (attention_triton.paged_decode_gqa), read
 from a table in the repository (attention_configs.json beside this file) keyed by device name, KV
-format and shape, and by batch size; written by hand from `attention_bench --quick` runs (their raw
-records under tools/kernel_lab/, cited in each entry's "source"), as moe_configs.json is for the
-MoE kernels. Devices, shapes or query dtypes the table lacks get DEFAULT_GQA_DECODE: Triton's 4
-warps and 3 stages, what every GPU ran before the table, and small enough in shared memory (bf16,
-d 128, 64-token steps: 39 KB) for any GPU Triton supports.
+format and shape, and by batch size; written by hand from `attention_bench --quick` runs (each
+entry's "source" says what was measured, docs/kernels.md how the table was chosen), as
+moe_configs.json is for the MoE kernels. Devices, shapes or query dtypes the table lacks get
+DEFAULT_GQA_DECODE: Triton's 4 warps and 3 stages, what every GPU ran before the table, and small
+enough in shared memory (bf16, d 128, 64-token steps: 39 KB) for any GPU Triton supports.
 
 What an entry may vary, and by what:
   num_warps sets the dots' and reductions' layouts, so it may change the last bits of a row: one
@@ -26,8 +26,8 @@ an entry is never applied to a shape it was not measured at. Entries apply to bf
 served tensor-core path); fp32 queries (the exactness tests) take DEFAULT_GQA_DECODE.
 A lookup for batch B takes the largest measured batch <= B (the smallest when B is below them
 all): between two measured points the smaller batch's depth, because a deeper pipeline than
-needed cost little where it was measured (H200 bf16 batch 32: 7 stages 2% under 3) while a
-shallow one at few programs per SM cost a lot (batch 1: 3 stages 23% under 7).
+needed cost little where it was measured (H200 bf16 batch 32: 7 stages a little under 3) while a
+shallow one at few programs per SM cost a lot (batch 1: 3 stages far under 7).
 """
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 
 # Decode split-K partition in tokens (whole pages). It only shapes contexts shorter than
 # split_tokens x max splits (GQA 32): longer ones get max-splits longer splits anyway, which is
-# what bench/attention_bench.py measured at 32K. At the short contexts of most decode steps a
-# split is one 64-token loop step: an H200 profile of a captured Qwen3-30B-A3B decode step
-# (tools/kernel_lab/engine_h200_2026-11-29) had the 256-token splits at 8.7 us per layer for a
-# 150-token context, one program walking four dependent load -> dot -> softmax steps.
+# what bench/attention_bench.py measures at 32K. At the short contexts of most decode steps a
+# split is one 64-token loop step: an H200 profile of a captured Qwen3-30B-A3B decode step found
+# 256-token splits slow at a 150-token context, one program walking four dependent load -> dot ->
+# softmax steps that 64-token splits run side by side (docs/kernels.md, attention).
 DEFAULT_SPLIT_TOKENS = 64
 
 # GQA decode with the split merge in the split kernel (attention_triton fused_merge): set once per

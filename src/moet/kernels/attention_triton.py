@@ -8,8 +8,8 @@ paged_decode_gqa: split-K ("flash-decoding") over the pages of each sequence.
   Stage 2, grid (B, Hq): merges the splits (log-sum-exp rescale), all of one (sequence, head)'s
   splits loaded at once as [BLOCK_S] / [BLOCK_S, Dv] tiles and reduced with tl.max / tl.sum
   (_merge_head). It was two loops over the splits of dependent scalar loads, one global round
-  trip per split and pass, from only B * Hq programs: at batch 1, 32K (Qwen3-30B heads, 32
-  splits; H200, ncu) the call took ~35 us, the split kernel 24.7 of them. No atomics and a
+  trip per split and pass, from only B * Hq programs, which made the merge a large share of a
+  long-context batch-1 call (docs/kernels.md, attention). No atomics and a
   reduction fixed by constexpr shapes, so the result is bit-identical run to run and
   batch-invariant (SPEC 3); it may differ in the last bits between two split settings, which is
   why they are explicit arguments.
@@ -21,8 +21,9 @@ partials stay bounded (B * heads * max_splits) with a table padded to max_model_
 sequence's output does not depend on the table's width or on the rest of the batch.
   Under PDL (EngineConfig.small_kernel_pdl) each split program first reads its length and block
   table and prefetches its first step's K / V rows into L2, then waits for the kernel before
-  (_gqa_prefetch): the first step's chain of dependent DRAM reads, 4 of the 28 us a batch-1 32K
-  call takes (H200 run 34, docs/perf.md), overlaps that kernel; only where the grid fits the SMs.
+  (_gqa_prefetch): the first step's chain of dependent DRAM reads, a visible part of a batch-1
+  long-context call (docs/kernels.md, attention), overlaps that kernel; only where the grid fits
+  the SMs.
   The page loop is software-pipelined by Triton: at num_stages >= 3 the next steps' K/V tiles are
   cp.async'ed into shared memory (one buffer at 3-4 stages, two at 5, three at 7). num_warps and
   num_stages come from a table keyed by device, KV format and shape (kernels/attention_configs.py;
@@ -31,9 +32,9 @@ sequence's output does not depend on the table's width or on the rest of the bat
 paged_decode_mla (the same split-K over MLA's latent rows) is in mla_decode_triton.py; it shares
 this module's split partition, merge kernel and dot helpers.
 
-Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); compiles for sm_90;
-first H200 run (2026-11-29) measured the previous MLA kernel (16 heads per program, page-sized
-tiles, per-element scale gathers) at 6-9% of copy bandwidth -- see docs/perf.md.
+Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); compiles for sm_90.
+The MLA decode is not the first form: one with 16 heads per program, page-sized tiles and
+per-element scale gathers reached only a small fraction of copy bandwidth (docs/kernels.md).
 Dot operands (`_mma`, all four kernels): fp32 queries -> fp32 operands with
 input_precision="ieee" (FFMA; equal to the fp32 reference, what the exactness tests use); bf16
 queries (serving) -> bf16 operands on the tensor cores with fp32 accumulation, P cast to bf16
@@ -72,28 +73,27 @@ _EMULATE_BF16_DOT = tl.constexpr(_INTERPRET)
 # that): bounds the fp32 partials, B * heads * MAX_SPLITS * (Dv + 2), whatever the table width.
 DEFAULT_MAX_SPLITS = 32
 # GQA: with one 16-token page per loop step, 32 splits x 4 KV heads (128 programs of 4 warps on
-# 132 SMs) could not keep loads in flight and 128 splits won (H200 run 1: 33% of copy at 32K).
-# With 64-token steps (GQA_TILE_TOKENS) fewer, longer splits pipeline better: H200 run 4 at 32K,
-# bf16, 256/32 vs 256/128: batch 1 1,447 vs 1,108 GB/s, batch 32 4,045 vs 3,582 GB/s.
+# 132 SMs) could not keep loads in flight and 128 splits won. With 64-token steps (GQA_TILE_TOKENS)
+# fewer, longer splits pipeline better: 32 splits of 256 tokens beat 128 at batch 1 and at batch
+# 32 on the H200 (docs/kernels.md, attention).
 GQA_DEFAULT_MAX_SPLITS = 32
 # GQA decode keys per loop step (whole pages): see _gqa_decode_tile
 GQA_TILE_TOKENS = 64
 # GQA decode's long partition (paged_decode_gqa(long_splits), _split_pages' LONG_SPLITS; its LONG_TOKENS
 # 1,024): a sequence past GQA_DEFAULT_MAX_SPLITS splits of 1,024 tokens (32K) gets up to long_splits
 # splits of 1,024 tokens before its splits grow again, so the partition of any sequence up to 32K is
-# as without it. Off by default (0). H200 run 34 (graph of 4, us a call, PDL, without / with 64):
-# batch 1 fp8 64K 46.9 / 36.3, 128K 85.4 / 59.7; bf16 128K 85.1 / 76.6; batch 8 at 64K fp8 176.3 /
-# 188.9; batch 1 at 32K (the same partition) bf16 27.9 / 33.0, fp8 27.6 / 31.2 -- the grid's 128 empty
-# programs waited for the kernel before, and the chunked merge's loads waited for the length. Both
-# are since changed (SKIP_EMPTY; the merge folds later chunks in) and not yet timed on a GPU, so the
-# default stays off (docs/perf.md, attention "Run 34")
+# as without it. Off by default (0). On the H200 it sped up batch 1 past 32K, but slowed batch 8 at
+# 64K and batch 1 at 32K (where the partition is the same): the grid's empty programs waited for the
+# kernel before, and the chunked merge's loads waited for the length. Both are since changed
+# (SKIP_EMPTY; the merge folds later chunks in) and not yet timed on a GPU, so the default stays off
+# (docs/kernels.md, attention)
 GQA_LONG_SPLITS = 0
 # GQA decode under PDL: loop steps of each split prefetched into L2 before the PDL wait (_gqa_prefetch),
 # by default only where the whole grid fits on the GPU at once (one program an SM), so that every
-# program's prefetch runs while the kernel before still does. H200 run 34 (Qwen3 heads, graph of 4
-# calls, us a call; PDL off / PDL / PDL + 1 step / + 2 / + 4): batch 1 bf16 8K 14.7 / 14.1 / 13.4 / 14.0
-# / 15.2, 32K 28.9 / 28.4 / 28.0 / 28.5 / 28.5, fp8 8K 14.1 / 13.5 / 12.6 / 12.8 / 13.8; batch 8 and 32
-# (1,024 and 4,096 programs, later waves prefetch what they are about to load anyway) lost 0.3-2.5%
+# program's prefetch runs while the kernel before still does. One step is the default because on
+# the H200 it was the fastest prefetch depth at batch 1 (two and four steps were slower), while
+# batch 8 and 32 (grids of several waves, whose later waves prefetch what they are about to load
+# anyway) only lost by it (docs/kernels.md, attention)
 GQA_PREFETCH_STEPS = 1
 # GQA decode launch: attention_configs (num_warps per device / format / shape, num_stages also per
 # batch size; Triton's 4 warps and 3 stages where the table has no entry). sm_90 SASS at
@@ -101,23 +101,21 @@ GQA_PREFETCH_STEPS = 1
 # cp.async the next step's K/V into a single shared buffer, issued after the current step's MMAs
 # and waited for (DEPBAR.LE SB0, 0x0) at the top of the next step: no load is in flight during
 # the math. num_stages 5 double-buffers it (one step in flight, DEPBAR.LE 0x3), 7 triple-buffers
-# it. H200 run 10 (32K): 7 stages won batch 1 bf16 (1.30x over 3), 5 stages the fp8 cache (1.29x
-# at batch 1, 1.11x at batch 32), 3 stayed best at batch 32 bf16; 8 warps at 3 stages lost on all
-# four. (A register-prefetch loop form, the next 1-2 steps' K/V loaded into registers before the
-# current step's math, lost on every setting and was removed. Raw:
-# tools/kernel_lab/run10_h200_2026-12-01/attn.)
+# it. On the H200 at 32K, 7 stages won batch 1 bf16, 5 stages the fp8 cache, 3 stayed best at batch
+# 32 bf16, and 8 warps at 3 stages lost on all four, hence a table rather than one launch. (A
+# register-prefetch loop form, the next 1-2 steps' K/V loaded into registers before the current
+# step's math, lost on every setting and was removed; docs/kernels.md, attention.)
 # lazy online-softmax rescaling (the MLA decode and prefill, the GQA prefill; FlashAttention-4's
 # conditional rescale): > 0 = the nats a tile's max may exceed a row's running max before the row's
-# accumulator is rescaled, so most tiles skip the rescale (sm_90 AOT: the MLA decode step 751 -> 632
-# instructions); 0 = the eager form, rescaled at every tile. Timed on the H200 (run 23,
-# tools/kernel_lab/rescale_probe.py, docs/perf.md): lazy (slack 8) won only in the MLA decode over a
-# bf16 cache (+1.8-2.0% at batch 1 / 8 / 32, 32K); it lost over an fp8-block cache (-5%: the
-# dequantising step, not the rescale, is that loop's cost) and in the GQA prefill (-3%), and tied in
-# the MLA prefill (+0.2%). So the launchers default to RESCALE_SLACK (eager) except the transposed
-# bf16 MLA decode (MLA_DECODE_BF16_SLACK; since run 25 only where mla_decode_form takes the
-# transposed tile: the heads-as-M tile spills with it and measured slower lazy); rescale_slack
-# overrides both. Like the splits it must be fixed per model (it changes the last bits), and it is:
-# a function of the query dtype, the cache format and the device
+# accumulator is rescaled, so most tiles skip the rescale (sm_90 AOT: the MLA decode step compiles to
+# markedly fewer instructions); 0 = the eager form, rescaled at every tile. Timed on the H200
+# (docs/kernels.md, attention): lazy (slack 8) won only in the MLA decode over a bf16 cache, by a little
+# at every batch; it lost over an fp8-block cache (the dequantising step, not the rescale, is that
+# loop's cost) and in the GQA prefill, and tied in the MLA prefill. So the launchers default to
+# RESCALE_SLACK (eager) except the transposed bf16 MLA decode (MLA_DECODE_BF16_SLACK; only where
+# mla_decode_form takes the transposed tile: the heads-as-M tile spills with it and was slower lazy);
+# rescale_slack overrides both. Like the splits it must be fixed per model (it changes the last bits),
+# and it is: a function of the query dtype, the cache format and the device
 RESCALE_SLACK = 0.0
 
 
@@ -228,7 +226,8 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
     acc^T [BLOCK_DV, BLOCK_G], scores [tokens, heads] = K q^T and acc^T += V^T P^T -- so the tokens
     (64 a step) are the MMAs' M and the K / V tiles their shared-memory A operand (Hopper wgmma
     needs M >= 64; the G <= 16 heads are N). Several pages per step give each load and dot enough
-    tokens to keep the memory system busy (one 16-token page per step read 36% of copy at batch 1, 32K).
+    tokens to keep the memory system busy (one 16-token page per step read well under half of copy
+    bandwidth at batch 1, long context).
     The caller's page range holds keys (no branch here: a branch in the loop body would stop
     Triton from pipelining the loads across steps). fp8 scales stay out of the dots: per-tensor
     ones are in qk_scale (K) and applied to the output by the caller (V); one scale per token and
@@ -417,8 +416,8 @@ def _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, b, h, sp, s_kb, s_kt, s_kh, s_
     """Before the PDL wait (PF_STEPS): the K and V rows of this split's first STEPS loop steps into
     L2. At batch 1 the first step is a chain of three dependent DRAM round trips -- the sequence
     length (the split's pages), the block table, the first K / V tiles -- and that chain, not the
-    stream, was ~4 us of a 29 us call at 32K (a one-step program took 4.3 us against 1.2 a step in
-    the steady state; tools/kernel_lab/gqa_timeline_probe.py, H200, 2026-12-03). Under PDL
+    stream, is a visible part of a long-context call (a program's first step takes several times a
+    steady-state step; docs/kernels.md, attention). Under PDL
     this kernel is resident while the kernel before it finishes, so the chain can run then. Safe:
     the lengths and tables must be final before the kernel before starts (the engine copies them
     in from the host ahead of the step's first kernel; only the prefetch addresses use them), past
@@ -471,8 +470,9 @@ def _gqa_decode_split_kernel(
     if SKIP_EMPTY:
         # PDL with the long partition (not with the fused merge, whose counters need every
         # program): a program past its sequence's last split writes nothing, so it leaves without
-        # waiting for the kernel before -- it would hold an SM slot through that wait (run 34: the
-        # long grid's 128 empty programs at batch 1, 32K, cost 5 us a call). Reads the length
+        # waiting for the kernel before -- it would hold an SM slot through that wait (the long
+        # grid's empty programs at batch 1 made the call slower than without the long partition).
+        # Reads the length
         # before the wait, as _gqa_prefetch does. (Not yet timed on a GPU.)
         n0 = tl.load(lens_ptr + tl.program_id(0), cache_modifier=".cg")
         if tl.program_id(2) < _split_pages(n0, pages_min, MAX_SPLITS, BLOCK_SIZE, LONG_SPLITS)[2]:
@@ -577,15 +577,14 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
     vectors and acc as [BLOCK_S, DV_TILE] tiles (DV_TILE columns at a time, so a 512-wide MLA
     row stays within registers), and reduced with tl.max / tl.sum: no chain of dependent scalar
     loads (the old `for s in range(MAX_SPLITS)` form, two passes of one global round trip per
-    split, was most of the ~10 us the merge added to a 24.7 us split kernel at batch 1, 32K). A fixed
+    split, was most of the time the merge added to the split kernel at batch 1). A fixed
     reduction over constexpr shapes: the result depends on the sequence's own partials and the
     constexprs alone (deterministic, batch-invariant). _merge_group is the same arithmetic for
     the fused merge.
     The loads are masked by `rows` (the workspace's splits, a launch argument), not by `used`, and
     the splits past `used` (never written: any bits) are dropped after with tl.where, the same
     values as masked loads: so the loads need not wait for the sequence length that `used` comes
-    from (one dependent round trip less; the stamps of tools/kernel_lab/gqa_timeline_probe.py had
-    the merge program at 2.0-2.3 us for 32 x 130 floats at batch 1).
+    from (one dependent round trip less, in a program whose time is round trips, not bytes).
     NCHUNK > 1 (the GQA decode's long partition, _split_pages' LONG_SPLITS; one column tile,
     BLOCK_DV == DV_TILE): up to NCHUNK * BLOCK_S splits in chunks of BLOCK_S. The first chunk is
     merged as above, then each further chunk the sequence uses is merged on its own and folded in
@@ -638,9 +637,9 @@ def _merge_group(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, qh0, hq, num_spl
     head's [BLOCK_S, DV_TILE] tile at a time (a [BLOCK_G, BLOCK_S, BLOCK_DV] tile would be 16 x 32
     x 128 fp32 values, 512 registers a thread at 4 warps), the heads unrolled and their outputs
     gathered in registers so that no store separates the heads' loads (one store per column
-    tile). H200, CUDA graphs, batch 1, 32 q / 4 kv heads, bf16: the whole fused call at 32K
-    30.7 us (scalar merge 45.0; a head loop with one store per head, one round trip per head,
-    42.8), at 512 tokens 13.1 (scalar 10.7, head loop 17.8); the two-launch call 27.3 / 9.8."""
+    tile): on the H200 this form beat both the scalar merge and a head loop with one store (one
+    round trip) per head at long context, but the two-launch call stays faster (docs/kernels.md,
+    attention)."""
     hh = tl.arange(0, BLOCK_G)
     s = tl.arange(0, BLOCK_S)
     hmask = hh < G
@@ -802,13 +801,14 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     fused_merge: no merge launch; the last program of each (sequence, kv head) merges its heads'
     splits in the merge kernel's order (the same bits under the interpreter; compiled, another
     kernel's arithmetic may contract differently). Off in the engine (EngineConfig.attention_fused_merge):
-    slower on the H200 at every batch (run 18: 0.69x at batch 1, 32K).
+    slower on the H200 at every batch (docs/kernels.md, attention).
     swap_ab: the tile's update transposed (tokens as the MMAs' M, so Hopper can use wgmma with the
     K / V tiles read from shared memory); the same math, other bits (fixed per model, like num_warps).
     fp8_words: an fp8 cache read as int32 words of 4 e4m3 bytes, the dots split by byte slot
     (_gqa_f8w_tile); other bits than the byte tile. None (default): wherever it applies
     (gqa_fp8_words_applies: a property of the model's shapes and KV format, never of the batch, so
-    batch invariance holds); the H200 measured it +1% / +8% / +12% at batch 1 / 8 / 32 (32K, run 25).
+    batch invariance holds); faster on the H200 at every batch, more so the larger the batch
+    (docs/kernels.md, attention).
     True: refused (ConfigError) where it does not apply; False: the byte tile.
     prefetch_steps: under PDL (pdl.small_kernel_pdl), the first loop steps of each split whose K / V
     rows a program prefetches into L2 before its PDL wait (_gqa_prefetch; a power of two, 0 = none;
@@ -820,8 +820,8 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     sequence gets up to long_splits splits of 1,024 tokens. Like the splits it is part of a model's
     bits (for sequences past 32K at the default splits). With it, under PDL, programs past their
     sequence's splits leave before the PDL wait (SKIP_EMPTY).
-    (A chains=2 option, each split's halves walked as two online-softmax chains, was measured
-    slower in every case on the H200 and removed: docs/perf.md, attention "Run 22".)"""
+    (A chains=2 option, each split's halves walked as two online-softmax chains, was slower in
+    every case on the H200 and removed: docs/kernels.md, attention.)"""
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape

@@ -184,7 +184,7 @@ def _table() -> dict:
 
 
 # Past the largest swept T a shape's entry stands in only if that T is a prefill size: a sweep cut
-# short by its time budget (run 30 reached T = 16 on some shapes) must not hand a 16-row decode
+# short by its time budget (one stopped at T = 16 on some shapes) must not hand a 16-row decode
 # tile to a 2048-row prefill; the defaults below take it instead.
 TABLE_EXTRAPOLATE_FROM_T = 2048
 
@@ -204,10 +204,10 @@ def table_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8
 
 # w8a8 with few rows: quantize x inside the GEMM (A_MODE 2) only while few programs share each
 # K block of x. Every N tile requantizes the same x, and the quantization's IEEE divisions are a
-# software routine: the sm_90 AOT loop step of the 16 x 64 tile is 737 instructions inline
-# against 178 reading x pre-quantized (A_MODE 1), whose cost is one more small launch (~2 us in a
-# CUDA graph). Run 29 (H200): w8a8 at T = 1 took 1.0 ms on a 129280 x 7168 weight inline, w8a16
-# 0.27 ms.
+# software routine: the sm_90 AOT loop step of the 16 x 64 tile is several times longer inline
+# than reading x pre-quantized (A_MODE 1), whose cost is one more small launch. On a wide weight
+# (DeepSeek-V3's 129280 x 7168 head) at T = 1 the inline form was several times slower than w8a16
+# on the H200 (docs/kernels.md, FP8 GEMM), hence the bound on the N tiles.
 INLINE_QUANT_MAX_N_TILES = 16
 
 
@@ -226,8 +226,8 @@ def pick_config(m: int, n: int, k: int, mode: str, device: torch.device) -> Fp8G
         inline = triton.cdiv(n, bn) <= INLINE_QUANT_MAX_N_TILES
         return Fp8GemmConfig(bm, bn, split, num_warps=4, num_stages=4, inline_quant=inline)
     if m <= 256:
-        # w8a16's TF32 dots: 32-row tiles (run 30, H200, T = 128: 1.6-1.8x over 64 rows on every
-        # swept shape); w8a8's f16 dots keep 64
+        # w8a16's TF32 dots: 32-row tiles (faster than 64 rows on every swept shape at T = 128
+        # on the H200); w8a8's f16 dots keep 64
         bm = 32 if mode == "w8a16" else 64
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, 128)
         split = max(1, min(num_kb, triton.cdiv(_num_sms(device), tiles)))

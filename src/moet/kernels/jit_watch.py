@@ -3,8 +3,9 @@ hooks (triton.knobs.runtime.jit_cache_hook / jit_post_compile_hook, Triton >= 3.
 
 Triton compiles a kernel on its first launch with each new specialization (constexprs, and for
 integer arguments whether they equal 1 or are multiples of 16). A compile mid-serving stops the
-step that needs it, and every running stream with it, for ~0.1-2 s (H200 server runs had
-1.5-2 s p99 stalls that later phases, finding the kernels in Triton's on-disk cache, did not).
+step that needs it, and every running stream with it, for ~0.1-2 s (server benchmarks on the H200
+showed such stalls in the p99 of their first phase, and not in later phases, which found the
+kernels in Triton's on-disk cache).
 The watch counts every in-process cache miss (a compile or an on-disk cache load) and its time;
 the engine marks when it is ready, so the misses after that are the ones a request paid for, and
 logs each of those with the kernel and its specialization.

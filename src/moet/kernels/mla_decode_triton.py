@@ -13,7 +13,8 @@ runs one of two tile forms (_mla_decode_tile):
     [heads, tokens] = q_latent @ latent^T + q_rope @ rope^T, acc [heads, R] += P @ latent, both
     dots on Hopper's wgmma with the tile in shared memory and P in registers, 8 warps = two warp
     groups each holding half of the [64, 512] fp32 accumulator; 64 tokens a step, eager softmax.
-    H200 run 25 (32K): +22-25% (bf16 cache) / +36-39% (fp8_ds_mla) over the transposed form.
+    Faster than the transposed form on the H200 over both bf16 and fp8_ds_mla caches, at every
+    batch (docs/kernels.md, MLA decode).
   transposed (tokens as M): scores^T [tokens, heads] = tile @ q^T, out^T [R, heads] += tile^T @ P^T,
     the queries the dots' shared-memory operand; 32 tokens a step, so the score dot is mma.sync.
     Devices with under MLA_HM_MIN_SHARED of shared memory per block, fp32 queries and per-tensor
@@ -45,22 +46,23 @@ from moet.kernels.pdl import pdl_enter, pdl_launch
 # launch shape; chosen from sm_90 AOT register / shared-memory counts (tests/kernels/aot_compile.py).
 # MLA_BLOCK_N is the transposed form's step (and the MLA prefill's); the decode's default form
 # (mla_decode_form) is the heads-as-M tile over MLA_HM_BLOCK_N tokens with the eager softmax:
-# H200 run 25 (32K, DeepSeek-V3 heads) +22-25% over the transposed 32-token form on a bf16 cache,
-# +36-39% on fp8_ds_mla, at batch 1 / 8 / 32. It needs ~217 KiB of shared memory (the queries and
-# one 64-token tile), so devices with less (A100 163 KiB, sm_86 / sm_89 99 KiB) and fp32 queries
-# keep the transposed form (~112 KiB at 2 stages); so does the per-tensor fp8 cache, not timed in it.
+# on the H200 (DeepSeek-V3 heads, long context) it beat the transposed 32-token form on a bf16
+# cache and by more on fp8_ds_mla, at batch 1 / 8 / 32 (docs/kernels.md, MLA decode). It needs
+# ~217 KiB of shared memory (the queries and one 64-token tile), so devices with less (A100 163
+# KiB, sm_86 / sm_89 99 KiB) and fp32 queries keep the transposed form (~112 KiB at 2 stages); so
+# does the per-tensor fp8 cache, not timed in it.
 MLA_BLOCK_H = 64
 # fp32 queries (the dots in fp32) take half the heads a program: their [64, 576] fp32 query tile
 # alone is 147 KB, and with two 32-token stages the transposed decode needs ~256 KB of shared
-# memory (sm_90 AOT), over any GPU's 227 KB (the launch failed on the H200 in the bench's fp32
-# check, 2026-12-02); 32 heads: 164-180 KB. A function of the query dtype only, like the form.
+# memory (sm_90 AOT), over any GPU's 227 KB (the launch fails on the H200 with out of resources);
+# 32 heads: 164-180 KB. A function of the query dtype only, like the form.
 MLA_BLOCK_H_FP32 = 32
 MLA_BLOCK_N = 32
 MLA_HM_BLOCK_N = 64
 MLA_HM_MIN_SHARED = 222 * 1024
 MLA_NUM_WARPS = 8
 MLA_NUM_STAGES = 2
-# the transposed bf16 decode's lazy-rescale slack (attention_triton.RESCALE_SLACK's comment, run 23)
+# the transposed bf16 decode's lazy-rescale slack (why only there: RESCALE_SLACK's comment)
 MLA_DECODE_BF16_SLACK = 8.0
 
 

@@ -20,8 +20,9 @@ shared-memory operand; sm_90 AOT at 64 heads, 8 warps: bf16 219 registers, no sp
 Scores are the sum of two dots (latent, rope), so the 576-wide row is never padded to 1024.
 Formats: auto, fp8 per-tensor (one scale for latent and rope, folded into the softmax scale and
 the output), fp8 block (fp8_ds_mla: group scales loaded once per tile, rope in the model dtype).
-H200 run 1 (16 rows per program, one page per step, per-element scale gathers): 12.7% of a bf16
-GEMM at 8K (fp8_ds_mla 2.9%). The absorbed form does ~3.4x the expanded form's FLOPs at
+The first form (16 rows per program, one page per step, per-element scale gathers) reached only
+a small fraction of a bf16 GEMM's rate on the H200, less still over fp8_ds_mla (docs/kernels.md,
+MLA prefill). The absorbed form does ~3.4x the expanded form's FLOPs at
 DeepSeek-V3's dims; expanding through kv_b_proj per chunk (vLLM) is the next lever.
 Numerics: dots as attention_triton._mma: bf16 queries (serving) -> bf16 tensor-core operands,
 fp32 accumulation; fp32 queries -> exact fp32 (FFMA; equal to the fp32 reference on CPU).
@@ -158,7 +159,8 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
     heads_m: the rows as the MMAs' M (the decode's heads-as-M tile; ~216 KiB of shared memory at
     64 keys a step) or the transposed tile. By
     default the decode's choice (mla_decode_triton.mla_decode_form) unless a rescale_slack > 0 is
-    given: H200 run 25d, one 8K prompt, +34% bf16 / +49% fp8_ds_mla over the transposed tile.
+    given: faster than the transposed tile on the H200 over bf16 and fp8_ds_mla caches
+    (docs/kernels.md, MLA prefill).
     block_n: keys a step (default MLA_HM_BLOCK_N with heads_m, else MLA_BLOCK_N). num_warps,
     num_stages: the launch (default the decode's MLA_NUM_WARPS / MLA_NUM_STAGES; for probes)."""
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()

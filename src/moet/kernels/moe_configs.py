@@ -47,7 +47,7 @@ class GemmConfig:
     # the scale bytes behind an always-taken branch, so Triton packs the MMA operands' K by 2
     # (kWidth 2: activations by ldmatrix, no register moves) instead of the 4 its heuristic takes from
     # the 8-bit scale load (moe_triton._scale_values); other fp32 sum order. Fewer instructions a K step,
-    # but more registers and one shared-memory load per scale byte: a win on some tiles only (run 33).
+    # but more registers and one shared-memory load per scale byte: a win on some tiles only.
     # The tiled path only (the fused and token-major decodes ignore it)
     kwidth2: bool = False
 
@@ -118,9 +118,9 @@ class MoEConfig:
 
 
 def default_config(num_pairs: int) -> MoEConfig:
-    """The H200 tuning's winners (tools/kernel_lab/moe_tune_h200_2026-11-29*.json): decode from
-    run 4 (one-pair tiles, gate/up split in two; the same or within 3% across the three model
-    shapes and both formats at T = 1), prefill from run 3."""
+    """The H200 tuning's winners (moe_kernel_tune; docs/kernels.md, MoE): decode one-pair tiles,
+    gate/up split in two (the best or close to it across the three model shapes and both formats
+    at T = 1), prefill the prefill sweep's winner."""
     if num_pairs <= SMALL_ALIGN_MAX_PAIRS:     # decode: few tokens per expert, stream the weights
         return MoEConfig(1, GemmConfig(32, 32, 2, 2, 4), GemmConfig(32, 32, 1, 2, 4))
     return MoEConfig(64, GemmConfig(64, 16, 1, 4, 3), GemmConfig(128, 32, 1, 8, 3))

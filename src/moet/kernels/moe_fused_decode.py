@@ -3,10 +3,10 @@ whole routed-expert layer -- gate/up + SwiGLU, down, the fixed-order top-k combi
 persistent Triton launch, with moe_experts_reference's semantics.
 
 Why: at T = 1 the layer streams only 39 MB (GLM-4.5-Air), ~10 us at the H200's bandwidth, and the
-tiled path's 4 launches each ramp the whole GPU up and drain it; the lab's register-A wgmma GEMVs
-reach 78-92% of the bandwidth on their own and still lose that at T = 1 to the launch boundaries
-(docs/perf.md, run 10). Token-major (2 launches) lost to the tiled path on its down projection's
-serial walk over the k experts (run 13). Here there is one launch and no serial walk: the work
+tiled path's 4 launches each ramp the whole GPU up and drain it; register-A wgmma GEMVs that reach
+most of the bandwidth on their own still lose that at T = 1 to the launch boundaries
+(docs/kernels.md, MoE). Token-major (2 launches) lost to the tiled path on its down projection's
+serial walk over the k experts. Here there is one launch and no serial walk: the work
 items are (pair, gate/up row block) then (pair, down row block), handed out round-robin to a
 grid of at most one program per SM, and the dependencies become counters in global memory:
 

@@ -36,9 +36,9 @@ weights); the K order inside a unit is split into slot tensors (slot p = weight 
 one tl.dot per slot. The activations are kept slot-major per row (hidden is copied so once per
 call, [T, UPW, H / UPW]; the gate/up epilogue writes act so), so each slot's tile is one
 contiguous, cp.async-pipelined load. (Splitting a natural-order tile in registers instead
-costs 16-bit shared-memory stores and a fence before every wgmma: 1.5x slower, measured.)
+costs 16-bit shared-memory stores and a fence before every wgmma, and was slower on the H200.)
   W2 (pool layout "nb8", moet.formats.w2.to_nb8): one LOP3 + one IMAD per two bf16 weights,
-     the UE8M0 scale folded into the exponent (NB8_ASM; tools/kernel_lab/RESULTS.md). Exact
+     the UE8M0 scale folded into the exponent (NB8_ASM; docs/kernels.md, W2 decode). Exact
      for scale bytes 1..252 (the range any bf16/fp32 source produces); byte 0 decodes the +-1
      level as +-0 instead of +-2^-127.
   FP4 (NVFP4 bytes as in the checkpoint): per bf16 pair the e2m1 bits are placed under a bf16
@@ -48,8 +48,8 @@ costs 16-bit shared-memory stores and a fence before every wgmma: 1.5x slower, m
 Operands are bf16 with fp32 accumulation on the GPU: the weights are exact in bf16, the
 activations of gate/up are the bf16 hidden states, and the SwiGLU output is rounded to bf16
 before the down projection (as vLLM's fused_moe does), so against the fp32 reference
-||out - ref|| / ||ref|| is 2.2e-3..2.6e-3 (measured on the H200 at real shapes), asserted
-<= 1e-2. (An fp32 hidden input is rounded to bf16 as well.) An e4m3 NaN scale byte (0x7F)
+||out - ref|| / ||ref|| is a few 1e-3 on the H200 at real shapes, asserted <= 1e-2. (An fp32
+hidden input is rounded to bf16 as well.) An e4m3 NaN scale byte (0x7F)
 decodes as 480 below sm_89 and as NaN from sm_89 on (NVFP4 encoders never write it).
 Under TRITON_INTERPRET=1 (CPU tests) the inline asm cannot run: the same bits are built with
 plain Triton integer ops in fp32, dots are fp32 "ieee" and act stays fp32 (bound 1e-5).
@@ -160,7 +160,7 @@ def _scale_value(s4, FMT: tl.constexpr, USE_ASM: tl.constexpr):
     if FMT == 0:
         v = s4.to(tl.int32)
     elif USE_ASM >= 2:   # sm_89+: the GPU's own e4m3 conversion (cvt.rn.f16x2.e4m3x2), exact;
-        v = s4.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118     # sm_90 AOT: FP4 loops -10..18%
+        v = s4.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_118     # sm_90 AOT: shorter FP4 loops
     else:                # the interpreter and older GPUs (no e4m3 type in Triton before sm_89)
         v = _e4m3_times_2p118(s4.to(tl.int32))
     return v
@@ -177,7 +177,7 @@ def _scale_values(s4, FMT: tl.constexpr, USE_ASM: tl.constexpr, KW2: tl.constexp
     ldmatrix, the moves gone. sm_90 AOT, DeepSeek-V3 T = 1 tiles: W2 gate/up loop 927 -> 849
     instructions, down 283 -> 257; but each thread's units then span twice the scale groups (one
     LDS.U8 per byte, twice as many) and gate/up takes 168 registers instead of 127. On the H200
-    (run 33) that wins on some GEMMs and loses on others, so it is a per-GEMM choice. The same
+    that wins on some GEMMs and loses on others, so it is a per-GEMM choice. The same
     products; the MMAs group K differently, so the fp32 sums may differ in their last bits.
     test_moe_triton's AOT test asserts the kWidth of both forms."""
     if KW2:
@@ -484,7 +484,7 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
     and this kernel cannot launch before every gate/up program has passed its own wait.
     PREFETCH_STEPS (MoEConfig.down_prefetch_steps; 0 = the whole slab): only the slab's first K steps,
     the bytes the program's pipeline asks for first (the whole down did not fit in L2 beside
-    gate/up's reads at T = 1, run 29).
+    gate/up's reads at T = 1).
     KW2 (GemmConfig.kwidth2): the scale values behind an always-taken branch, so the MMAs pack K by 2
     (_scale_values)."""
     if PREFETCH:
@@ -536,13 +536,15 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         acc2 = tl.zeros([BN, BM], dtype=tl.float32)
         # UNROLL (GemmConfig.unroll): the K loop body repeated, so one copy's activation loads can
         # be issued during the other's dots (with BM < 4 Triton loads x straight into the MMA
-        # registers at the top of each step: the top stall in Nsight Compute, run 20; on the H200
-        # it bought nothing at T = 1, run 21, so the tuner tries it). Same dots, same order, same bits.
+        # registers at the top of each step: the top stall in Nsight Compute; on the H200 it
+        # bought nothing at T = 1, so it is the tuner's to try, not a default). Same dots, same
+        # order, same bits.
         # CHAINS 2 (GemmConfig.chains): two independent MMA chains a step instead of one (sm_90 SASS
-        # otherwise chains all of a step's HMMAs; W2 has twice FP4's MMAs per byte and streams ~30%
-        # slower, run 28). Gate/up: the gate and up dots alternate, each accumulator getting the
-        # same dots in the same order (same bits). Down: even and odd slots go to two accumulators,
-        # summed after the K loop (other bits than CHAINS 1: the fp32 order of the sum changes).
+        # otherwise chains all of a step's HMMAs; W2 has twice FP4's MMAs per byte and streams
+        # markedly slower than FP4). Gate/up: the gate and up dots alternate, each accumulator
+        # getting the same dots in the same order (same bits). Down: even and odd slots go to two
+        # accumulators, summed after the K loop (other bits than CHAINS 1: the fp32 order of the sum
+        # changes).
         for i in tl.range(0, PER, loop_unroll_factor=UNROLL):
             st = ks * PER + i                              # steps past STEPS are fully masked
             u = st * BKH + hcols
@@ -763,7 +765,7 @@ def _align_small(ids_ptr, table_ptr, sorted_ptr, bslot_ptr, nblk_ptr, miss_ptr, 
 # one-row tile, so no slot alignment and no slot-major copy of the hidden states is needed, and
 # each token's down projections and top-k combine are one program per row block. Two launches
 # per layer instead of four or five: at T = 1 the launch boundaries (each a full ramp-up and
-# drain of the GPU) were measured to cost more than the weight decode (docs/perf.md, run 10).
+# drain of the GPU) were measured to cost more than the weight decode (docs/kernels.md, MoE).
 
 @triton.jit
 def _tm_gate_up_tile(pid_n, p, slot, x_ptr, wq_ptr, sc_ptr, s2_ptr, act_ptr, s_x, s_wq_slot, s_sc_slot, limit,
@@ -983,7 +985,7 @@ def fit_token_tile(config: MoEConfig, pairs: int, num_slots: int) -> MoEConfig:
 def _align_launch(pp: int) -> dict:
     """Compare-chunk width and warps of the one-program slot alignment: its [PP, QB] compare
     tiles live in registers, and at PP 512 with QB 32 on 4 warps (128 values a thread a tile)
-    they spilled: 404 us a call, against 29 us at PP 256 (H200, run 12), so the chunk shrinks
+    they spilled and the call took over ten times as long as at PP 256 (H200), so the chunk shrinks
     as PP grows and the program gets 8 warps from PP 256."""
     return dict(QB=max(1, min(pp, 32, 2048 // pp)), num_warps=8 if pp >= 256 else 4)
 
@@ -1108,8 +1110,9 @@ UNMASK_EVEN_TILES = True
 # On such tiles with at most X_CLAMP_MAX_BM pairs the x loads lose their pair mask too (X_CLAMP:
 # padding rows read a real row whose product column is dropped): the same bits. Only below BM 4,
 # where x goes straight to registers: from BM 4 on it is staged by cp.async, which zero-fills a
-# masked row without reading it, so a clamped row costs a real read (H200 run 30: +17% at BM 8,
-# DeepSeek-V3 W2 T = 1; -2% at BM 1). A/B switch (moe_kernel_tune --masked-x), not a setting.
+# masked row without reading it, so a clamped row costs a real read (on the H200 clamping was
+# slower at BM 8 and a little faster at BM 1, DeepSeek-V3 W2, T = 1). A/B switch (moe_kernel_tune
+# --masked-x), not a setting.
 CLAMP_X_ROWS = True
 X_CLAMP_MAX_BM = 2
 

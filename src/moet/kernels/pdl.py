@@ -2,8 +2,9 @@
 
 A decode step at batch 1 is ~900 kernels, most of them a few microseconds long (norms, rotary,
 the KV store, attention decode and its split merge, the router's GEMV and top-k): between two
-dependent kernels the GPU drains the first, then launches and ramps up the second (~0.3-1 us
-each; H200, GLM-4.5-Air: 0.27 ms of idle in a 6.58 ms step). Under PDL a kernel launched with
+dependent kernels the GPU drains the first, then launches and ramps up the second (under a
+microsecond each, but over ~900 kernels a few percent of a GLM-4.5-Air step on the H200 is such
+idle time; docs/kernels.md). Under PDL a kernel launched with
 `launch_pdl` may start as soon as every program of the kernel before it has called
 `gdc_launch_dependents`; it then blocks in `gdc_wait` until that kernel has finished and its
 writes are visible. `pdl_enter` does both first thing, so a kernel never touches memory before its

@@ -33,7 +33,7 @@ class W2Pool:
 class FP4Pool:
     """NVFP4 layout (the FP4 tier, SPEC 2.2): e2m1 pairs, e4m3 block-16 scales, fp32 scale_2.
     `layout`: "nvfp4" (the checkpoint's row-major bytes) or "nvfp4t" (weights and block scales
-    row-tiled, moet.formats.row_tiles, read by the same kernels to the same bits, 6-11% faster:
+    row-tiled, moet.formats.row_tiles, read by the same kernels to the same bits, faster:
     the model's pools where moet.model.experts.pool_layout allows)."""
     gate_up_weight: torch.Tensor   # uint8 [S, 2I, H/2]
     gate_up_scale: torch.Tensor    # float8_e4m3fn [S, 2I, H/16]

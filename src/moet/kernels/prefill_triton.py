@@ -15,8 +15,9 @@ paged_prefill_gqa: causal, variable length (cu_seqlens_q), every key read from t
 
 Status: matches the torch reference under TRITON_INTERPRET=1 at small shapes
 (tests/kernels/test_prefill_triton.py) and compiles for sm_90 (tests/kernels/aot_compile.py).
-H200 run 1 (2026-11-29; one 16-key page per step, 64 rows, 4 warps, every tile converted to fp32
-and back): 214 TFLOP/s at 8K = 28% of a bf16 GEMM (SDPA 78%). Now: 128 rows x 64 keys, 8 warps,
+The first form (one 16-key page per step, 64 rows, 4 warps, every tile converted to fp32 and
+back) ran at a fraction of a bf16 GEMM's rate on the H200, far behind SDPA (docs/kernels.md,
+prefill). Now: 128 rows x 64 keys, 8 warps,
 queries and K/V in the dot operand dtype (bf16 tensor cores for bf16 queries, exact fp32 for fp32
 ones), fp8 per-tensor scales folded into the softmax scale and the output and one scale per
 token and head onto score / P columns (attention_triton._gqa_load_operand); sm_90 AOT (GLM-4.5
@@ -42,10 +43,10 @@ from moet.kernels.kv_cache import GQALayerKV
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
 # Tile shape: 256 (query token, head) rows x 64 keys per step (several pages); bf16 and fp8
 # per-tensor caches 16 warps and 2 stages, block-scaled fp8 8 warps (its scale loads and
-# converts are per warp: 16 warps lost 22%). H200 run 28, 8K causal prompt, Qwen3-30B-A3B /
-# GLM-4.5-Air heads, TFLOP/s against the 128 rows x 8 warps before: bf16 220 -> 291 / 178 -> 242,
-# fp8 174 -> 247 / 142 -> 206, fp8-block (8 warps) 108 -> 142 / 88 -> 117 (sm_90 AOT of 256 x 16
-# warps: 18 spilled ops, 1 in the loop; 128 rows x 16 warps and 512 rows were slower still).
+# converts are per warp: 16 warps were slower there). On the H200 (8K causal prompt,
+# Qwen3-30B-A3B and GLM-4.5-Air heads) this beat the earlier 128 rows x 8 warps on every cache
+# format (docs/kernels.md, prefill), though sm_90 AOT of 256 x 16 warps spills a few ops (one in
+# the loop); 128 rows x 16 warps and 512 rows were slower.
 # Head dims over 128 keep the earlier 128 rows x 8 warps (not timed at 256 rows). The launch
 # depends on the cache format and head dim only, never on the batch (the tile changes the last
 # bits, so a grid-size rule for short prompts would make a prompt's output depend on what else
@@ -56,9 +57,9 @@ PREFILL_NUM_WARPS = 16
 PREFILL_NUM_STAGES = 2
 PREFILL_BLOCK_SCALED_NUM_WARPS = 8
 PREFILL_WIDE_D_ROWS, PREFILL_WIDE_D_NUM_WARPS = 128, 8
-# fp32 queries (fp32 dots: a float32 model on a GPU) keep the 128 x 8 launch from before run 28: at
-# 256 rows their [256, 128] fp32 query tile and fp32 K / V stages need 263,168 B of shared memory
-# against the H200's 232,448 (attention_bench's checks, run 34: OutOfResources)
+# fp32 queries (fp32 dots: a float32 model on a GPU) keep the earlier 128 x 8 launch: at 256 rows
+# their [256, 128] fp32 query tile and fp32 K / V stages need 263,168 B of shared memory against
+# the H200's 232,448 (the launch fails with OutOfResources)
 PREFILL_FP32_ROWS, PREFILL_FP32_NUM_WARPS = 128, 8
 
 
@@ -82,8 +83,8 @@ def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr
                   SLACK: tl.constexpr):
     """Keys k0 .. k0 + BLOCK_N (several pages: each key's page gathered from the block table) for
     all rows of the tile: the online-softmax update. Tiles of BLOCK_N keys, not one page: the
-    fp32 rescale of the [rows, Dv] accumulator and the exp run once per BLOCK_N keys (run 1 on
-    the H200, one 16-key page per step: 28% of a bf16 GEMM)."""
+    fp32 rescale of the [rows, Dv] accumulator and the exp run once per BLOCK_N keys (one 16-key
+    page per step left the first form far below a bf16 GEMM's rate)."""
     kpos = k0 + j
     tmask = kpos <= last
     blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)

@@ -153,10 +153,10 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_lt, scale,
 ROUTER_GEMV_MAX_TOKENS = 4
 # One expert row per program (E programs per token: 128-256 of the H200's 132 SMs pull bytes at
 # once) and the whole row in one 4,096-wide tile of 8 warps: a 2 MB GEMV is latency-bound, so
-# one round trip to HBM beats a pipelined loop. H200, 2026-12-01 (tools/kernel_lab/router_bench.py,
-# 45 layers in one graph, T = 1): GLM E128 H4096 3.01 us vs 4.42 with 1,024-wide tiles of 4 warps
-# and 7.78 for torch's cast + cuBLAS; DeepSeek E256 H7168 4.15 vs 6.63 vs 9.12. (The first form,
-# 4 rows per program and 256-wide tiles, was no faster than cuBLAS in the engine.)
+# one round trip to HBM beats a pipelined loop. On the H200 (a graph of all layers' routers, T = 1,
+# GLM-4.5-Air and DeepSeek-V3 shapes) it beat 1,024-wide tiles of 4 warps and took under half the
+# time of torch's cast + cuBLAS (docs/kernels.md, router). (The first form, 4 rows per program and
+# 256-wide tiles, was no faster than cuBLAS in the engine.)
 _GEMV_BE, _GEMV_BK, _GEMV_WARPS = 1, 4096, 8
 
 
@@ -198,7 +198,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype 
     fp16 / fp32), weight [E, H] (fp32 or bf16, read as it is stored) -> [T, E] in out_dtype.
     The fp32 sums are in another order than cuBLAS's, so logits may differ in the last bits
     (as cuBLAS's and the CPU's do); reruns are bit-identical.
-    rows_per_program / block_k / num_warps override the launch (tools/kernel_lab/router_bench.py)."""
+    rows_per_program / block_k / num_warps override the launch (for benchmarks and tests)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ConfigError(f"router gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     t, h = x.shape

@@ -1,6 +1,6 @@
 """SwiGLU of the dense MLP / shared experts in one kernel: act = silu(g) * u, reading the fused
 gate_up GEMV output [T, 2I] (g = [:, :I], u = [:, I:]) directly. In eager torch this is three
-kernels at decode (chunk is a view; silu; mul), each ~1-2 us on an H200 inside a CUDA graph.
+kernels at decode (chunk is a view; silu; mul), each a launch of its own inside a CUDA graph.
 
 Same roundings as torch's F.silu(g) * u on the model dtype: silu in fp32 as torch's CUDA kernel
 computes it, x / (1 + expf(-x)) (libdevice's expf, IEEE division), rounded to the model dtype;
