@@ -34,7 +34,8 @@ this module's split partition, merge kernel and dot helpers.
 
 Status: correct under TRITON_INTERPRET=1 at small shapes (tests/kernels); compiles for sm_90.
 The MLA decode is not the first form: one with 16 heads per program, page-sized tiles and
-per-element scale gathers reached only a small fraction of copy bandwidth (docs/kernels.md).
+per-element scale gathers reached only a small fraction of copy bandwidth (docs/kernels.md,
+MLA decode).
 Dot operands (`_mma`, all four kernels): fp32 queries -> fp32 operands with
 input_precision="ieee" (FFMA; equal to the fp32 reference, what the exactness tests use); bf16
 queries (serving) -> bf16 operands on the tensor cores with fp32 accumulation, P cast to bf16

@@ -3,8 +3,8 @@ residual add before it, and with a second delta: an MoE block's routed + shared 
 embedding, and GQA's q/k head norm + both rotations in one launch (qk_norm_rope). Why: in eager
 torch an RMSNorm is 8 kernels (cast, pow, mean, add, rsqrt, mul, cast, mul) and a rotation 5 (neg,
 cat, 2 mul, add); an H200 profile of a captured Qwen3-30B-A3B decode step spent about a third of
-each layer's time in such microsecond kernels (docs/kernels.md). Here each is one kernel; and
-q_norm, k_norm, rotate q, rotate k are one together.
+each layer's time in such microsecond kernels (docs/kernels.md, small fused kernels). Here each is
+one kernel; and q_norm, k_norm, rotate q, rotate k are one together.
 
 Both reproduce the torch modules' arithmetic step by step (model/layers/norm.py, rope.py):
   RMSNorm:  h = fp32(x); y = model_dtype(h * rsqrt(mean(h^2) + eps)); out = model_dtype(w * y)

@@ -4,7 +4,7 @@ A decode step at batch 1 is ~900 kernels, most of them a few microseconds long (
 the KV store, attention decode and its split merge, the router's GEMV and top-k): between two
 dependent kernels the GPU drains the first, then launches and ramps up the second (under a
 microsecond each, but over ~900 kernels a few percent of a GLM-4.5-Air step on the H200 is such
-idle time; docs/kernels.md). Under PDL a kernel launched with
+idle time; docs/kernels.md, PDL). Under PDL a kernel launched with
 `launch_pdl` may start as soon as every program of the kernel before it has called
 `gdc_launch_dependents`; it then blocks in `gdc_wait` until that kernel has finished and its
 writes are visible. `pdl_enter` does both first thing, so a kernel never touches memory before its

@@ -16,7 +16,7 @@ paged_prefill_gqa: causal, variable length (cu_seqlens_q), every key read from t
 Status: matches the torch reference under TRITON_INTERPRET=1 at small shapes
 (tests/kernels/test_prefill_triton.py) and compiles for sm_90 (tests/kernels/aot_compile.py).
 The first form (one 16-key page per step, 64 rows, 4 warps, every tile converted to fp32 and
-back) ran at a fraction of a bf16 GEMM's rate on the H200, far behind SDPA (docs/kernels.md,
+back) ran at a fraction of a bf16 GEMM's rate on the H200, far behind SDPA (docs/kernels.md, GQA
 prefill). Now: 128 rows x 64 keys, 8 warps,
 queries and K/V in the dot operand dtype (bf16 tensor cores for bf16 queries, exact fp32 for fp32
 ones), fp8 per-tensor scales folded into the softmax scale and the output and one scale per
@@ -45,7 +45,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, 
 # per-tensor caches 16 warps and 2 stages, block-scaled fp8 8 warps (its scale loads and
 # converts are per warp: 16 warps were slower there). On the H200 (8K causal prompt,
 # Qwen3-30B-A3B and GLM-4.5-Air heads) this beat the earlier 128 rows x 8 warps on every cache
-# format (docs/kernels.md, prefill), though sm_90 AOT of 256 x 16 warps spills a few ops (one in
+# format (docs/kernels.md, GQA prefill), though sm_90 AOT of 256 x 16 warps spills a few ops (one in
 # the loop); 128 rows x 16 warps and 512 rows were slower.
 # Head dims over 128 keep the earlier 128 rows x 8 warps (not timed at 256 rows). The launch
 # depends on the cache format and head dim only, never on the batch (the tile changes the last
