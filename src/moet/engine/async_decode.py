@@ -2,8 +2,8 @@
 
 Why: a synchronous step ends with the host waiting for the sampled ids (the step's only sync),
 then updating the scheduler, detokenizing, checking stops and building the next batch while
-the GPU idles: ~0.5 ms of a 7.2 ms GLM-4.5-Air single-stream step on the H200 (docs/perf.md,
-run F). vLLM's async scheduling and SGLang's overlap scheduler hide it the same way:
+the GPU idles: several percent of a GLM-4.5-Air single-stream step on the H200 (docs/perf.md).
+vLLM's async scheduling and SGLang's overlap scheduler hide it the same way:
 
     step N+1 (a call of LLMEngine.step):
       schedule()            every running sequence got a placeholder token at step N, so each

@@ -3,8 +3,9 @@
 Two ways to give a decode step the fully resident result over a partial device cache:
   graph   the captured CUDA graph (fast per pass: no launch overhead); a pass that missed an
           expert contributed zero there, so the step is replayed after the fetch, and because a
-          miss in layer L changes every later layer's routing, strict replay runs ~3.4 graph
-          passes per step at a 98% hit rate (GLM-4.5-Air shape, 32 GB card, H200, run 11);
+          miss in layer L changes every later layer's routing, strict replay runs several graph
+          passes per step even when nearly every expert hits (a GLM-4.5-Air-shaped model in a
+          32 GB budget on the H200; docs/perf.md);
   eager   the model's eager forward (launch overhead, one host sync per MoE layer) with demand
           fetch (store/demand.py): each layer's experts are made resident before it runs, so a
           step is exactly one pass.

@@ -3,7 +3,7 @@
 Why: AsyncEngine runs the engine in a thread of the server process, so every microsecond the
 event loop spends on HTTP (JSON, SSE framing, socket sends) is taken from the engine through the
 GIL. On the serve_overhead stand-in (16 streams, 2 ms steps of which 1.5 ms Python) the engine's
-steps got 18% longer under HTTP load and HTTP decode fell to 0.65x the Python API's. Here the
+steps got markedly longer under HTTP load and HTTP decode fell well below the Python API's. Here the
 engine owns a process (and a GIL) of its own: vLLM V1's AsyncLLM / EngineCore split.
 
     parent (the server)                          child (spawned: no CUDA / fork hazards)

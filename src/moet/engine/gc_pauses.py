@@ -83,8 +83,8 @@ _server_starting = False
 def server_start_up():
     """Around a server's start-up (engine, app, imports): an engine built inside leaves its
     watches (JIT compiles, GC pauses) unmarked until freeze_start_up, so what happens meanwhile --
-    collections of a large, not yet frozen heap (0.2 s each on the H200 machine, run 19) -- is not
-    logged as a wait of a request."""
+    collections of a large, not yet frozen heap (a fraction of a second each with a real model) --
+    is not logged as a wait of a request."""
     global _server_starting
     _server_starting = True
     try:
@@ -115,8 +115,9 @@ def install_gc_pauses() -> GcPauses:
 def freeze_start_up() -> int:
     """Collect once, then freeze every surviving object out of later collections; -> how many.
     The servers call it right before they accept requests, so it also marks the process's watches
-    (JIT, GC) ready and starts the GC watch's "while serving" count afresh: that collection (a full walk of the start-up heap, ~0.5 s on
-    the H200 machine, measured in run 19 as a "pause while serving") and any collection between
+    (JIT, GC) ready and starts the GC watch's "while serving" count afresh: that collection (a full
+    walk of the start-up heap, which a count started earlier reported as a long "pause while
+    serving") and any collection between
     the engine's ready mark and here (building the app) had no request waiting on them."""
     w = _watch
     if w is not None:

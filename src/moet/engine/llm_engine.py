@@ -167,9 +167,9 @@ class LLMEngine:
           tables (tokens, pairs = tokens x top_k) and every integer class;
         - serving-shaped steps at 2^j and 2^j + 1 concurrent requests (up to max_num_seqs): ragged
           prompts prefilled together, all but the first group reading a cached prefix (prefill
-          with earlier context from paged blocks), then two decode steps. A server run on the H200
-          (run 18) still compiled alignment and MLA-prefill variants on its first requests with
-          the first part alone."""
+          with earlier context from paged blocks), then two decode steps. With the first part
+          alone, a server on the H200 still compiled alignment and MLA-prefill variants on its
+          first requests."""
         cap = min(self.scheduler.max_num_batched_tokens, self.max_model_len - 1)
         sizes = sorted({1} | {m for j in range(31) for m in (1 << j, (1 << j) + 1) if m <= cap})
         vocab = self.model.spec.vocab_size

@@ -105,7 +105,7 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 # each element as two bits neg (1 = negative) and big (1 = |level| 4): slot p < 7 at bits
 # (big 8 - p, neg 15 - p), slot 7 at (big 0, neg 1). Same size as v1; scales unchanged. A
 # 32-bit pair of units then decodes to the bf16 pair of slot p as ((w & M_p) << p) + scale
-# term: one LOP3 + one IMAD per two weights (tools/kernel_lab/RESULTS.md).
+# term: one LOP3 + one IMAD per two weights (docs/kernels.md, W2 decode).
 NB8_BIG_BIT = (8, 7, 6, 5, 4, 3, 2, 0)
 NB8_NEG_BIT = (15, 14, 13, 12, 11, 10, 9, 1)
 

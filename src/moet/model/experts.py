@@ -36,7 +36,7 @@ def new_pool(spec, expert_format: str, num_slots: int, dtype: torch.dtype, devic
                               "divisible by 32; use --expert-format fp4 or bf16")
         # codes in the kernels' nb8 layout (moet.formats.w2.to_nb8; files keep v1), rows tiled
         # (nb8t, moet.formats.w2.tile_rows) where the shapes allow: the same kernels read it to
-        # the same bits, 5-9% faster (H200 run 26: DeepSeek-V3 T = 1 layer 64.2 -> 58.7 us)
+        # the same bits, faster (on the H200, DeepSeek-V3's layer at T = 1; docs/kernels.md, MoE)
         return W2Pool(torch.zeros(s, 2 * i, h // 4, **u8), torch.zeros(s, 2 * i, h // 32, **u8),
                       torch.zeros(s, h, i // 4, **u8), torch.zeros(s, h, i // 32, **u8),
                       layout=pool_layout("w2", h, i))
@@ -44,8 +44,8 @@ def new_pool(spec, expert_format: str, num_slots: int, dtype: torch.dtype, devic
         if h % 16 or i % 16:
             raise ConfigError(f"expert_format=fp4 needs hidden_size ({h}) and moe_intermediate_size ({i}) "
                               "divisible by 16; use --expert-format bf16")
-        # rows tiled (nvfp4t) where the shapes allow, as W2 above: H200 run 27, DeepSeek-V3 layer
-        # T = 1 104.9 -> 93.1 us, T = 8 574 -> 526 us, the same bits
+        # rows tiled (nvfp4t) where the shapes allow, as W2 above: the same bits, faster (on the
+        # H200, DeepSeek-V3's layer at T = 1 and 8; docs/kernels.md, MoE)
         f8 = dict(dtype=torch.float8_e4m3fn, device=device)
         return FP4Pool(torch.zeros(s, 2 * i, h // 2, **u8), torch.zeros(s, 2 * i, h // 16, **f8),
                        torch.zeros(s, 2, dtype=torch.float32, device=device),

@@ -2,7 +2,7 @@
 
   bf16  unquantized: the activations stay in the model's dtype (float32 on CPU, bfloat16 on
         CUDA) -- transformers' own forward, today's behaviour.
-  e4m3  the two activation points of the PTX W2 kernel (tools/kernel_lab/ptx_w2) are
+  e4m3  the two activation points of the PTX W2 kernel (docs/kernels.md, MoE) are
         fake-quantized to float8 e4m3 inside the routed experts' forward:
           1. the hidden state, once per token, before gate/up;
           2. the SwiGLU output silu(gate) * up, per (token, expert) pair, before down.
