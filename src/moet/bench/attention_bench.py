@@ -17,9 +17,9 @@
 Timing: each op is captured in a CUDA graph (no Python launch overhead) and replayed under
 triton.testing.do_bench, which flushes L2 before every run; median. Not the copy reference: a
 contiguous copy_ is a cudaMemcpyAsync, captured it becomes a graph memcpy node, and the driver
-runs 1 GiB memcpy nodes far below the eager copy (pytorch/pytorch#191284; here runs 1-10 read
-2,702-2,757 GB/s that way, an eager 1 GiB copy_ on the same H200 type 3,987): it is timed
-eagerly. Combos that do not fit in free memory or the remaining budget are skipped (listed).
+runs 1 GiB memcpy nodes far below the eager copy (pytorch/pytorch#191284; on the H200 a captured
+1 GiB copy reached about two thirds of an eager one's rate): it is timed eagerly. Combos that do
+not fit in free memory or the remaining budget are skipped (listed).
 Writes attention_bench.json and attention_bench.md under --out and prints as it goes. Exit code 1
 if any check failed.
 `--smoke` runs the same code on CPU (TRITON_INTERPRET=1) at toy shapes: a test of this script.
@@ -59,28 +59,24 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
 BS = 16                                    # tokens per page (vLLM's default)
 # decode (split_tokens, max_splits) swept: one compiled kernel serves them all (runtime args)
 SPLITS = ((64, 32), (128, 32), (256, 32), (512, 32), (1024, 32), (2048, 32), (256, 8), (256, 128))
-# --quick: the defaults (GQA 256/32 since run 4, MLA 256/32) and alternatives. MLA with twice the
-# programs at batch 1 (256/64) and half the split partials at batch 32 (2048/32).
+# --quick: the defaults (GQA 256/32, MLA 256/32) and alternatives. MLA with twice the programs at
+# batch 1 (256/64) and half the split partials at batch 32 (2048/32).
 # GQA entries: (split_tokens, max_splits[, tile_tokens[, num_warps, num_stages]]); None or absent =
 # paged_decode_gqa's default (GQA_TILE_TOKENS; the launch table, attention_configs.json). At 32K
 # (256/32: 32 splits of 1,024 tokens; 4 kv heads) the default launch next to Triton's 3 stages
 # (single-buffered cp.async: the default before the table, still the table's at batch 32 bf16), 5
-# (double) and 7 (triple): run 10 had 7 best at batch 1 bf16, 5 for fp8, 3 at batch 32 bf16; batch
-# 8 (1,024 programs) was not measured -- the table gives it batch 1's stages. 512/64: 64 splits of
-# 512 (256 programs at batch 1), with the table's launch and with 7 stages. 8 warps lost every
-# setting of run 10 (w8 s3), and the register-prefetch loop forms were removed after it; run 4
-# measured the other splits (256/128, 128/256, 16- and 32-token steps: all slower).
-# Run 11 (batch 8 added): 5 stages best from batch 8 on bf16, in the table since. Batch 1 bf16 stays at
-# 44% of the copy with 128 programs on 132 SMs. Run 14 tried more, shorter splits with deep
-# pipelines (256/64 s7, 256/128 s7 / s5): slower at every batch, but a 64-token stage is 32 KiB of
-# K + V, so 5-7 stages leave room for one program per SM and 256 / 512 programs ran in 2 / 4 waves.
-# Now: the same split counts with the programs co-resident (256/64 s3 = 96 KiB, two per SM; 32-token
-# tiles, 16 KiB a stage: 256/64/32 s5 two per SM, 256/128/32 s3 four per SM), and 256/32/32 s7
-# (the default split with the smaller tile). Run 15: all four slower than 256/32 at every batch
-# (short walks, not waves, cost), so they left the list. A sixth element True: the fused split merge
-# (no merge launch; runs 18 and 21: slower at every batch, so it left the list again). A seventh
-# element 2, paged_decode_gqa(chains=2) at 3 and 5 stages (each split's halves as two online-softmax
-# chains): slower in every case (docs/perf.md, attention "Run 22"), so the option was removed.
+# (double) and 7 (triple): the rows the launch table is written from (attention_configs.py), so a
+# new device or Triton version can be re-tabled with one call. Batch 1 bf16 stays well short of the
+# copy with 128 programs on 132 SMs.
+# What left the list, each slower than 256/32 on the H200 (docs/kernels.md, attention): other
+# splits (256/128, 128/256) and 16- and 32-token steps; 8 warps; register-prefetch loop forms
+# (removed); more, shorter splits with deep pipelines (256/64 s7, 256/128 s7 / s5: a 64-token
+# stage is 32 KiB of K + V, so 5-7 stages leave room for one program per SM and 256 / 512 programs
+# ran in 2 / 4 waves); the same split counts with the programs co-resident (256/64 s3 = 96 KiB, two
+# per SM; 32-token tiles, 16 KiB a stage: 256/64/32 s5 two per SM, 256/128/32 s3 four per SM) and
+# 256/32/32 s7 (short walks, not waves, cost); the fused split merge (a sixth element True, no
+# merge launch); paged_decode_gqa(chains=2) (each split's halves as two online-softmax chains;
+# the option was removed).
 QUICK_SPLITS = {"gqa": ((256, 32), (256, 32, None, 4, 3), (256, 32, None, 4, 5), (256, 32, None, 4, 7)),
                 "mla": ((256, 32), (256, 64), (2048, 32))}
 
@@ -365,7 +361,8 @@ class Bench:
         gemv: a bf16 GEMV (x[1, K] @ W^T, W [32768, 7168], 470 MB; timing.bf16_gemv_bandwidth, do_bench,
           L2 flushed) counting the weight bytes: the read-only yardstick of the MoE / FP8 / engine
           benches.
-        Also recorded, not used: the copy of 1 GiB as runs 1-10 timed it (a graph memcpy node)."""
+        Also recorded, not used: the copy of 1 GiB as the first measurements timed it (a graph
+        memcpy node)."""
         from moet.bench.timing import bf16_gemv_bandwidth
         n = (2 << 30) if not self.smoke else (1 << 20)
         src = torch.empty(n, dtype=torch.uint8, device=self.dev).random_()
@@ -539,8 +536,8 @@ class Bench:
         distinct caches (per call = graph time / GRAPH_CALLS; each call's cache is cold: the others'
         bytes and do_bench's L2 flush lie between its reads). A one-call graph pays the graph
         launch's fixed cost on every call; the engine's decode step is one graph for all its layers
-        and pays it once, so this is the engine-shaped figure (at batch 1, 32K: 29 against 33 us,
-        run 21)."""
+        and pays it once, so this is the engine-shaped figure (at batch 1, long context, the
+        graph of four is measurably faster a call than one-call graphs)."""
         n = self.GRAPH_CALLS
         if not self.smoke and need * (n - 1) * 1.3 > torch.cuda.mem_get_info()[0]:
             self.skipped.append(f"decode {arch} ctx {ctx} batch {batch} {fname} graph of {n}: does not fit")
@@ -696,7 +693,7 @@ class Bench:
         if first["copy_graph_node"]:
             c = first["copy_graph_node"]
             lines.append(f"(not used: the copy of {c['bytes'] / 2**30:.3g} GiB as a CUDA-graph memcpy node, the "
-                         f"reference of runs 1-10: {c['gbps']:.0f} GB/s)")
+                         f"reference of the first measurements: {c['gbps']:.0f} GB/s)")
         checks = [r for r in self.records if r["kind"] == "check"]
         lines.append(f"checks: {sum(r['ok'] for r in checks)}/{len(checks)} ok"
                      + (f"; FAILED: {', '.join(self.failures)}" if self.failures else ""))

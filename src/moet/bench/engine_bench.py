@@ -82,8 +82,8 @@ def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", see
     # projections that write into the residual stream (o_proj, down_proj, expert down) smaller
     # by sqrt(2 L). With every branch at full size, the residual stream of a 48-layer random
     # model grows to rms ~400 and a 2^-9 relative perturbation of the embeddings decorrelates
-    # the final hidden state completely (tools/kernel_lab/engine_diag.py on the H200): such a
-    # model cannot tell a correct engine from a wrong one.
+    # the final hidden state completely (a diagnostic on the H200 showed it): such a model cannot
+    # tell a correct engine from a wrong one.
     depth = math.sqrt(2 * spec.num_layers)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight") or "layernorm" in name:
@@ -215,7 +215,7 @@ def check_correctness(eng, model, device, vocab: int) -> dict:
     the contiguous reference loop, held to the model's own bf16 noise floor: the same reference
     with its embedding output perturbed by 2^-9 relative (two seeds). A random-weight model has
     nearly flat logits (top-1 / top-2 gaps of a few hundredths), so paged vs contiguous rounding
-    flips argmaxes without anything being wrong (tools/kernel_lab/engine_diag.py); the check
+    flips argmaxes without anything being wrong (a diagnostic on the H200 showed it); the check
     compares the top-20 logprobs where both sides have them. Agreement within 2x the floor (+0.05)
     is "ok"; identical argmaxes and 8-token continuations are reported as information."""
     from moet.sampling_params import SamplingParams

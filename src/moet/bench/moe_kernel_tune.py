@@ -241,17 +241,17 @@ def candidates(regime: str, fmt: str):
     if regime == "decode":
         # few pairs per expert: small token tiles (BM 1 at T = 1 has no padded token rows, so no
         # shared-memory x tiles and half the MMAs) and low-register configs for occupancy
-        # (tools/kernel_lab: SASS counts from the sm_90 AOT build)
+        # (SASS counts from the sm_90 AOT build)
         # and enough programs: at T = 1 a DeepSeek-V3 gate/up with BN 64 is only 32 x 8 programs of
         # two warps (one warp per scheduler), so split-K and narrow row blocks are in the list
-        # BKH 64 (a whole nb8t tile row a step, two units of 256 weights: run 26b measured the
-        # DeepSeek-V3 T = 8 gate/up -5% with it on the row-tiled pool)
+        # BKH 64 (a whole nb8t tile row a step, two units of 256 weights: faster for DeepSeek-V3's
+        # T = 8 gate/up on the row-tiled pool)
         gu = [GemmConfig(32, 32, 2, 2, 4), GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 16, 1, 2, 6),
               GemmConfig(32, 16, 2, 2, 6), GemmConfig(32, 32, 4, 2, 4), GemmConfig(64, 32, 2, 2, 4),
               GemmConfig(64, 32, 1, 4, 4), GemmConfig(16, 32, 2, 1, 4), GemmConfig(32, 64, 2, 2, 4),
               GemmConfig(32, 64, 1, 2, 4),
               # gate and up dots alternating (chains 2; sm_90 AOT at the T = 1 tile: 114 registers
-              # against 96, so 8 programs an SM instead of 10; not timed before run 29)
+              # against 96, so 8 programs an SM instead of 10: for the sweep to decide)
               GemmConfig(32, 32, 2, 2, 4, chains=2), GemmConfig(32, 64, 1, 2, 4, chains=2),
               # deeper rings at the T = 1 tile (sm_90 AOT: 6 stages 96 registers, 23 KB; 8: 104, 32 KB)
               GemmConfig(32, 32, 2, 2, 6), GemmConfig(32, 32, 2, 2, 8)]
@@ -265,10 +265,10 @@ def candidates(regime: str, fmt: str):
         base = MoEConfig(16, gu[0], dn[0])
         return base, gu, dn
     # prefill: tensor-core tiles; the weights are decoded once per (tile, K step) for BM tokens, so
-    # wider token tiles and deeper pipelines are in the list too (issue 4's prefill target: run 4's
-    # best, BM 64, was 43.8% of the GEMM at T = 8192 with only these first four per side)
+    # wider token tiles and deeper pipelines are in the list too (with only the first four per
+    # side, the best, BM 64, stayed well short of the GEMM at T = 8192)
     base = MoEConfig(64, GemmConfig(64, 16, 1, 8, 3), GemmConfig(128, 16, 1, 8, 3))
-    # BKH 64 (stop 20): BKH 32 was run 21's win (twice the K per register-A wgmma, half the
+    # BKH 64: BKH 32 won over 16 (twice the K per register-A wgmma, half the
     # warp-group waits), so the next doubling is in the list (sm_90 AOT at BM 64: FP4 fits 3 stages
     # without spills; W2 gate/up needs 2 stages and spills a little, W2 down fits 2 stages), and a
     # BN-256 down (half the x-tile reads per weight; its gate/up twin spills)
@@ -318,8 +318,8 @@ def _alternatives():
 def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
     """Token-tile sizes worth timing at decode: up to ~4x the mean pairs per expert, and at least
     up to 8: BM >= 4 tiles stage x through shared memory (cp.async) where BM 1-2 tiles load it
-    into registers at each K step, and the m16n8k16 MMA count is the same up to BM 8 (run 21:
-    DeepSeek-V3 W2 at T = 8, ~1 pair per expert, BM 8 303.5 us against BM 1 348.9)."""
+    into registers at each K step, and the m16n8k16 MMA count is the same up to BM 8 (DeepSeek-V3
+    W2 at T = 8, ~1 pair per expert: BM 8 beat BM 1 on the H200)."""
     cap = max(8, 1 << max(0, math.ceil(math.log2(max(1.0, 4 * pairs / experts)))))
     return [b for b in (1, 2, 4, 8, 16) if b <= cap]
 
@@ -328,9 +328,9 @@ def decode_whole_configs():
     """Whole decode configs the greedy sweeps cannot reach one field at a time. The token tile is
     chosen first, with the base row tiles; from BM 4 on x is staged through shared memory with the
     codes, which is what lets a K step of 64 units pay off (BM 1-2 load x into registers each step).
-    Run 28's FP4 winner at T = 1 and 8 on the row-tiled pools was BM 4 + gate/up BKH 64 without a
-    split (DeepSeek-V3 T = 1 93.1 -> 77.6 us), while W2's sweep at T = 1 kept BM 1 (59.0 us against
-    59.1 at BM 4 with the base tiles) and so never timed that pair."""
+    The FP4 winner at T = 1 and 8 on the row-tiled pools was BM 4 + gate/up BKH 64 without a split
+    (clearly faster for DeepSeek-V3 at T = 1), while W2's sweep at T = 1 kept BM 1 (a tie with BM 4
+    on the base tiles) and so would never time that pair."""
     from moet.kernels.moe_configs import GemmConfig, MoEConfig
     gu = GemmConfig(32, 64, 1, 2, 4)
     gi = GemmConfig(32, 64, 1, 2, 4, chains=2)
@@ -343,11 +343,11 @@ def decode_whole_configs():
 
 def prefill_whole_configs(fmt: str):
     """Whole prefill configs the greedy sweeps cannot reach one field at a time: W2 at BM 128 needs
-    two cp.async stages (three ran out of shared memory in run 21: x tiles of 128 rows x 8 slots),
-    or a BN-64 gate/up, which fits three (sm_90 AOT, stop 20: BN 128 needs 233,472 bytes, 1 KB over
+    two cp.async stages (three run out of shared memory: x tiles of 128 rows x 8 slots),
+    or a BN-64 gate/up, which fits three (sm_90 AOT: BN 128 needs 233,472 bytes, 1 KB over
     the H200's 232,448 a block; BN 64 215-217 KB, no spills; the BN-128 down 215 KB)."""
     from moet.kernels.moe_configs import GemmConfig, MoEConfig
-    if fmt != "w2":    # FP4 at BM 128 (run 21's winner) with the down K step doubled (its gate/up twin spills)
+    if fmt != "w2":    # FP4 at BM 128 (the sweep's winner) with the down K step doubled (its gate/up twin spills)
         g = GemmConfig(128, 32, 1, 8, 3)
         return [MoEConfig(128, g, GemmConfig(128, 64, 1, 8, 2)), MoEConfig(128, g, GemmConfig(128, 64, 1, 8, 3))]
     two = GemmConfig(128, 32, 1, 8, 2)
@@ -523,12 +523,12 @@ def main():
                             try_flag("down_prefetch", "down prefetch", pdl=True)
                         if tiled and regime == "decode" and left() > 0:
                             # only each down program's first K step (the whole slab competes with
-                            # gate/up's reads for L2; run 32: -1.5..-3% at T = 1)
+                            # gate/up's reads for L2; a little faster at T = 1 on the H200)
                             try_flag("down_prefetch", "down prefetch, first step", "down_prefetch_first_step", pdl=True,
                                      down_prefetch_steps=1)
                         for part in ("gate_up", "down"):
                             # the scale bytes behind a branch: the MMAs' K packed by 2 (GemmConfig.kwidth2;
-                            # run 33: -2..-8% on some GEMMs, +5..+40% on others)
+                            # faster on some GEMMs, much slower on others: tried per GEMM)
                             if tiled and regime == "decode" and left() > 0:
                                 try_config(replace(best, **{part: replace(getattr(best, part), kwidth2=True)}),
                                            f"{part} kWidth 2", f"{part}_kwidth2")

@@ -564,8 +564,8 @@ def accelerate_stage(cfg: dict, args, device, budget: Budget, results: dict, pat
     rec.update(accelerate=accelerate.__version__, transformers=tf.__version__, cut_moe_layers=cut_moe,
                full_moe_layers=len(full.moe_layers))
     t = time.perf_counter()
-    with accelerate.init_empty_weights():              # parameters on "meta": no host init (run 10: a
-        model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16).eval()  # 11.5 GiB one took > 150 s)
+    with accelerate.init_empty_weights():              # parameters on "meta": no host init (a host
+        model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16).eval()  # init took minutes)
     random_host_weights(model, device)
     rec["init_s"] = time.perf_counter() - t
     model.generation_config.eos_token_id = None
