@@ -70,7 +70,7 @@ def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", see
     """moet's CausalLM of `cfg`'s shape, every tensor made on `device` (no host copy of the
     weights ever exists), every expert resident."""
     from moet.checkpoint.spec import spec_from_config
-    from moet.model.experts import allocate_pool
+    from moet.model.loader import allocate_pool
     from moet.model.layers.moe import MoE
     from moet.model.model import CausalLM
 

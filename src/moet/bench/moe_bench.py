@@ -50,7 +50,7 @@ ROTATIONS = 8
 def make_pools(h: int, i: int, e: int, device, gen) -> dict:
     """Random W2 and FP4 pools in the layouts the model's pools take for these shapes (row-tiled
     nb8t / nvfp4t or row-major nb8 / nvfp4) and a bf16 pool, e slots each."""
-    from moet.model.experts import pool_layout
+    from moet.quant.requantize import pool_layout
     u8 = dict(dtype=torch.uint8, device=device, generator=gen)
     w2_layout = {"layout": pool_layout("w2", h, i)} if "layout" in W2Pool.__slots__ else {}
     fp4_layout = {"layout": pool_layout("fp4", h, i)} if "layout" in FP4Pool.__slots__ else {}

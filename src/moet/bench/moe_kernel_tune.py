@@ -46,13 +46,13 @@ def merge_table(new: dict, path: str) -> None:
 
 
 def make_pool(fmt: str, e: int, h: int, i: int, dev, gen, row_major: bool = False):
-    """Random bytes in the layout the model's pools take for these shapes (moet.model.experts.
+    """Random bytes in the layout the model's pools take for these shapes (moet.quant.requantize.
     pool_layout: so the table is tuned on what it serves), or its row-major twin (`row_major`,
     for A/B runs): random nb8 / nb8t codes with scales as quantized weights have them; random
     e2m1 bytes with normal e4m3 block scales."""
     from moet.kernels.pools import FP4Pool, W2Pool
     from moet.kernels.pools import row_major as untiled
-    from moet.model.experts import pool_layout
+    from moet.quant.requantize import pool_layout
     u8 = dict(dtype=torch.uint8, device=dev, generator=gen)
     if fmt == "w2":
         pool = W2Pool(torch.randint(0, 256, (e, 2 * i, h // 4), **u8),

@@ -12,6 +12,8 @@ companions present on disk (`tensor_format`), the checkpoint format only says wh
 """
 from __future__ import annotations
 
+import re
+
 from moet.errors import CheckpointError
 
 FORMATS = ("float", "fp8_block", "nvfp4", "mxfp4")
@@ -22,6 +24,8 @@ NVFP4_SCALE, NVFP4_SCALE_2, NVFP4_INPUT_SCALE = ".weight_scale", ".weight_scale_
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 # Activation / KV calibration scalars some exporters add; weight-only inference ignores them.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".q_scale", ".activation_scale")
+# Tensors some checkpoints carry that no computation needs (matched against canonical names).
+IGNORED_NAMES = (re.compile(r"rotary_emb\.inv_freq$"),)
 
 
 def detect(config: dict, hf_quant_config: dict | None, where: str) -> str:
@@ -77,6 +81,18 @@ def tensor_format(param: str, present) -> str:
         if stem + NVFP4_SCALE in present:
             return "nvfp4"
     return "float"
+
+
+def logical_shape(fmt: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The decoded shape of a parameter in format `fmt`, from its on-disk tensors' header shapes
+    (keyed by role, as `companions` names them)."""
+    if fmt == "nvfp4":
+        *lead, half = shapes["weight"]
+        return (*lead, half * 2)
+    if fmt == "mxfp4":
+        *lead, groups, _ = shapes["blocks"]
+        return (*lead, groups * 32)
+    return tuple(shapes["weight"])
 
 
 def primary_name(disk_name: str) -> str | None:

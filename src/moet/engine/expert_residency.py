@@ -55,9 +55,9 @@ _ACTIVATION_RESERVE = 0.05    # auto-sized cache on CUDA: share of the budget ke
 
 def expert_row_bytes(spec, tag: str) -> int:
     """Bytes of one (layer, expert) row in `tag` (the pack's row, without the 4 KiB padding)."""
-    from moet.model import experts
+    from moet.quant.requantize import new_pool
 
-    return RowLayout.of_pool(tag, experts.new_pool(spec, tag, 1, torch.float32, "cpu")).row_bytes
+    return RowLayout.of_pool(tag, new_pool(spec, tag, 1, torch.float32, "cpu")).row_bytes
 
 
 def estimated_weight_bytes(ckpt, tag: str, dtype: torch.dtype) -> tuple[int, int]:

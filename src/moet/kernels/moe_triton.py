@@ -917,7 +917,7 @@ def _format(pool) -> tuple[int, str]:
     if isinstance(pool, W2Pool):
         if pool.layout not in ("nb8", "nb8t"):
             raise ValueError(f"the W2 Triton kernels read the nb8 (or row-tiled nb8t) code layout, this pool is "
-                             f"{pool.layout!r}: convert its codes with moet.formats.w2.to_nb8 (moet.model.experts "
+                             f"{pool.layout!r}: convert its codes with moet.formats.w2.to_nb8 (moet.quant.requantize "
                              "does at fill time)")
         return FMT_W2, "w2"
     if isinstance(pool, FP4Pool):

@@ -17,7 +17,7 @@ class W2Pool:
     byte layout: "v1" (files, moet.formats.w2), "nb8" (what the Triton kernels read; the
     model's pools, converted at fill time with moet.formats.w2.to_nb8; scales as v1) or "nb8t"
     (nb8 with codes and scales row-tiled, moet.formats.w2.tile_rows: the model's pools where
-    moet.model.experts.pool_layout allows)."""
+    moet.quant.requantize.pool_layout allows)."""
     gate_up_codes: torch.Tensor    # uint8 [S, 2I, H/4]
     gate_up_scales: torch.Tensor   # uint8 [S, 2I, H/32]  UE8M0
     down_codes: torch.Tensor       # uint8 [S, H, I/4]
@@ -34,7 +34,7 @@ class FP4Pool:
     """NVFP4 layout (the FP4 tier, SPEC 2.2): e2m1 pairs, e4m3 block-16 scales, fp32 scale_2.
     `layout`: "nvfp4" (the checkpoint's row-major bytes) or "nvfp4t" (weights and block scales
     row-tiled, moet.formats.row_tiles, read by the same kernels to the same bits, faster:
-    the model's pools where moet.model.experts.pool_layout allows)."""
+    the model's pools where moet.quant.requantize.pool_layout allows)."""
     gate_up_weight: torch.Tensor   # uint8 [S, 2I, H/2]
     gate_up_scale: torch.Tensor    # float8_e4m3fn [S, 2I, H/16]
     gate_up_scale_2: torch.Tensor  # float32 [S, 2]: gate rows, up rows

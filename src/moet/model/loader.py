@@ -2,9 +2,11 @@
 
 Like nano-vllm, a parameter is found by its (canonical) name and receives its on-disk tensors
 through a weight_loader (`param.weight_loader` if a module defines one, else
-weights.default_weight_loader); routed experts go to model/experts.py instead. Host memory
-holds the model, the one open shard's mapped pages that were touched, and one parameter's
-tensors (plus its decoded copy) at a time; each shard is closed before the next is opened.
+default_weight_loader: decode + shape check + copy); routed experts are re-quantized into the
+MoE layers' pools instead (moet.quant.requantize; every expert resident: slot = expert id).
+Host memory holds the model, the one open shard's mapped pages that were touched, and one
+parameter's tensors (plus its decoded copy) at a time; each shard is closed before the next is
+opened.
 """
 from __future__ import annotations
 
@@ -17,25 +19,39 @@ from moet.checkpoint import Checkpoint
 from moet.checkpoint import weight_format as wf
 from moet.checkpoint.spec import ExpertRef, expert_ref
 from moet.errors import CheckpointError
-from moet.model import experts, fp8_dense
+from moet.model import fp8_dense
 from moet.model.layers.moe import MoE
 from moet.model.model import CausalLM
-from moet.model.weights import default_weight_loader
+from moet.quant.decode import decode
+from moet.quant.requantize import check_all_arrived, convert_into, new_pool
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-# Tensors some checkpoints carry that no computation needs.
-IGNORED = (re.compile(r"rotary_emb\.inv_freq$"),)
 
 
-def logical_shape(fmt: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The decoded shape of a parameter, from its on-disk tensors' header shapes."""
-    if fmt == "nvfp4":
-        *lead, half = shapes["weight"]
-        return (*lead, half * 2)
-    if fmt == "mxfp4":
-        *lead, groups, _ = shapes["blocks"]
-        return (*lead, groups * 32)
-    return tuple(shapes["weight"])
+def default_weight_loader(param: torch.nn.Parameter, fmt: str, parts: dict[str, torch.Tensor], where: str) -> None:
+    value = decode(fmt, parts, param.dtype, where)
+    if tuple(value.shape) != tuple(param.shape):
+        raise CheckpointError(f"{where}: shape {list(value.shape)} does not match the {list(param.shape)} "
+                              "that config.json implies")
+    param.data.copy_(value)
+
+
+def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> None:
+    """Every expert resident: slot = expert id."""
+    e = moe.spec.router.num_experts
+    moe.pool = new_pool(moe.spec, expert_format, e, dtype, device)
+    moe.slot_table = torch.arange(e, dtype=torch.int32, device=device)
+    moe.miss_counter = moe.miss_counter.to(device)
+
+
+def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
+                w2_opts: dict, where: str) -> None:
+    """Convert one projection of one expert into its rows of the layer's pool (slot = expert).
+    w2_opts: keyword arguments of moet.formats.w2.quantize (zero_mode, scale_rule)."""
+    spec = moe.spec
+    if not 0 <= expert < spec.router.num_experts:
+        raise CheckpointError(f"{where}: expert {expert} is out of range (config says {spec.router.num_experts} experts)")
+    convert_into(moe.pool, expert, spec, proj, fmt, parts, w2_opts, where)
 
 
 def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
@@ -58,7 +74,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
         fp8_dense.use_fp8_linears(model, fp8_dense.fp8_linear_names(ckpt))
     moes = [m for m in model.modules() if isinstance(m, MoE)] if routed_experts else []
     for moe in moes:
-        experts.allocate_pool(moe, expert_format, model.dtype, device)
+        allocate_pool(moe, expert_format, model.dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     experts_loaded: dict[int, set[tuple[int, str]]] = {id(m): set() for m in moes}
@@ -67,7 +83,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
     def add_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict, where: str) -> None:
         if (expert, proj) in experts_loaded[id(moe)]:
             raise CheckpointError(f"{where}: expert {expert} {proj} is stored twice (per-expert and fused?)")
-        experts.load_expert(moe, expert, proj, fmt, parts, w2_opts, where)
+        load_expert(moe, expert, proj, fmt, parts, w2_opts, where)
         experts_loaded[id(moe)].add((expert, proj))
 
     shard_bytes = reader.shard_bytes()
@@ -82,7 +98,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
                 continue  # a scale / calibration companion, read with its weight
             base = disk_name[: -len(wf.MXFP4_BLOCKS)] if disk_name.endswith(wf.MXFP4_BLOCKS) else disk_name
             name = spec.canonical_name(base)
-            if any(p.search(name) for p in IGNORED):
+            if any(p.search(name) for p in wf.IGNORED_NAMES):
                 continue
             if name.startswith("mtp.") and int(name.split(".")[1]) < spec.num_mtp_layers and not model.mtp:
                 continue  # MTP layers not requested (load_mtp=False)
@@ -95,7 +111,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
                 if n not in reader:
                     raise CheckpointError(f"{reader.where(disk_name)}: {fmt} weight without its {role} tensor {n}")
             where = reader.where(disk_name)
-            shape = logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
+            shape = wf.logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
 
             ref = expert_ref(name)
             if ref is not None and not routed_experts:
@@ -175,7 +191,7 @@ def _finish(model: CausalLM, ckpt: Checkpoint, params: dict, loaded: set[str], m
                               f"({len(missing)} parameters missing)")
     for moe in moes:
         where = next(n for n, mod in model.named_modules() if mod is moe)
-        experts.check_complete(moe, experts_loaded[id(moe)], f"{ckpt.path}: {where}")
+        check_all_arrived(moe.spec.router.num_experts, experts_loaded[id(moe)], f"{ckpt.path}: {where}")
 
 
 def _disk_hint(spec, canonical: str) -> str:

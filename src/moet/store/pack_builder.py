@@ -1,7 +1,7 @@
 """Open a checkpoint's pack, building, resuming or repairing it first when needed.
 
 First boot quantizes in a stream: one MoE block (pack layer) at a time, its expert tensors read
-from the checkpoint one projection at a time and converted on arrival (model/experts.py, the
+from the checkpoint one projection at a time and converted on arrival (quant/requantize.py, the
 same functions the loader uses, so pack rows equal the loader's pool bit for bit) into a
 layer buffer of num_experts slots, then written (pwrite + fdatasync) and only then recorded in
 the sidecar. Host memory: that one layer's rows, one projection's tensors and the open shard's
@@ -38,8 +38,7 @@ from moet.checkpoint import weight_format as wf
 from moet.checkpoint.identity import identity as checkpoint_identity
 from moet.checkpoint.spec import ModelSpec, expert_ref
 from moet.errors import CheckpointError, ConfigError, PackError
-from moet.model import experts
-from moet.model.loader import IGNORED, logical_shape
+from moet.quant import requantize
 from moet.store.pack_file import (READ_ONLY_ERRNOS, PackFile, PackLock, PackMeta, PackPaths, RowLayout,
                                   default_checksum, not_writable, pool_rows)
 
@@ -106,7 +105,7 @@ def _sources_by_layer(ckpt: Checkpoint, layers: list[str]) -> dict[int, list[_So
             continue
         base = disk_name[: -len(wf.MXFP4_BLOCKS)] if disk_name.endswith(wf.MXFP4_BLOCKS) else disk_name
         name = spec.canonical_name(base)
-        if any(p.search(name) for p in IGNORED):
+        if any(p.search(name) for p in wf.IGNORED_NAMES):
             continue
         ref = expert_ref(name)
         if ref is None:
@@ -123,7 +122,7 @@ def _sources_by_layer(ckpt: Checkpoint, layers: list[str]) -> dict[int, list[_So
             if n not in reader:
                 raise CheckpointError(f"{reader.where(disk_name)}: {fmt} weight without its {role} tensor {n}")
         where = reader.where(disk_name)
-        shape = logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
+        shape = wf.logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
         e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
         if ref.expert is not None:
             want = (h, i) if ref.proj == "down_proj" else (i, h)
@@ -142,14 +141,14 @@ def _sources_by_layer(ckpt: Checkpoint, layers: list[str]) -> dict[int, list[_So
 
 def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowLayout, w2_opts: dict, device,
                    where: str, only: list[int] | None = None) -> torch.Tensor:
-    """One pack layer's rows (uint8 [E, stride], CPU), converted with model/experts.py; `only`:
+    """One pack layer's rows (uint8 [E, stride], CPU), converted with quant/requantize.py; `only`:
     just those experts' rows (uint8 [len(only), stride], in that order), reading only their
     tensors (per-expert checkpoints) or their slices (fused ones)."""
     spec, reader = ckpt.spec, ckpt.reader
     e_count, i = spec.router.num_experts, spec.moe_intermediate_size
     want = list(range(e_count)) if only is None else list(only)
     slot = {e: k for k, e in enumerate(want)}
-    pool = experts.new_pool(spec, tag, len(want), torch.float32, device)
+    pool = requantize.new_pool(spec, tag, len(want), torch.float32, device)
     seen: set[tuple[int, str]] = set()
 
     def add(expert: int, proj: str, fmt: str, parts: dict, at: str) -> None:
@@ -157,7 +156,7 @@ def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowL
             raise CheckpointError(f"{at}: expert {expert} is out of range (config says {e_count} experts)")
         if (expert, proj) in seen:
             raise CheckpointError(f"{at}: expert {expert} {proj} is stored twice (per-expert and fused?)")
-        experts.convert_into(pool, slot[expert], spec, proj, fmt, parts, w2_opts, at)
+        requantize.convert_into(pool, slot[expert], spec, proj, fmt, parts, w2_opts, at)
         seen.add((expert, proj))
 
     for s in srcs:
@@ -175,9 +174,9 @@ def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowL
                     add(x, proj, s.fmt, {r: t[x, rows] for r, t in parts.items()}, f"{s.where}[{x}]")
         del parts
     if only is None:
-        experts.check_all_arrived(e_count, seen, where)
+        requantize.check_all_arrived(e_count, seen, where)
     else:
-        missing = [(e, p) for e in want for p in experts.PROJS if (e, p) not in seen]
+        missing = [(e, p) for e in want for p in requantize.PROJS if (e, p) not in seen]
         if missing:
             raise CheckpointError(f"{where}: routed expert tensors missing from the checkpoint, e.g. expert "
                                   f"{missing[0][0]} {missing[0][1]}")
@@ -189,7 +188,7 @@ def expected_meta(ckpt: Checkpoint, tag: str, q: dict, ident: str, rank: int = 0
     layers = pack_layers(ckpt.spec)
     if not layers:
         raise ConfigError(f"{ckpt.path}: the model has no routed experts; it needs no pack")
-    probe = experts.new_pool(ckpt.spec, tag, 1, torch.float32, "cpu")
+    probe = requantize.new_pool(ckpt.spec, tag, 1, torch.float32, "cpu")
     layout = RowLayout.of_pool(tag, probe)
     return PackMeta(tag=tag, checkpoint_identity=ident, quantizer=q, layers=layers,
                     num_experts=ckpt.spec.router.num_experts, row=layout.to_json(), rank=rank,

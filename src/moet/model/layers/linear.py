@@ -1,7 +1,7 @@
 """Dense linear layers in the model dtype.
 
 Checkpoint precision is kept where the dtype allows: BF16 weights load as is; NVFP4 weights,
-and FP8 block-128 weights on CPU, are decoded once at load (moet.model.weights.decode).
+and FP8 block-128 weights on CPU, are decoded once at load (moet.quant.decode).
 On a GPU (sm_89+) FP8 block-128 weights stay e4m3 + block scales in an `Fp8BlockLinear`
 (model/fp8_dense.py decides which Linears are swapped for one before loading) and run
 moet.kernels.fp8_gemm_triton: half the bytes of bf16 per decode step.

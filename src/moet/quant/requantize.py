@@ -1,8 +1,10 @@
-"""Filling a MoE layer's expert pool from checkpoint tensors, one expert projection at a time.
+"""Re-quantizing routed experts: a checkpoint's expert projections -> rows of an expert pool.
 
-Every expert is resident for now (slot = expert id). Each checkpoint projection is converted
-on arrival straight into its rows of the pool (gate -> gate_up rows [0, I), up -> [I, 2I),
-down -> down), so nothing waits for its partner and host memory holds one projection at a time.
+Each checkpoint projection is converted on arrival straight into its rows of one pool slot
+(gate -> gate_up rows [0, I), up -> [I, 2I), down -> down), so nothing waits for its partner and
+host memory holds one projection at a time. The model's loader fills its all-resident pools
+with it (slot = expert id) and the store its pack rows, with the same functions, so a pack row
+equals the loader's pool bit for bit.
 
 expert_format:
   "w2"   moet.formats.w2, from the exact float64 value of the checkpoint's own format
@@ -19,15 +21,15 @@ import torch
 from moet.errors import CheckpointError, ConfigError
 from moet.formats import nvfp4, row_tiles, w2
 from moet.kernels.pools import DensePool, FP4Pool, W2Pool
-from moet.model.layers.moe import MoE
-from moet.model.weights import decode
+from moet.quant.decode import decode
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 def new_pool(spec, expert_format: str, num_slots: int, dtype: torch.dtype, device) -> W2Pool | FP4Pool | DensePool:
-    """An all-zero pool of `num_slots` slots for `spec`'s routed experts (the store builds its
-    layer buffers and device caches with this, so every pool has one shape per format)."""
+    """An all-zero pool of `num_slots` slots for `spec`'s routed experts (the loader builds its
+    pools, the store its layer buffers and device caches with this, so every pool has one shape
+    per format)."""
     s, h, i = num_slots, spec.hidden_size, spec.moe_intermediate_size
     u8 = dict(dtype=torch.uint8, device=device)
     if expert_format == "w2":
@@ -65,14 +67,6 @@ def pool_layout(expert_format: str, hidden_size: int, moe_intermediate_size: int
     return {"w2": ("nb8", "nb8t"), "fp4": ("nvfp4", "nvfp4t")}[expert_format][tiled]
 
 
-def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> None:
-    """Every expert resident: slot = expert id."""
-    e = moe.spec.router.num_experts
-    moe.pool = new_pool(moe.spec, expert_format, e, dtype, device)
-    moe.slot_table = torch.arange(e, dtype=torch.int32, device=device)
-    moe.miss_counter = moe.miss_counter.to(device)
-
-
 def _to_w2(fmt: str, parts: dict[str, torch.Tensor], w2_opts: dict, name: str) -> w2.W2Tensor:
     if fmt == "float":
         return w2.quantize(parts["weight"], **w2_opts, name=name)
@@ -90,16 +84,6 @@ def _to_fp4(fmt: str, parts: dict[str, torch.Tensor], name: str) -> nvfp4.NVFP4T
         nvfp4.validate(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], name)
         return nvfp4.NVFP4Tensor(parts["weight"], parts["weight_scale"], parts["weight_scale_2"].float().reshape(()))
     return nvfp4.quantize(decode(fmt, parts, torch.float32, name), name=name)
-
-
-def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
-                w2_opts: dict, where: str) -> None:
-    """Convert one projection of one expert into its rows of the layer's pool (slot = expert).
-    w2_opts: keyword arguments of moet.formats.w2.quantize (zero_mode, scale_rule)."""
-    spec = moe.spec
-    if not 0 <= expert < spec.router.num_experts:
-        raise CheckpointError(f"{where}: expert {expert} is out of range (config says {spec.router.num_experts} experts)")
-    convert_into(moe.pool, expert, spec, proj, fmt, parts, w2_opts, where)
 
 
 def convert_into(pool, slot: int, spec, proj: str, fmt: str, parts: dict[str, torch.Tensor],
@@ -139,12 +123,8 @@ def convert_into(pool, slot: int, spec, proj: str, fmt: str, parts: dict[str, to
             pool.gate_up_scale_2[slot, 0 if proj == "gate_proj" else 1] = t.weight_scale_2
 
 
-def check_complete(moe: MoE, loaded: set[tuple[int, str]], where: str) -> None:
-    """Every (expert, projection) of the layer arrived exactly once."""
-    check_all_arrived(moe.spec.router.num_experts, loaded, where)
-
-
 def check_all_arrived(n: int, loaded: set[tuple[int, str]], where: str) -> None:
+    """Every (expert, projection) of a layer of `n` experts arrived (`loaded`)."""
     missing = [(e, p) for e in range(n) for p in PROJS if (e, p) not in loaded]
     if missing:
         e, p = missing[0]

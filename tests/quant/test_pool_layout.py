@@ -1,5 +1,5 @@
 """The model's W2 and FP4 pools take the row-tiled nb8t / nvfp4t layouts where the expert shapes
-allow (moet.model.experts.pool_layout), and filling one holds the row-major pool's bytes, tiled."""
+allow (moet.quant.requantize.pool_layout), and filling one holds the row-major pool's bytes, tiled."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import torch
 from moet.formats import w2
 from moet.kernels.pools import FP4Pool, W2Pool
 from moet.kernels.reference import moe_experts_reference
-from moet.model import experts
+from moet.quant import requantize
 
 
 @pytest.mark.parametrize("h,i,tiled", [(7168, 2048, True), (2048, 768, True), (4096, 1408, False),
@@ -18,9 +18,9 @@ from moet.model import experts
 @pytest.mark.parametrize("fmt,layouts", [("w2", ("nb8", "nb8t")), ("fp4", ("nvfp4", "nvfp4t"))])
 def test_layout_follows_the_shapes(h, i, tiled, fmt, layouts):
     want = layouts[tiled]
-    assert experts.pool_layout(fmt, h, i) == want
+    assert requantize.pool_layout(fmt, h, i) == want
     if h * i <= 2048 * 768:               # small enough to allocate here
-        assert experts.new_pool(SimpleNamespace(hidden_size=h, moe_intermediate_size=i), fmt, 1,
+        assert requantize.new_pool(SimpleNamespace(hidden_size=h, moe_intermediate_size=i), fmt, 1,
                                 torch.float32, "cpu").layout == want
 
 
@@ -29,7 +29,7 @@ def test_layout_follows_the_shapes(h, i, tiled, fmt, layouts):
 def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same(device):
     h, i = 512, 256
     spec = SimpleNamespace(hidden_size=h, moe_intermediate_size=i)
-    tiled = experts.new_pool(spec, "w2", 2, torch.float32, device)
+    tiled = requantize.new_pool(spec, "w2", 2, torch.float32, device)
     assert tiled.layout == "nb8t"
     plain = W2Pool(*(torch.zeros_like(getattr(tiled, f)) for f in ("gate_up_codes", "gate_up_scales", "down_codes",
                                                                      "down_scales")), layout="nb8")
@@ -38,7 +38,7 @@ def test_filled_nb8t_pool_is_the_nb8_pool_tiled_and_decodes_the_same(device):
         for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             parts = {"weight": torch.randn(*shape, generator=g)}
             for pool in (tiled, plain):
-                experts.convert_into(pool, slot, spec, proj, "float", parts, {}, f"slot {slot} {proj}")
+                requantize.convert_into(pool, slot, spec, proj, "float", parts, {}, f"slot {slot} {proj}")
     for f, per in (("gate_up_codes", 1 / 4), ("gate_up_scales", 1 / 32), ("down_codes", 1 / 4),
                    ("down_scales", 1 / 32)):
         assert torch.equal(getattr(tiled, f), w2.tile_rows(getattr(plain, f), per)), f
@@ -55,14 +55,14 @@ def test_filled_nvfp4t_pool_is_the_nvfp4_pool_tiled():
     """FP4's row-tiled pool: a fill gives the row-major pool's bytes, tiled, and the same layer output."""
     h, i = 512, 256
     spec = SimpleNamespace(hidden_size=h, moe_intermediate_size=i)
-    tiled = experts.new_pool(spec, "fp4", 1, torch.float32, "cpu")
+    tiled = requantize.new_pool(spec, "fp4", 1, torch.float32, "cpu")
     assert tiled.layout == "nvfp4t"
     plain = FP4Pool(*(torch.zeros_like(getattr(tiled, f)) for f in FP4Pool.__slots__ if f != "layout"), layout="nvfp4")
     g = torch.Generator().manual_seed(6)
     for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
         parts = {"weight": torch.randn(*shape, generator=g)}
         for pool in (tiled, plain):
-            experts.convert_into(pool, 0, spec, proj, "float", parts, {}, proj)
+            requantize.convert_into(pool, 0, spec, proj, "float", parts, {}, proj)
     for f, per in (("gate_up_weight", 1 / 2), ("gate_up_scale", 1 / 16), ("down_weight", 1 / 2), ("down_scale", 1 / 16)):
         want = w2.tile_rows(getattr(plain, f).view(torch.uint8), per)
         assert torch.equal(getattr(tiled, f).view(torch.uint8), want), f

@@ -1,6 +1,7 @@
-"""Decoding a checkpoint parameter (its on-disk tensors) to a float tensor, and the default
-per-parameter weight_loader. Routed experts do not come through here (see model/experts.py):
-they are re-encoded for the expert pools instead of being decoded.
+"""Decoding a checkpoint parameter (its on-disk tensors, in one checkpoint weight format) to its
+float values. The model's loader decodes dense weights with it; routed experts are re-encoded
+for the expert pools instead (quant/requantize.py), which decodes with it only where the target
+format cannot take the checkpoint's bytes as they are.
 """
 from __future__ import annotations
 
@@ -25,10 +26,3 @@ def decode(fmt: str, parts: dict[str, torch.Tensor], dtype: torch.dtype, name: s
         return mxfp4.dequantize(parts["blocks"], parts["scales"], dtype=torch.float64, name=name).to(dtype)
     raise CheckpointError(f"{name}: unknown weight format {fmt}")
 
-
-def default_weight_loader(param: torch.nn.Parameter, fmt: str, parts: dict[str, torch.Tensor], where: str) -> None:
-    value = decode(fmt, parts, param.dtype, where)
-    if tuple(value.shape) != tuple(param.shape):
-        raise CheckpointError(f"{where}: shape {list(value.shape)} does not match the {list(param.shape)} "
-                              "that config.json implies")
-    param.data.copy_(value)
