@@ -351,7 +351,8 @@ def test_triton_paged_mla_decode_late_max_rescales_some_heads(heads_m):
 def test_triton_paged_mla_decode_bf16_queries(fmt, heads_m):
     """Serving dtypes: bf16 queries take the bf16 tensor-core operand path (emulated under the
     interpreter), the tile cast to bf16 once and P cast to bf16; held to bf16 accuracy."""
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
     r, p, h, lens = 32, 16, 4, [3 * BS + 7, 5]
     cache = new_mla_layer(NUM_BLOCKS, BS, r, p, fmt, device=DEVICE)
     table = random_block_tables(lens, BS, NUM_BLOCKS, g).to(DEVICE)
@@ -363,7 +364,10 @@ def test_triton_paged_mla_decode_bf16_queries(fmt, heads_m):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     want = ref.paged_decode_mla(ql.cpu(), qr.cpu(), _mla_cpu(cache), table.cpu(), seq_lens.cpu(), 0.2).float()
     got = _mla().paged_decode_mla(ql, qr, cache, table, seq_lens, 0.2, split_tokens=32, heads_m=heads_m).float().cpu()
-    assert got.dtype == want.dtype and float((got - want).norm() / want.norm()) < 1e-2
+    # bf16 q and P put the relative error near 0.8% (its tail reaches 1% over random inputs, fp8 KV
+    # included); a wrong tile, scale or row is O(1)
+    err = float((got - want).norm() / want.norm())
+    assert got.dtype == want.dtype and err < 2e-2, f"relative error {err} (seed {seed})"
 
 @pytest.mark.parametrize("fmt,qdtype,form", [
     (KVFormat("auto", dtype=torch.bfloat16), torch.bfloat16, (True, 64, 0.0)),
