@@ -219,13 +219,12 @@ def test_store_rule_and_weight_estimate(path, monkeypatch):
     from moet.config import EngineConfig
     from moet.engine.expert_residency import estimated_weight_bytes, store_reason
     from moet.model import load_model
-    from moet.store import model_moe_blocks
 
     ckpt = open_checkpoint(path)
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32)
     dense, expert = estimated_weight_bytes(ckpt, "w2", torch.float32)
     assert dense == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert expert == sum(t.numel() * t.element_size() for b in model_moe_blocks(model).values()
+    assert expert == sum(t.numel() * t.element_size() for b in model.moe_blocks().values()
                          for t in (getattr(b.pool, f) for f in b.pool.__slots__) if isinstance(t, torch.Tensor))
     cfg = EngineConfig(model=path)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -3,7 +3,6 @@ import torch
 
 from moet.checkpoint import open_checkpoint
 from moet.model import load_model
-from moet.store import model_moe_blocks
 from moet.store.pack_file import field_bytes
 from moet.testing.tiny_checkpoint import cached_checkpoint
 
@@ -29,7 +28,7 @@ def ds_ckpt():
 def resident_rows(path: str, tag: str, **load_kw) -> dict[str, object]:
     """{pack layer name: pool} the loader builds with every expert resident (the reference)."""
     model = load_model(open_checkpoint(path), expert_format=tag, dtype=torch.float32, **load_kw)
-    return {name: moe.pool for name, moe in model_moe_blocks(model).items()}
+    return {name: moe.pool for name, moe in model.moe_blocks().items()}
 
 
 def assert_pack_equals_pools(pack, pools: dict) -> None:

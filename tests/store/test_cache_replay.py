@@ -7,7 +7,7 @@ import torch
 
 from moet.errors import ConfigError
 from moet.model import load_model
-from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, run_with_replay
+from moet.store import ExpertCache, HostArena, min_cache_slots, run_with_replay
 from moet.store.expert_cache import cache_slots
 
 CHUNK, DECODE = 2, 4
@@ -38,10 +38,10 @@ def test_cached_equals_resident_bit_for_bit(qwen40_pack, fraction, policy):
     slots = int(rows * fraction)
     assert slots >= min_cache_slots(pack.num_layers, ckpt.spec.router.top_k, 1)
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
-    assert all(m.pool is None for m in model_moe_blocks(model).values())   # experts come from the store only
+    assert all(m.pool is None for m in model.moe_blocks().values())   # experts come from the store only
     arena = HostArena(pack, max(1, rows // 8), pin=False)                  # small: the arena evicts too
     cache = ExpertCache(pack, slots, "cpu", arena=arena, policy=policy)
-    cache.attach(model_moe_blocks(model))
+    cache.attach(model.moe_blocks())
     g = torch.Generator().manual_seed(int(fraction * 100))
     for trial in range(2 if fraction < 0.2 else 1):                        # a cold, then a warm cache
         prompt = torch.randint(0, 256, (5,), generator=g)
@@ -63,7 +63,7 @@ def test_miss_tolerance_keeps_step_and_fetches(qwen40_pack):
     ckpt, ref, pack = qwen40_pack
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
     cache = ExpertCache(pack, 40, "cpu")                                   # no arena: straight from the pack
-    cache.attach(model_moe_blocks(model))
+    cache.attach(model.moe_blocks())
     ids = torch.randint(0, 256, (CHUNK,), generator=torch.Generator().manual_seed(5))
     want = ref.forward(ids, 0, ref.new_cache(8, "cpu"))
     kv = model.new_cache(8, "cpu")
@@ -81,7 +81,7 @@ def test_step_larger_than_cache_refused(qwen40_pack):
     ckpt, _, pack = qwen40_pack
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
     cache = ExpertCache(pack, 4, "cpu")
-    cache.attach(model_moe_blocks(model))
+    cache.attach(model.moe_blocks())
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(6))
     kv = model.new_cache(16, "cpu")
     with pytest.raises(ConfigError, match="--expert-cache-slots"):
@@ -114,7 +114,7 @@ def test_demand_fetch_one_pass_bit_identical_and_prefill_rows_go_first(qwen40_pa
     ckpt, ref, pack = qwen40_pack
     e = pack.num_experts
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
-    blocks = model_moe_blocks(model)
+    blocks = model.moe_blocks()
     cache = ExpertCache(pack, e + 3, "cpu", arena=HostArena(pack, 8, pin=False))
     cache.attach(blocks)
     assert attach_demand(blocks, cache) == pack.num_layers

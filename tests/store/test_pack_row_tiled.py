@@ -9,7 +9,7 @@ import torch
 
 from moet.checkpoint import open_checkpoint
 from moet.model import load_model
-from moet.store import ExpertCache, HostArena, model_moe_blocks, open_pack, run_with_replay
+from moet.store import ExpertCache, HostArena, open_pack, run_with_replay
 from moet.testing.tiny_checkpoint import cached_checkpoint
 
 from .conftest import assert_pack_equals_pools, resident_rows
@@ -43,12 +43,12 @@ def test_row_tiled_pack_rows_layout_and_stale_layout_rebuild(tmp_path, wide_ckpt
 def test_row_tiled_cache_equals_resident_bit_for_bit(tmp_path, wide_ckpt, tag):
     ckpt = open_checkpoint(wide_ckpt)
     ref = load_model(ckpt, expert_format=tag, dtype=torch.float32)
-    assert all(m.pool.layout == TILED[tag] for m in model_moe_blocks(ref).values())
+    assert all(m.pool.layout == TILED[tag] for m in ref.moe_blocks().values())
     model = load_model(ckpt, expert_format=tag, dtype=torch.float32, routed_experts=False)
     with open_pack(ckpt, str(tmp_path), tag=tag) as pack:
         rows = pack.num_layers * pack.num_experts
         cache = ExpertCache(pack, rows // 2, "cpu", arena=HostArena(pack, 2, pin=False))
-        cache.attach(model_moe_blocks(model))
+        cache.attach(model.moe_blocks())
         tokens = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(7))
         kv_ref, kv = ref.new_cache(64, "cpu"), model.new_cache(64, "cpu")
         for pos in range(len(tokens)):          # one token a step: 4 experts a step, 6 slots, 12 rows

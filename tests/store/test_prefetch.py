@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from moet.model import load_model
-from moet.store import ExpertCache, HostArena, attach_prefetch, model_moe_blocks, run_with_replay
+from moet.store import ExpertCache, HostArena, attach_prefetch, run_with_replay
 
 
 def _cached_model(ckpt, pack, slots):
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
     cache = ExpertCache(pack, slots, "cpu", arena=HostArena(pack, 16, pin=False))
-    cache.attach(model_moe_blocks(model))
+    cache.attach(model.moe_blocks())
     assert attach_prefetch(model, cache) == 2              # layers 0, 1 predict MoE layers 1, 2
     return model, cache
 

@@ -208,8 +208,7 @@ def boot_stage(cfg: dict, total_moe_layers: int, args, device, work: str, budget
 # ---------------------------------------------------------------- 3./4. the full-shape model
 
 def moe_blocks(model) -> dict:
-    from moet.store import model_moe_blocks
-    return model_moe_blocks(model)
+    return model.moe_blocks()
 
 
 def write_pack_from_pools(model, work: str, key: str):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moet.kernels.pools import W2Pool
-from moet.store import ExpertCache, HostArena, model_moe_blocks, open_pack, run_with_replay
+from moet.store import ExpertCache, HostArena, open_pack, run_with_replay
 from moet.store.pack_builder import _fresh_file
 from moet.store.pack_file import PackFile, PackMeta, PackPaths, RowLayout, checksum_fn, default_checksum, field_bytes
 
@@ -57,7 +57,7 @@ def check_tiny_model(device: torch.device, work: str) -> bool:
         for fraction in (0.10, 0.25, 0.50):
             model = load_model(ckpt, expert_format="w2", dtype=torch.float32, device=device, routed_experts=False)
             cache = ExpertCache(pack, int(rows * fraction), device, arena=HostArena(pack, rows // 8))
-            cache.attach(model_moe_blocks(model))
+            cache.attach(model.moe_blocks())
             g = torch.Generator().manual_seed(1)
             prompt = torch.randint(0, 256, (6,), generator=g).to(device)
             kv_ref, kv = ref.new_cache(64, device), model.new_cache(64, device)

@@ -35,13 +35,13 @@ import torch
 
 from moet.config import EngineConfig
 from moet.errors import ConfigError, PackError
-from moet.store import ExpertCache, HostArena, min_cache_slots, model_moe_blocks, open_pack, run_with_replay
+from moet.store import ExpertCache, HostArena, expert_row_bytes, min_cache_slots, open_pack, run_with_replay
 from moet.engine.decode_mode import DecodeModeChooser
 from moet.store.demand import attach_demand
 from moet.store.expert_cache import cache_slots
 from moet.store.host_arena import arena_slots
 from moet.store.pack_builder import PACK_TAGS, RowRepairer, pack_layers
-from moet.store.pack_file import READ_ONLY_ERRNOS, RowLayout, not_writable
+from moet.store.pack_file import READ_ONLY_ERRNOS, not_writable
 from moet.store.prefetch import attach_prefetch
 
 log = logging.getLogger("moet.engine")
@@ -51,13 +51,6 @@ DEFAULT_PACK_DIR = "~/.cache/moet/packs"
 REPAIR_RETRY_S = 60.0         # pack rows still damaged on disk are re-converted again this often
 FIT_FRACTION = 0.8            # weights may take this much of the GPU budget before the store turns on
 _ACTIVATION_RESERVE = 0.05    # auto-sized cache on CUDA: share of the budget kept for activations
-
-
-def expert_row_bytes(spec, tag: str) -> int:
-    """Bytes of one (layer, expert) row in `tag` (the pack's row, without the 4 KiB padding)."""
-    from moet.quant.requantize import new_pool
-
-    return RowLayout.of_pool(tag, new_pool(spec, tag, 1, torch.float32, "cpu")).row_bytes
 
 
 def estimated_weight_bytes(ckpt, tag: str, dtype: torch.dtype) -> tuple[int, int]:
@@ -217,12 +210,12 @@ class ExpertResidency:
                 f"({self.layers_per_token} MoE layers x top_k {r.top_k} x min(max_num_seqs, 4)); raise "
                 "--expert-cache-slots (or --expert-cache-gb, or --gpu-memory-utilization) or lower --max-num-seqs")
         self.cache = ExpertCache(self.pack, num_slots, self.device, arena=self.arena, policy=c.expert_cache_policy)
-        self.cache.attach(model_moe_blocks(self.model))
+        self.cache.attach(self.model.moe_blocks())
         if c.expert_prefetch and self.cache.num_slots < self.total_rows:     # a full cache never misses
             attach_prefetch(self.model, self.cache)
         self.demand = bool(c.expert_demand_fetch) and self.cache.num_slots < self.total_rows
         if self.demand:
-            attach_demand(model_moe_blocks(self.model), self.cache)
+            attach_demand(self.model.moe_blocks(), self.cache)
         # graph + replay or eager + demand fetch for decode steps (a full cache never misses: graphs)
         self.decode_mode = DecodeModeChooser(c.expert_decode_mode if self.demand else "graph")
         if self.cache.num_slots >= self.total_rows:

@@ -187,6 +187,13 @@ class CausalLM(nn.Module):
 
     # ------------------------------------------------------------------ caches
 
+    def moe_blocks(self) -> dict[str, MoE]:
+        """{decoder layer's module name: its MoE block}, MTP layers' blocks too (if loaded): the
+        names are the canonical ones, which the expert store's pack layers also use."""
+        out = {f"model.layers.{i}": layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}
+        out.update({f"mtp.{j}.layer": m.layer.mlp for j, m in enumerate(self.mtp) if isinstance(m.layer.mlp, MoE)})
+        return out
+
     def new_cache(self, max_len: int, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Contiguous per-layer caches for one sequence (main layers, then MTP layers)."""
         layers = [layer for layer in self.model.layers] + [m.layer for m in self.mtp]

@@ -90,7 +90,7 @@ class ExpertCache:
     # ---- wiring
 
     def attach(self, blocks: dict[str, object]) -> None:
-        """Point MoE blocks ({pack layer name: MoE}, pack_builder.model_moe_blocks(model)) at this
+        """Point MoE blocks ({pack layer name: MoE}, CausalLM.moe_blocks()) at this
         cache: pool, table row, miss counter and route log. Blocks the pack lacks are an error;
         pack layers without a block (MTP not loaded) are simply never used."""
         names = self.pack.meta.layers

@@ -73,13 +73,14 @@ def pack_layers(spec: ModelSpec) -> list[str]:
     return names
 
 
-def model_moe_blocks(model) -> dict[str, object]:
-    """{pack layer name: MoE module} of a CausalLM (MTP blocks only if loaded)."""
-    from moet.model.layers.moe import MoE
+def row_layout(spec: ModelSpec, tag: str) -> RowLayout:
+    """The pack row layout of format `tag` for `spec`'s routed experts (what one slot of a pool holds)."""
+    return RowLayout.of_pool(tag, requantize.new_pool(spec, tag, 1, torch.float32, "cpu"))
 
-    out = {f"model.layers.{i}": layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)}
-    out.update({f"mtp.{j}.layer": m.layer.mlp for j, m in enumerate(model.mtp) if isinstance(m.layer.mlp, MoE)})
-    return out
+
+def expert_row_bytes(spec: ModelSpec, tag: str) -> int:
+    """Bytes of one (layer, expert) row in `tag` (the pack's row, without the 4 KiB padding)."""
+    return row_layout(spec, tag).row_bytes
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,7 @@ def expected_meta(ckpt: Checkpoint, tag: str, q: dict, ident: str, rank: int = 0
     layers = pack_layers(ckpt.spec)
     if not layers:
         raise ConfigError(f"{ckpt.path}: the model has no routed experts; it needs no pack")
-    probe = requantize.new_pool(ckpt.spec, tag, 1, torch.float32, "cpu")
-    layout = RowLayout.of_pool(tag, probe)
+    layout = row_layout(ckpt.spec, tag)
     return PackMeta(tag=tag, checkpoint_identity=ident, quantizer=q, layers=layers,
                     num_experts=ckpt.spec.router.num_experts, row=layout.to_json(), rank=rank,
                     checksum=default_checksum())

@@ -218,7 +218,7 @@ def facts_from_summary(s, *, spec=None, dtype: str = "auto", kv_bytes_per_token:
     rows = max(1, s.moe_layers * s.experts)
     row = s.w2_expert_bytes // rows
     if spec is not None:
-        from moet.engine.expert_residency import expert_row_bytes
+        from moet.store.pack_builder import expert_row_bytes
 
         row = expert_row_bytes(spec, "w2")
         if embedding_bytes is None:

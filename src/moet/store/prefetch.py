@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moet.model.layers.router import route
 from moet.store.expert_cache import ExpertCache
 
 
@@ -34,14 +33,13 @@ class NextLayerPrefetch:
     def __init__(self, cache: ExpertCache, next_layer, next_index: int, running_index: int):
         self.cache = cache
         self.norm = next_layer.post_attention_layernorm
-        self.gate = next_layer.mlp.gate
-        self.router = next_layer.mlp.spec.router
+        self.select_experts = next_layer.mlp.select_experts
         self.next_index = next_index
         self.running_index = running_index      # pack index of layer L's own MoE (-1: dense layer)
         self.fetch = True                       # False: predict and score only
 
     def __call__(self, h: torch.Tensor) -> None:
-        ids, _ = route(self.norm(h), self.gate.weight, self.router, self.gate.e_score_correction_bias)
+        ids, _ = self.select_experts(self.norm(h))
         flat = ids.reshape(-1)
         counts = self.cache.predicted_counts[self.next_index]
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))

@@ -72,8 +72,12 @@ class MoE(nn.Module):
         main.wait_stream(side)
         return out, shared
 
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This block's routing rule: x [T, H] -> (expert ids int64 [T, k], their weights [T, k])."""
+        return route(x, self.gate.weight, self.spec.router, self.gate.e_score_correction_bias)
+
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(x, self.gate.weight, self.spec.router, self.gate.e_score_correction_bias)
+        ids, weights = self.select_experts(x)
         if self.demand_fetch is not None:  # expert store, eager pass: make these experts resident now
             self.demand_fetch(ids)
         if self.route_counts is not None:  # integer adds: exact in any order (graph-capturable)
