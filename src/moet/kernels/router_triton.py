@@ -37,16 +37,37 @@ supported (torch.topk ranks NaN above everything; this kernel does not).
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moet.checkpoint.spec import RouterSpec
 from moet.errors import ConfigError
 from moet.kernels.kv_write_triton import _bf16_rne
 from moet.kernels.pdl import pdl_enter, pdl_launch
+
+
+class RoutingRule(Protocol):
+    """The routing rule the kernel applies: the fields it reads of moet.checkpoint.spec.RouterSpec.
+    Kernels sit beside the data flow and import no checkpoint code: any object with these
+    fields will do (read-only, as RouterSpec is frozen)."""
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def scoring(self) -> str: ...                    # "softmax" | "sigmoid"
+    @property
+    def norm_topk_prob(self) -> bool: ...
+    @property
+    def routed_scaling_factor(self) -> float: ...
+    @property
+    def n_group(self) -> int: ...
+    @property
+    def topk_group(self) -> int: ...
+
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
@@ -218,7 +239,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype 
     return out
 
 
-def _check(spec: RouterSpec, e: int) -> None:
+def _check(spec: RoutingRule, e: int) -> None:
     k, g = spec.top_k, spec.n_group
     if e != spec.num_experts:
         raise ConfigError(f"router (triton): logits have {e} experts, the router spec says {spec.num_experts}")
@@ -237,7 +258,7 @@ def _check(spec: RouterSpec, e: int) -> None:
                               f"({e // g} experts each) cannot hold top_k={k} experts")
 
 
-def router_topk(logits: torch.Tensor, spec: RouterSpec,
+def router_topk(logits: torch.Tensor, spec: RoutingRule,
                 correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (bf16, fp16 or fp32; the router GEMV's output) -> (ids int64 [T, k],
     weights [T, k]): weights in the logits' dtype for softmax scoring, fp32 for sigmoid (as
