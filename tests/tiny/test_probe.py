@@ -1,37 +1,107 @@
-"""Probes run on a tiny subset of the shipped model and give sane numbers. Floors sit well
-below the values measured on the full probe sets (MODEL_CARD.md) so that CPU / library
-differences do not flake, while a broken loader, tokenizer or expert decode still fails."""
+"""The probes through moet's engine (moet.probe.engine, what `moet probe` runs) on a tiny subset of
+the shipped model give sane numbers, and agree with transformers' forward (moet.probe.loader, the
+independent reference) where they must. Floors sit well below the values measured on the full
+probe sets (MODEL_CARD.md) so that CPU / library differences do not flake, while a broken engine
+path, tokenizer or expert decode still fails."""
 from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 
-from moet.probe.run import BUDGETS, code_probe, facts_probe, run_all, tools_probe
+from moet.probe.run import BUDGETS, Budget, code_probe, code_scores, facts_probe, greedy, run_all, tools_probe
+
+# a few short code sequences: enough positions for a loss, seconds on CPU
+SMALL = Budget(4, 2, 2, (160,), (0.5,), 1, 600, 128, 8)
 
 
-def test_code_loss_and_mtp(tiny_nvfp4):
-    r = code_probe(tiny_nvfp4, BUDGETS["tiny"])
+@pytest.fixture(scope="module")
+def engine_fp4(ckpt):
+    from moet.probe.engine import open_engine
+    m = open_engine(ckpt, "nvfp4", "cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def engine_bf16(ckpt):
+    from moet.probe.engine import open_engine
+    m = open_engine(ckpt, "bf16", "cpu")
+    yield m
+    m.close()
+
+
+def test_engine_probe_model(engine_fp4):
+    import torch
+    assert engine_fp4.backend == "moet" and engine_fp4.experts == "nvfp4"
+    assert engine_fp4.llm.config.expert_format == "fp4" and engine_fp4.dtype == torch.float32
+
+
+def test_code_loss_and_mtp(engine_fp4):
+    r = code_probe(engine_fp4, BUDGETS["tiny"])
     assert r["tokens"] > 1000 and math.isfinite(r["loss"])
     assert r["ppl"] < 40          # measured ~14.5 on the full held-out set
     assert r["top1"] > 0.35 and r["mtp_top1"] > 0.35
 
 
-def test_facts_at_nvfp4_above_floor(tiny_nvfp4):
-    r = facts_probe(tiny_nvfp4, BUDGETS["tiny"])
+def test_facts_at_nvfp4_above_floor(engine_fp4):
+    r = facts_probe(engine_fp4, BUDGETS["tiny"])
     assert r["n"] == 12 and r["accuracy"] >= 0.5   # measured ~0.85 on all 724 held-out prompts
 
 
-def test_tool_markup_is_valid(tiny_nvfp4):
-    r = tools_probe(tiny_nvfp4, BUDGETS["tiny"])
+def test_tool_markup_is_valid(engine_fp4):
+    r = tools_probe(engine_fp4, BUDGETS["tiny"])
     assert r["call_valid"] >= 0.5
 
 
-def test_run_all_reports_every_probe_and_w2_code_loss(ckpt, tensors, tiny_nvfp4):
-    from moet.probe.loader import load
-    w2 = load(ckpt, "w2", "cpu", tensors=tensors)
-    r = run_all(w2, BUDGETS["tiny"], only=("code",))
-    base = code_probe(tiny_nvfp4, BUDGETS["tiny"])
+def test_progress_ticks_once_per_task(engine_fp4):
+    from moet.probe import facts
+    from moet.probe.run import count_tasks
+    ticks = []
+    greedy(engine_fp4, facts.eval_cases(5), 4, 2, ticks.append)
+    assert ticks == [2, 2, 1]
+    assert count_tasks(engine_fp4.tokenizer, SMALL, ("code", "facts")) == 4 + 4
+
+
+def test_run_all_w2_code_loss_and_comparison_with_bf16(ckpt, engine_bf16, engine_fp4):
+    from moet.probe.distributions import FormatComparison
+    from moet.probe.engine import open_engine
+    cmp = FormatComparison("bf16")
+    base = run_all(engine_bf16, SMALL, only=("code",), comparison=cmp)["code"]
+    assert cmp.scores is not None and "kl_vs_bf16" not in base
+    fp4 = run_all(engine_fp4, SMALL, only=("code",), comparison=cmp)
+    w2 = open_engine(ckpt, "w2", "cpu")
+    try:
+        r = run_all(w2, SMALL, only=("code",), comparison=cmp)
+        skipped = run_all(w2, "tiny", should_stop=lambda: True)
+    finally:
+        w2.close()
+    assert r["backend"] == "moet" and r["experts"] == "w2" and r["dtype"] == "float32"
     # 2-bit experts cost something but do not break the model
     assert base["loss"] <= r["code"]["loss"] < base["loss"] + 1.0
-    skipped = run_all(w2, "tiny", should_stop=lambda: True)
+    # the shipped experts are NVFP4: bf16 decodes them exactly, so the engine's fp4 kernels give
+    # bf16's distributions up to rounding, while W2 moves them
+    assert fp4["code"]["top1_vs_bf16"] > 0.99 and fp4["code"]["kl_vs_bf16"] < 1e-3
+    assert r["code"]["top1_vs_bf16"] < 0.95 and r["code"]["kl_vs_bf16"] > 10 * max(fp4["code"]["kl_vs_bf16"], 1e-4)
+    assert r["code"]["kl_top"] == 20 and 0 <= r["code"]["kl_bounded"] < 0.2
     assert all(skipped[k] == {"skipped": "time budget"} for k in ("code", "facts", "arithmetic", "needle", "tools"))
+
+
+def test_engine_agrees_with_transformers_on_bf16_experts(ckpt, tensors, engine_bf16):
+    """The old path (transformers' generate / forward with the experts decoded) and the engine, both
+    float32 on CPU with the same bf16 experts: the same greedy completions token for token, the same
+    next-token scores up to float rounding."""
+    from moet.probe import arithmetic, facts, tools
+    from moet.probe.loader import load
+    ref = load(ckpt, "bf16", "cpu", tensors=tensors)
+    convs = facts.eval_cases(4) + tools.eval_cases(2) + arithmetic.eval_cases(1)
+    got, want = greedy(engine_bf16, convs, 48, 8), greedy(ref, convs, 48, 8)
+    assert got == want
+    assert all("<|end|>" in g or len(engine_bf16.tokenizer.encode(g, add_special_tokens=False)) >= 48 for g in got)
+    r_eng, s_eng = code_scores(engine_bf16, SMALL)
+    r_ref, s_ref = code_scores(ref, SMALL)
+    assert r_eng["tokens"] == r_ref["tokens"] > 300
+    np.testing.assert_allclose(s_eng.lp, s_ref.lp, atol=2e-3)
+    assert (s_eng.top_ids[:, 0] == s_ref.top_ids[:, 0]).mean() > 0.99
+    assert abs(r_eng["mtp_top1"] - r_ref["mtp_top1"]) <= 0.01

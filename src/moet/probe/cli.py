@@ -1,6 +1,7 @@
 """`moet probe [CKPT] [--experts bf16|nvfp4|w2|all ...] [--expert-activations bf16|e4m3] [--device D]
 [--budget B] [--json OUT]`: each probe's result as one JSON line on stdout, a progress bar (tasks
-done / total, rate, time left) on stderr."""
+done / total, rate, time left) on stderr. The probes run through moet's engine (moet.LLM,
+moet.probe.engine); only --expert-activations e4m3 runs transformers' forward (moet.probe.loader)."""
 from __future__ import annotations
 
 import argparse
@@ -12,16 +13,22 @@ from pathlib import Path
 def add_subcommand(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "probe", help="quality probes (code loss, MTP, facts, arithmetic, needle, tools) per expert format",
-        description="Run moet-tiny's probes through transformers' DeepseekV3ForCausalLM with the routed "
-                    "experts decoded from the checkpoint in each requested format.")
+        description="Run moet-tiny's probes through moet's engine (moet.LLM) with the routed experts in each "
+                    "requested format: greedy generation and prompt logprobs on the engine, the MTP head on "
+                    "the engine's model (the scheduler has no MTP step). With bf16 among the formats, bf16 "
+                    "runs first and every other format's code probe adds its top-1 agreement with bf16 and "
+                    "a KL estimate from both formats' top-K logprobs (docs/architecture.md, probes). Activations are "
+                    "float32 on CPU, bfloat16 on CUDA.")
     p.add_argument("checkpoint", nargs="?", default=None,
                    help="checkpoint directory or Hugging Face repo id (default: the shipped moet-tiny)")
-    p.add_argument("--experts", action="append", choices=["bf16", "nvfp4", "w2", "all"],
-                   help="expert format; repeat for several, 'all' for every one (default: nvfp4)")
+    p.add_argument("--experts", action="append", choices=["bf16", "nvfp4", "fp4", "w2", "all"],
+                   help="expert format (fp4 = nvfp4, the engine's name); repeat for several, 'all' for every "
+                        "one (default: nvfp4)")
     p.add_argument("--expert-activations", default="bf16", choices=["bf16", "e4m3"],
                    help="what the routed experts' matmuls read: bf16 = the model's dtype, unquantized "
                         "(default); e4m3 = the PTX W2 kernel's float8 activations (hidden state per "
-                        "token and SwiGLU output per token-expert pair, scale amax/448, RNE, saturating)")
+                        "token and SwiGLU output per token-expert pair, scale amax/448, RNE, saturating), "
+                        "emulated in transformers' forward: the engine has no such kernel")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--budget", default="quick", choices=["tiny", "quick", "full"],
                    help="probe sizes: tiny (seconds on CPU), quick, full (the model card's)")
@@ -54,34 +61,47 @@ def _device(text: str | None) -> str:
     return text
 
 
+def formats(requested: list[str] | None) -> list[str]:
+    """--experts values -> the formats to run, in order, bf16 first when present (the others'
+    code probes compare with it)."""
+    fmts = list(dict.fromkeys("nvfp4" if f == "fp4" else f for f in (requested or ["nvfp4"])))
+    if "all" in fmts:
+        fmts = ["bf16", "nvfp4", "w2"]
+    return sorted(fmts, key=lambda f: f != "bf16")
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
     from moet.checkpoint.resolve import resolve_checkpoint
-    from moet.probe.loader import default_checkpoint, load, read_tensors
+    from moet.probe.distributions import FormatComparison
+    from moet.probe.loader import default_checkpoint
     from moet.probe.run import count_tasks, run_all
 
     ckpt = Path(resolve_checkpoint(args.checkpoint)) if args.checkpoint else default_checkpoint()
-    fmts = list(dict.fromkeys(args.experts or ["nvfp4"]))
-    if "all" in fmts:
-        fmts = ["bf16", "nvfp4", "w2"]
+    fmts = formats(args.experts)
     device = _device(args.device)
     if args.json_out and not Path(args.json_out).parent.is_dir():
         from moet.errors import ConfigError
         raise ConfigError(f"--json {args.json_out}: its directory does not exist")
     only = tuple(args.only) if args.only else None
-    tensors = read_tensors(ckpt)
+    open_model = _transformers_opener(ckpt, device, args.expert_activations) \
+        if args.expert_activations != "bf16" else _engine_opener(ckpt, device)
+    comparison = FormatComparison("bf16")
     results = {"checkpoint": str(ckpt), "expert_activations": args.expert_activations, "formats": {}}
     bar = None
     try:
         for fmt in fmts:
-            m = load(ckpt, fmt, device, tensors=tensors, activations=args.expert_activations)
-            if bar is None:                         # every format runs the same tasks
-                bar = tqdm(total=count_tasks(m.tokenizer, args.budget, only) * len(fmts), unit="task", desc=fmt,
-                           file=sys.stderr, dynamic_ncols=True, disable=args.no_progress)
-            bar.set_description_str(fmt)
-            res = run_all(m, args.budget, only, progress=bar, log=lambda rec: _print_line(bar, json.dumps(rec)))
-            results["formats"][fmt] = res
+            m = open_model(fmt)
+            try:
+                if bar is None:                         # every format runs the same tasks
+                    bar = tqdm(total=count_tasks(m.tokenizer, args.budget, only) * len(fmts), unit="task",
+                               desc=fmt, file=sys.stderr, dynamic_ncols=True, disable=args.no_progress)
+                bar.set_description_str(fmt)
+                results["formats"][fmt] = run_all(m, args.budget, only, progress=bar, comparison=comparison,
+                                                  log=lambda rec: _print_line(bar, json.dumps(rec)))
+            finally:
+                m.close()
             del m
     finally:
         if bar is not None:
@@ -89,6 +109,19 @@ def run(args) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def _engine_opener(ckpt: Path, device: str):
+    from moet.probe.engine import open_engine
+    return lambda fmt: open_engine(ckpt, fmt, device)
+
+
+def _transformers_opener(ckpt: Path, device: str, activations: str):
+    """The e4m3 activation study: transformers' forward with the experts' matmuls patched
+    (moet.probe.activations); the checkpoint's tensors read once for every format."""
+    from moet.probe.loader import load, read_tensors
+    tensors = read_tensors(ckpt)
+    return lambda fmt: load(ckpt, fmt, device, tensors=tensors, activations=activations)
 
 
 def _print_line(bar, line: str) -> None:

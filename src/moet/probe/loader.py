@@ -1,8 +1,8 @@
 """Load a DeepSeek-V3-layout checkpoint (moet-tiny) into transformers' DeepseekV3ForCausalLM
-with the routed experts in a chosen number format, plus its MTP layer.
-
-The moet engine does not run models yet, so the probes use transformers as the reference
-forward; only the routed-expert weights change between formats:
+with the routed experts in a chosen number format, plus its MTP layer: the independent reference
+that tests hold moet's engine-backed probes (moet.probe.engine) to, and the path of
+`moet probe --expert-activations e4m3` (moet.probe.activations emulates a kernel the engine does
+not have). Only the routed-expert weights change between formats:
   bf16   the checkpoint's experts as stored (BF16 checkpoints), or NVFP4 decoded exactly
   nvfp4  NVFP4 decoded (BF16 experts are first quantized with moet.formats.nvfp4.quantize)
   w2     NVFP4 -> moet.formats.w2.from_nvfp4 -> decoded (BF16 experts: w2.quantize)
@@ -11,11 +11,15 @@ BF16 row was measured on the trained weights before quantization.
 
 `activations` (moet.probe.activations) picks what the routed experts' matmuls read: bf16 =
 the model's dtype, unquantized (default); e4m3 = the PTX W2 kernel's float8 activations.
+
+`Loaded` offers the probes the same two calls as moet.probe.engine.EngineModel: `generate`
+(batched greedy completions through transformers' generate()) and `score` (teacher-forced
+next-token logprobs and the MTP head's next-next top-1).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -111,6 +115,56 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype
     activations: str = "bf16"   # routed experts' activations: bf16 (unquantized) | e4m3
+    backend: str = field(default="transformers", init=False)
+
+    def close(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, batch: int, tick=lambda n: None) -> list[str]:
+        """Greedy completions of token-id prompts (decoded, special tokens kept so the parser
+        sees <|end|>), `batch` prompts per generate() call, left-padded; tick(k) after each."""
+        tok, dev = self.tokenizer, self.device
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # little padding per batch
+        out: list[str] = [""] * len(prompts)
+        for b in range(0, len(order), batch):
+            idx = order[b:b + batch]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for j, i in enumerate(idx):
+                ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[j, width - len(prompts[i]):] = 1
+            gen = self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                      max_new_tokens=max_new_tokens, do_sample=False,
+                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            for j, i in enumerate(idx):
+                out[i] = tok.decode(gen[j, width:].tolist(), skip_special_tokens=False).replace(tok.pad_token, "")
+            tick(len(idx))
+        return out
+
+    @torch.no_grad()
+    def score(self, seqs: list[list[int]], k: int, batch: int, tick=lambda n: None):
+        """Teacher-forced scores of equal-length sequences, `batch` per forward: next-token
+        logprobs and top-k (moet.probe.distributions.CodeScores) and the MTP head's next-next
+        top-1."""
+        import numpy as np
+
+        from moet.probe.distributions import CodeScores, concat
+        parts = []
+        for b in range(0, len(seqs), batch):
+            xb = torch.tensor(seqs[b:b + batch], device=self.device)
+            h = self.model.model(xb).last_hidden_state
+            lp = self.model.lm_head(h)[:, :-1].float().log_softmax(-1).flatten(0, 1)
+            tgt = xb[:, 1:].flatten()
+            top_lp, top_ids = lp.topk(k, dim=-1)
+            mtp_logits = self.mtp(self.model, xb, h)[:, :-1]  # position t predicts t+2
+            parts.append(CodeScores(lp.gather(1, tgt[:, None])[:, 0].double().cpu().numpy(),
+                                    (lp.argmax(-1) == tgt).cpu().numpy(), top_ids.cpu().numpy().astype(np.int64),
+                                    top_lp.double().cpu().numpy(),
+                                    int((mtp_logits.argmax(-1) == xb[:, 2:]).sum()), xb[:, 2:].numel()))
+            tick(xb.shape[0])
+        return concat(parts)
 
 
 def load(ckpt: Path | str | None = None, experts: str = "nvfp4", device: str | torch.device = "cpu",

@@ -1,6 +1,11 @@
-"""The probes behind moet-tiny's model card, run through transformers' forward:
+"""The probes behind moet-tiny's model card, run through a probe model: moet's engine
+(moet.probe.engine.EngineModel, what `moet probe` runs) or transformers' forward
+(moet.probe.loader.Loaded, the independent reference of the tests); both offer `generate`
+(greedy completions) and `score` (teacher-forced logprobs, top-K, MTP).
 
-  code      held-out stdlib code: loss / perplexity, next-token top-1, MTP next-next top-1
+  code      held-out stdlib code: loss / perplexity, next-token top-1, MTP next-next top-1; with
+            a FormatComparison, also top-1 agreement and KL against the reference format's
+            distributions on the same positions (moet.probe.distributions says how)
   facts     capitals, held-out phrasings, greedy, exact capital in the answer
   arithmetic  2-3 digit add/sub (thinking on), final number exact
   needle    pass rate by context length (prompt tokens) and depth
@@ -16,12 +21,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-
-import torch
-import torch.nn.functional as F
+from typing import Protocol
 
 from moet.probe import arithmetic, chat_format, code_data, facts, needle, tools
-from moet.probe.loader import Loaded
+from moet.probe.distributions import TOP_K, CodeScores, FormatComparison, compare
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,21 @@ BUDGETS = {
 
 
 # --- helpers ------------------------------------------------------------------------------------------
+class ProbeModel(Protocol):
+    """What the probes need of a model: moet.probe.engine.EngineModel (moet's engine) and
+    moet.probe.loader.Loaded (transformers) both provide it."""
+    tokenizer: object
+    experts: str                 # bf16 | nvfp4 | w2
+    activations: str             # bf16 | e4m3
+    device: object
+    dtype: object
+    backend: str                 # moet | transformers
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, batch: int, tick=...) -> list[str]: ...
+
+    def score(self, seqs: list[list[int]], k: int, batch: int, tick=...) -> CodeScores: ...
+
+
 def _prompt_ids(tok, conv: chat_format.Conversation) -> list[int]:
     return tok.encode(chat_format.render_conversation(conv, add_generation_prompt=True), add_special_tokens=False)
 
@@ -54,29 +72,11 @@ def _no_tick(n: int) -> None:
     pass
 
 
-@torch.no_grad()
-def greedy(m: Loaded, convs: list[chat_format.Conversation], max_new_tokens: int, batch: int,
+def greedy(m: ProbeModel, convs: list[chat_format.Conversation], max_new_tokens: int, batch: int,
            tick=_no_tick) -> list[str]:
-    """Greedy completions (decoded, special tokens kept so the parser sees <|end|>); tick(k) after
-    each batch of k prompts."""
-    tok, dev = m.tokenizer, m.device
-    prompts = [_prompt_ids(tok, c) for c in convs]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # little padding per batch
-    out: list[str] = [""] * len(prompts)
-    for b in range(0, len(order), batch):
-        idx = order[b:b + batch]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for j, i in enumerate(idx):
-            ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[j, width - len(prompts[i]):] = 1
-        gen = m.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        for j, i in enumerate(idx):
-            out[i] = tok.decode(gen[j, width:].tolist(), skip_special_tokens=False).replace(tok.pad_token, "")
-        tick(len(idx))
-    return out
+    """Greedy completions of the rendered conversations (decoded, special tokens kept so the
+    parser sees <|end|>); tick(k) after each group of k prompts."""
+    return m.generate([_prompt_ids(m.tokenizer, c) for c in convs], max_new_tokens, batch, tick)
 
 
 def _rate(xs: list[bool]) -> float:
@@ -94,32 +94,32 @@ def _code_ids(tok, budget: Budget) -> tuple[list[int], int]:
     return ids, min(len(ids), budget.code_tokens) // budget.code_seq
 
 
-@torch.no_grad()
-def code_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
-    dev = m.device
+def code_scores(m: ProbeModel, budget: Budget, tick=_no_tick) -> tuple[dict, CodeScores | None]:
+    """The code probe's numbers and the per-position scores behind them (None: no code)."""
     ids, n = _code_ids(m.tokenizer, budget)
     if n == 0:
-        return {"tokens": 0}
-    x = torch.tensor(ids[: n * budget.code_seq]).view(n, budget.code_seq)
-    nll = top1 = mtp_top1 = count = mtp_count = 0.0
-    for b in range(0, n, max(1, budget.batch // 4)):
-        xb = x[b:b + max(1, budget.batch // 4)].to(dev)
-        h = m.model.model(xb).last_hidden_state
-        logits = m.model.lm_head(h)[:, :-1].float()
-        tgt = xb[:, 1:]
-        nll += float(F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum"))
-        top1 += float((logits.argmax(-1) == tgt).sum())
-        count += tgt.numel()
-        mtp_logits = m.mtp(m.model, xb, h)[:, :-1]  # position t predicts t+2
-        mtp_top1 += float((mtp_logits.argmax(-1) == xb[:, 2:]).sum())
-        mtp_count += xb[:, 2:].numel()
-        tick(xb.shape[0])
-    loss = nll / count
-    return {"tokens": int(count), "loss": round(loss, 4), "ppl": round(math.exp(loss), 3),
-            "top1": round(top1 / count, 4), "mtp_top1": round(mtp_top1 / mtp_count, 4)}
+        return {"tokens": 0}, None
+    seqs = [ids[i * budget.code_seq:(i + 1) * budget.code_seq] for i in range(n)]
+    sc = m.score(seqs, TOP_K, max(1, budget.batch // 4), tick)
+    loss = -float(sc.lp.sum()) / len(sc.lp)
+    return {"tokens": len(sc.lp), "loss": round(loss, 4), "ppl": round(math.exp(loss), 3),
+            "top1": round(float(sc.top1.mean()), 4),
+            "mtp_top1": None if sc.mtp_hits is None else round(sc.mtp_hits / sc.mtp_count, 4)}, sc
 
 
-def facts_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
+def code_probe(m: ProbeModel, budget: Budget, tick=_no_tick, comparison: FormatComparison | None = None) -> dict:
+    """With `comparison`: the reference format stores its scores there, any other format adds
+    its top-1 agreement and KL against them (moet.probe.distributions)."""
+    out, sc = code_scores(m, budget, tick)
+    if comparison is not None and sc is not None:
+        if m.experts == comparison.reference:
+            comparison.scores = sc
+        elif comparison.scores is not None:
+            out.update(compare(comparison.scores, sc, comparison.reference))
+    return out
+
+
+def facts_probe(m: ProbeModel, budget: Budget, tick=_no_tick) -> dict:
     cases = facts.eval_cases(budget.facts)
     outs = greedy(m, cases, 24, budget.batch, tick)
     ok = [facts.is_correct(chat_format.parse_reply(o).content, c.meta["expected"], c.meta["country"])
@@ -128,7 +128,7 @@ def facts_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
     return {"n": len(cases), "accuracy": _rate(ok), "examples_wrong": bad[:5]}
 
 
-def arithmetic_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
+def arithmetic_probe(m: ProbeModel, budget: Budget, tick=_no_tick) -> dict:
     cases = arithmetic.eval_cases(budget.arithmetic)
     outs = greedy(m, cases, 128, budget.batch, tick)
     ok = [arithmetic.is_correct(chat_format.parse_reply(o).content, c.meta["expected"]) for c, o in zip(cases, outs)]
@@ -167,7 +167,7 @@ def needle_cases(tok, budget: Budget) -> list[chat_format.Conversation]:
     return cases
 
 
-def needle_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
+def needle_probe(m: ProbeModel, budget: Budget, tick=_no_tick) -> dict:
     cases = needle_cases(m.tokenizer, budget)
     outs = []
     for length in budget.needle_lengths:  # batch by length: long prompts need small batches
@@ -187,7 +187,7 @@ def needle_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
             "by_length": by_len, "by_length_depth": grid}
 
 
-def tools_probe(m: Loaded, budget: Budget, tick=_no_tick) -> dict:
+def tools_probe(m: ProbeModel, budget: Budget, tick=_no_tick) -> dict:
     cases = tools.eval_cases(budget.tools)
     outs = greedy(m, cases, 96, budget.batch, tick)
     scores = [tools.score(chat_format.parse_reply(o), c.meta) for c, o in zip(cases, outs)]
@@ -223,13 +223,14 @@ def count_tasks(tokenizer, budget: str | Budget = "full", only: tuple[str, ...] 
     return sum(TASKS[name](tokenizer, b) for name in PROBES if not only or name in only)
 
 
-def run_all(m: Loaded, budget: str | Budget = "full", only: tuple[str, ...] | None = None, log=None,
-            should_stop=None, progress=None) -> dict:
+def run_all(m: ProbeModel, budget: str | Budget = "full", only: tuple[str, ...] | None = None, log=None,
+            should_stop=None, progress=None, comparison: FormatComparison | None = None) -> dict:
     """`should_stop()` (optional) is asked before each probe; a True skips the rest. `progress`
-    (optional, a tqdm bar): advanced by one per task, its postfix the running probe."""
+    (optional, a tqdm bar): advanced by one per task, its postfix the running probe.
+    `comparison` (optional): handed to the code probe (code_probe says what it does)."""
     b = BUDGETS[budget] if isinstance(budget, str) else budget
-    out = {"experts": m.experts, "expert_activations": m.activations, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
-           "budget": budget if isinstance(budget, str) else asdict(b)}
+    out = {"experts": m.experts, "expert_activations": m.activations, "backend": m.backend, "device": str(m.device),
+           "dtype": str(m.dtype).replace("torch.", ""), "budget": budget if isinstance(budget, str) else asdict(b)}
     for name, fn in PROBES.items():
         if only and name not in only:
             continue
@@ -239,9 +240,10 @@ def run_all(m: Loaded, budget: str | Budget = "full", only: tuple[str, ...] | No
         t = time.time()
         if progress is not None:
             progress.set_postfix_str(name)
-        out[name] = fn(m, b) if progress is None else fn(m, b, progress.update)
+        tick = _no_tick if progress is None else progress.update
+        out[name] = fn(m, b, tick, comparison) if name == "code" else fn(m, b, tick)
         out[name]["seconds"] = round(time.time() - t, 1)
         if log:
-            log({"probe": name, "experts": m.experts, "expert_activations": m.activations, **{k: v for k, v in out[name].items()
-                                                         if not k.startswith(("examples", "by_length_depth"))}})
+            log({"probe": name, "experts": m.experts, "expert_activations": m.activations, "backend": m.backend,
+                 **{k: v for k, v in out[name].items() if not k.startswith(("examples", "by_length_depth"))}})
     return out

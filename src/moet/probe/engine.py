@@ -1,0 +1,135 @@
+"""The probes' model: moet's own engine (`moet.LLM`) with the routed experts in one format.
+
+    m = open_engine(ckpt, "w2", "cpu")        # bf16 | nvfp4 (the engine's fp4) | w2
+    run_all(m, "quick")
+
+Every probe generates and scores through the engine, on its paged KV cache and scheduler:
+  greedy text      LLM.generate with SamplingParams(temperature=0, max_tokens=N); the new token
+                   ids are decoded with special tokens kept (the reply parser needs <|end|> and
+                   the markup tokens)
+  log-likelihood   SamplingParams(prompt_logprobs=K, max_tokens=1): per prompt position the
+                   actual token's logprob and rank and the top-K (moet.probe.distributions)
+  MTP next-next    the engine's scheduler has no MTP step yet, so the LLM's own model runs its
+                   MTP layer teacher-forced: CausalLM.hidden_states, then mtp_forward, over a
+                   contiguous KV cache (the path moet.testing.reference_loop drives). The same
+                   loaded weights and expert pools as the engine; not transformers.
+
+The activations run in float32 on CPU and bfloat16 on CUDA (transformers' path in
+moet.probe.loader does the same), so the two can be compared item by item.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moet.errors import ConfigError
+from moet.probe.distributions import CodeScores, concat
+
+# probe format name -> the engine's expert_format (the probe keeps its names: results, model
+# card and the training recipe's summaries say "nvfp4")
+ENGINE_FORMATS = {"bf16": "bf16", "nvfp4": "fp4", "w2": "w2"}
+
+
+def _no_tick(n: int) -> None:
+    pass
+
+
+@dataclass
+class EngineModel:
+    llm: object                  # moet.LLM
+    tokenizer: object
+    experts: str                 # bf16 | nvfp4 | w2
+    device: torch.device
+    dtype: torch.dtype
+    activations: str = "bf16"    # the engine's routed experts read the model's activations, unquantized
+    backend: str = field(default="moet", init=False)
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def _chunks(self, n: int, batch: int):
+        step = max(1, batch)
+        return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, batch: int, tick=_no_tick) -> list[str]:
+        """Greedy completions of token-id prompts, decoded with special tokens kept; tick(k)
+        after each group of k prompts (the engine batches up to its max_num_seqs at once)."""
+        from moet.sampling_params import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, skip_special_tokens=False)
+        out: list[str] = []
+        for a, b in self._chunks(len(prompts), batch):
+            res = self.llm.generate([{"prompt_token_ids": p} for p in prompts[a:b]], sp, use_tqdm=False)
+            for r in res:
+                if r.error is not None:
+                    raise r.error
+                out.append(self.tokenizer.decode(r.outputs[0].token_ids, skip_special_tokens=False))
+            tick(b - a)
+        return out
+
+    @torch.no_grad()
+    def score(self, seqs: list[list[int]], k: int, batch: int, tick=_no_tick) -> CodeScores:
+        """Teacher-forced scores of each sequence: the engine's prompt logprobs (position t
+        predicts token t + 1) and the MTP layer's next-next top-1; tick(k) per group of k."""
+        from moet.sampling_params import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
+        parts = []
+        for a, b in self._chunks(len(seqs), batch):
+            res = self.llm.generate([{"prompt_token_ids": s} for s in seqs[a:b]], sp, use_tqdm=False)
+            for s, r in zip(seqs[a:b], res):
+                if r.error is not None:
+                    raise r.error
+                part = _from_prompt_logprobs(s, r.prompt_logprobs, k)
+                part.mtp_hits, part.mtp_count = self._mtp(s)
+                parts.append(part)
+            tick(b - a)
+        return concat(parts)
+
+    def _mtp(self, ids: list[int]) -> tuple[int | None, int]:
+        """(right drafts, drafts) of MTP layer 0 over one sequence; (None, 0) without MTP layers."""
+        model = self.llm.model
+        if not len(model.mtp) or len(ids) < 3:
+            return None, 0
+        x = torch.tensor(ids, dtype=torch.long, device=self.device)
+        cache = model.new_cache(len(ids), self.device)
+        hidden = model.model.norm(model.hidden_states(x, 0, cache))     # what the LM head sees
+        _, logits = model.mtp_forward(0, x[1:], hidden[:-1], 0, cache)  # row t: hidden t, token t+1 -> t+2
+        return int((logits[:-1].argmax(-1) == x[2:]).sum()), len(ids) - 2
+
+
+def _from_prompt_logprobs(ids: list[int], plps, k: int) -> CodeScores:
+    """The engine's per-position dicts (actual token + top-k) -> CodeScores arrays."""
+    n = len(ids) - 1
+    lp = np.empty(n)
+    top1 = np.empty(n, bool)
+    top_ids = np.empty((n, k), np.int64)
+    top_lp = np.empty((n, k))
+    for t in range(n):
+        d = plps[t + 1]                         # position t + 1's entry: the logits at t
+        actual = d[ids[t + 1]]
+        lp[t], top1[t] = actual.logprob, actual.rank == 1
+        # the top-k by logprob (the actual token, when not among them, is listed besides)
+        best = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+        top_ids[t] = [i for i, _ in best]
+        top_lp[t] = [v.logprob for _, v in best]
+    return CodeScores(lp, top1, top_ids, top_lp)
+
+
+def open_engine(ckpt: Path | str, experts: str = "nvfp4", device: str = "cpu", **engine_options) -> EngineModel:
+    """moet.LLM on `ckpt` with the routed experts in `experts` (bf16 | nvfp4 | w2); float32
+    activations on CPU, bfloat16 on CUDA. `engine_options`: further LLM keywords."""
+    from moet.llm import LLM
+
+    if experts not in ENGINE_FORMATS:
+        raise ConfigError(f"unknown expert format {experts!r}; use one of {', '.join(ENGINE_FORMATS)}")
+    dev = torch.device(device)
+    dtype = "float32" if dev.type == "cpu" else "bfloat16"
+    llm = LLM(str(ckpt), expert_format=ENGINE_FORMATS[experts], device=str(dev), dtype=dtype, **engine_options)
+    if llm.tokenizer is None:
+        llm.close()
+        raise ConfigError(f"{ckpt}: no tokenizer files; the probes render chat prompts with the checkpoint's tokenizer")
+    return EngineModel(llm, llm.tokenizer, experts, llm.device, llm.dtype)
