@@ -571,7 +571,7 @@ def test_kernels_compile_for_sm90():
     # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
     assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
     # GemmConfig.kwidth2: the scale bytes behind the branch give the MMA operands kWidth 2; without
-    # it Triton 3.6 packs K by 4 (the 8-bit scale load; moe_triton._scale_values)
+    # it Triton 3.6 packs K by 4 (the 8-bit scale load; moe_tiles._scale_values)
     kw = [line.split() for line in r.stdout.splitlines() if line.startswith("kwidth ")]
     assert len(kw) == 4 and all(w[3:] == ["4", "2"] for w in kw), r.stdout
     assert kinds.count("gemm-tiled") == 8, r.stdout          # nb8t / nvfp4t: whole- / half-tile steps, prefill
@@ -930,7 +930,7 @@ def test_fp4_and_nb8_asm_decoders_match_their_plain_twins():
     _fp4_plain computes), for several e4m3 scales; NB8_ASM against the nb8 decode (+-1 / +-4 times
     2^(s - 127)) for scale bytes 1, 100, 127 and 252 (252: the top of its exact range)."""
     import numpy as np
-    mt = _mt()
+    from moet.kernels import moe_tiles as mt      # the decoders' device functions live there
     from moet.kernels.reference import E2M1_VALUES
     rng = np.random.default_rng(0)
     b = np.arange(256, dtype=np.uint32)
@@ -973,7 +973,8 @@ def test_fp4_scale_conversions_agree_on_every_e4m3_byte():
     import triton
     import triton.language as tl
     global _e4m3_times_2p118                       # a jit function reaches helpers through its globals
-    _e4m3_times_2p118 = _mt()._e4m3_times_2p118
+    from moet.kernels import moe_tiles
+    _e4m3_times_2p118 = moe_tiles._e4m3_times_2p118
 
     @triton.jit
     def conv(b_ptr, out_ptr, out2_ptr, N: tl.constexpr):

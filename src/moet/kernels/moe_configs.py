@@ -46,7 +46,7 @@ class GemmConfig:
     chains: int = 1
     # the scale bytes behind an always-taken branch, so Triton packs the MMA operands' K by 2
     # (kWidth 2: activations by ldmatrix, no register moves) instead of the 4 its heuristic takes from
-    # the 8-bit scale load (moe_triton._scale_values); other fp32 sum order. Fewer instructions a K step,
+    # the 8-bit scale load (moe_tiles._scale_values); other fp32 sum order. Fewer instructions a K step,
     # but more registers and one shared-memory load per scale byte: a win on some tiles only.
     # The tiled path only (the fused and token-major decodes ignore it)
     kwidth2: bool = False

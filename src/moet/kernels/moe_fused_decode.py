@@ -53,7 +53,8 @@ from moet.kernels.grid_sync import gpu_fence as _gpu_fence
 from moet.kernels.grid_sync import signal as _signal
 from moet.kernels.grid_sync import wait_at_least as _wait_at_least
 from moet.kernels.moe_configs import FUSED_MAX_PAIRS
-from moet.kernels.moe_triton import _down_rows, _pdl_wait, _tm_gate_up_item
+from moet.kernels.moe_tiles import _pdl_wait
+from moet.kernels.moe_token_major import _down_rows, _tm_gate_up_item
 
 # ready[P] then tile[T, ND]: at most FUSED_MAX_PAIRS + FUSED_MAX_PAIRS * cdiv(H, BN) ints
 _COUNTER_INTS = COUNTERS
