@@ -99,3 +99,21 @@ def test_shipped_recipe_is_unchanged():
     now = json.loads(json.dumps(RECIPES["full-v2"].as_dict()))
     assert now.pop("probe_order") == ["code", "facts", "arithmetic", "needle", "tools"]  # added later; same order
     assert now == v2
+
+def test_cpu_probes_run_moet_engine_and_reuse_the_cache(ckpt, tmp_path, monkeypatch):
+    """ingest's CPU rows are what `moet probe` measures: moet's engine, float32 on CPU; a finished
+    format is read back from the cache instead of probed again."""
+    import moet.probe.engine
+    from moet.probe.run import BUDGETS, Budget
+    monkeypatch.setitem(BUDGETS, "micro", Budget(2, 1, 1, (160,), (0.5,), 1, 300, 128, 4))  # every probe, few items
+    cache = tmp_path / "cpu_probes.json"
+    got = ingest.cpu_probes(ckpt, ["w2"], "micro", cache)["w2"]
+    assert (got["backend"], got["experts"], got["device"], got["dtype"], got["budget"]) == \
+        ("moet", "w2", "cpu", "float32", "micro")
+    assert got["facts"]["n"] == 2 and got["tools"]["n"] == 1 and got["code"]["tokens"] == 2 * 127
+    assert "date_utc" in got
+
+    def no_engine(*a, **k):
+        raise AssertionError("a cached format was probed again")
+    monkeypatch.setattr(moet.probe.engine, "open_engine", no_engine)
+    assert ingest.cpu_probes(ckpt, ["w2"], "micro", cache) == {"w2": json.loads(cache.read_text())["w2"]}

@@ -143,8 +143,10 @@ Wall time on {env.get('device_name')} ({env.get('date_utc')}; torch {env.get('to
 corpus {tm.get('corpus_s')} s, tokenizer {tm.get('tokenizer_s')} s, data {tm.get('data_s')} s, training {tm.get('train_s')} s,
 export {tm.get('export_s')} s: **{tm.get('to_checkpoint_s')} s from start to checkpoint**; probes {tm.get('probes_s')} s.
 
-## Evaluation (`moet probe --experts all --budget full`, greedy, through transformers)
+## Evaluation (`moet probe --experts all --budget full`, greedy)
 
+`moet probe` runs moet's engine; the training run probes its in-memory weights through
+transformers' forward (moet.probe.loader). "Where the rows come from" below names each row's.
 BF16 = the trained weights before quantization (measured in the training run; the shipped files
 hold NVFP4, so `--experts bf16` on them equals NVFP4). W2 = moet's 2-bit code re-quantized from
 the NVFP4 experts (`moet.formats.w2.from_nvfp4`).

@@ -83,21 +83,19 @@ def check_limits(ckpt: Path) -> dict[str, int]:
 
 
 def cpu_probes(ckpt: Path, formats: list[str], budget: str, cache: Path) -> dict[str, dict]:
-    import torch
-
-    from moet.probe.loader import load, read_tensors
+    from moet.probe.engine import open_engine
     from moet.probe.run import run_all
     done = json.loads(cache.read_text()) if cache.exists() else {}
-    tensors = None
     for fmt in formats:
         if fmt in done and done[fmt].get("budget") == budget:
             print(f"{fmt}: cached in {cache}", flush=True)
             continue
-        tensors = tensors if tensors is not None else read_tensors(ckpt)
-        torch.manual_seed(0)
-        m = load(ckpt, fmt, "cpu", tensors=tensors)
+        m = open_engine(ckpt, fmt, "cpu")            # what `moet probe` runs: moet's engine
         t = time.time()
-        done[fmt] = run_all(m, budget, log=lambda rec: print(json.dumps(rec), flush=True))
+        try:
+            done[fmt] = run_all(m, budget, log=lambda rec: print(json.dumps(rec), flush=True))
+        finally:
+            m.close()
         done[fmt]["date_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         cache.write_text(json.dumps(done, indent=2) + "\n")
         print(f"{fmt}: probes took {time.time() - t:.0f} s", flush=True)
@@ -129,7 +127,8 @@ def merge(summary: dict, cpu: dict[str, dict], budget: str, base: dict | None, n
     s = json.loads(json.dumps(summary))
     run_formats = [f for f, p in s["probes"].items() if any(isinstance(v, dict) and "skipped" not in v
                                                            for v in p.values())]
-    sources = {f: f"training run on the {s['env'].get('device_name')} (bf16), before the run's probe deadline: "
+    run_device = s["env"].get("device_name")
+    sources = {f: f"training run on the {run_device} (bf16, transformers' forward), before the run's probe deadline: "
                   + ", ".join(k for k, v in s["probes"][f].items() if isinstance(v, dict) and "skipped" not in v)
                for f in run_formats if f not in cpu}
     probes = {f: s["probes"][f] for f in run_formats if f not in cpu}
