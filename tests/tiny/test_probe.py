@@ -105,3 +105,26 @@ def test_engine_agrees_with_transformers_on_bf16_experts(ckpt, tensors, engine_b
     np.testing.assert_allclose(s_eng.lp, s_ref.lp, atol=2e-3)
     assert (s_eng.top_ids[:, 0] == s_ref.top_ids[:, 0]).mean() > 0.99
     assert abs(r_eng["mtp_top1"] - r_ref["mtp_top1"]) <= 0.01
+
+
+def test_cli_runs_bf16_first_and_reports_against_it(monkeypatch, tmp_path, capsys):
+    """`moet probe`: one JSON line per probe on stdout, the engine's backend, bf16 first whatever the
+    order asked, the other format's code line with its comparison, the same results in --json."""
+    import json
+
+    from moet.cli import main
+    from moet.probe.run import BUDGETS
+    monkeypatch.setitem(BUDGETS, "tiny", Budget(2, 1, 1, (160,), (0.5,), 1, 300, 128, 4))
+    out = tmp_path / "probe.json"
+    rc = main(["probe", "--device", "cpu", "--budget", "tiny", "--experts", "w2", "--experts", "bf16",
+               "--only", "code", "--only", "facts", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [(r["experts"], r["probe"]) for r in lines] == [("bf16", "code"), ("bf16", "facts"),
+                                                           ("w2", "code"), ("w2", "facts")]
+    assert all(r["backend"] == "moet" for r in lines)
+    assert "top1_vs_bf16" not in lines[0] and 0 < lines[2]["top1_vs_bf16"] < 1 and lines[2]["kl_vs_bf16"] > 0
+    saved = json.loads(out.read_text())
+    assert list(saved["formats"]) == ["bf16", "w2"] and saved["formats"]["w2"]["code"]["kl_vs_bf16"] == lines[2]["kl_vs_bf16"]
+    assert main(["probe", "--device", "cuda:7", "--budget", "tiny"]) == 2                 # one line, no traceback
+    assert "--device cuda:7" in capsys.readouterr().err
