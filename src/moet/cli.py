@@ -18,6 +18,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("inspect", "moet.checkpoint.inspect_cli", "family, parameter counts, bytes per format and what fits where"),
     ("plan", "moet.store.plan_cli", "W2 experts per tier (GPU / host arena / disk) and predicted decode tok/s"),
     ("probe", "moet.probe.cli", "quality probes: code loss, facts, arithmetic, needle, tool calls, MTP"),
+    ("bench", "moet.bench.cli", "benchmarks: decode, prefill, residency, serve (tables, JSON, markdown, plots)"),
     ("quant-study", "moet.quant.study_cli", "which 4-level codebook each routed-expert tensor of a checkpoint wants"),
 ]
 

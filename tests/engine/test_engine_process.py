@@ -265,7 +265,7 @@ def test_serve_flag_and_the_stand_in_engine_in_a_child(tmp_path):
     import argparse
     import json
 
-    from moet.bench import serve_overhead
+    from benchmarks import benchmark_serve_overhead as serve_overhead
     from moet.serve.serve_config import add_serve_arguments, serve_config_from_args
 
     p = argparse.ArgumentParser()

@@ -233,7 +233,7 @@ def test_model_cuda_branches_under_interpreter(monkeypatch):
     path and once with every tensor claiming is_cuda, which sends the modules to the Triton
     kernels (interpreted here; the routed experts stay on the torch reference, not under test);
     the logits agree to the norm's last-bit differences."""
-    from moet.bench import engine_bench as eb
+    from moet.bench import shapes as eb
     from moet.kernels import moe_dispatch, norm_rope_triton, swiglu_triton
 
     glm = dict(eb.GLM45_AIR, vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -247,7 +247,7 @@ def test_model_cuda_branches_under_interpreter(monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    for cfg in (eb.SMOKE, glm):
+    for cfg in (eb.MICRO, glm):
         m = eb.random_model(cfg, torch.device("cpu"), seed=int(torch.seed() % 2**31))
         m.fuse_projections()
         x = torch.randint(0, 250, (3,))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moet.bench import engine_bench as eb
+from moet.bench import shapes as eb
 
 GLM_TINY = dict(eb.GLM45_AIR, vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
@@ -17,7 +17,7 @@ def _logits(m, x):
 
 
 def test_fused_qkv_same_logits_and_shared_storage():
-    for cfg in (eb.SMOKE, GLM_TINY):                   # no bias / qkv bias (GLM attention_bias)
+    for cfg in (eb.MICRO, GLM_TINY):                   # no bias / qkv bias (GLM attention_bias)
         m = eb.random_model(cfg, torch.device("cpu"), seed=int(torch.seed() % 2**31))
         x = torch.randint(0, 250, (9,))
         ref = _logits(m, x)

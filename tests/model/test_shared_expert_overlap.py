@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moet.bench import engine_bench as eb
+from moet.bench import shapes as eb
 from moet.config import EngineConfig
 from moet.model.layers.moe import MoE
 from tests.model.tiny_glm import GLM_TINY, greedy_outputs

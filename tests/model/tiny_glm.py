@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moet.bench import engine_bench as eb
+from moet.bench import shapes as eb
 
 GLM_TINY = dict(eb.GLM45_AIR, vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,

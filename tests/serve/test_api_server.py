@@ -321,9 +321,9 @@ def test_metrics_exposes_latencies_tokens_and_engine_counters(server, client):
 
 
 def test_load_test_client_counts_every_request_and_no_failures(server):
-    """moet.bench.serve_bench's HTTP load (N concurrent clients, a fixed number of requests) against
+    """moet.bench.serve's HTTP load (N concurrent clients, a fixed number of requests) against
     the test double: every request completes with exactly max_tokens tokens, none fails."""
-    from moet.bench.serve_bench import http_load
+    from moet.bench.serve import http_load
     res, check = asyncio.run(http_load(server.url, requests=24, concurrency=8, max_tokens=6,
                                        deadline=time.perf_counter() + 120, check_ids=[1, 5, 9]))
     assert res["failures"] == 0 and res["requests_done"] == 24 and res["generated_tokens"] == 24 * 6
@@ -335,7 +335,7 @@ def test_load_from_several_client_processes_merges_into_one_pass(server):
     """--client-procs: the requests and the concurrency split over spawned client processes, each
     request number taken once, every token counted, one wall time from the earliest start to the
     last end, the clients' own CPU reported."""
-    from moet.bench.serve_bench import http_load_procs
+    from moet.bench.serve import http_load_procs
     res, check = http_load_procs(server.url, requests=10, concurrency=4, max_tokens=5,
                                  deadline=time.perf_counter() + 120, procs=3, check_ids=[1, 5, 9])
     assert res["failures"] == 0 and res["requests_done"] == 10 and res["complete"]

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from moet.bench.serve_overhead import InstantEngine, _cpu_s, stream_load
+from benchmarks.benchmark_serve_overhead import InstantEngine, _cpu_s, stream_load
 from moet.engine.async_engine import AsyncEngine, _push_all
 from moet.sampling_params import SamplingParams
 from moet.serve.api_server import build_app

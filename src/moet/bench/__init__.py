@@ -1,2 +1,3 @@
-"""Benchmarks: each prints a table and can write JSON; results go to docs/perf.md by hand,
-with device, date, shapes and the roofline they are held to."""
+"""`moet bench`: the engine timed as users run it (decode, prefill, residency, serve) on a named
+real shape with random weights or a checkpoint, against a roofline and a peer measured in the same
+run. Kernel microbenchmarks live outside the package, in the repository's benchmarks/ folder."""

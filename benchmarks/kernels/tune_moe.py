@@ -12,7 +12,7 @@ One script, one device call: for every shape x format
   3. tuning: candidate configs per (shape, format, T bucket), the best written to the table.
 A time guard stops starting new work after --budget-s; JSON is rewritten after every step.
 
-    PYTHONUNBUFFERED=1 python -m moet.bench.moe_kernel_tune --out $OUT --budget-s 280 \
+    PYTHONUNBUFFERED=1 python benchmarks/kernels/tune_moe.py --out $OUT --budget-s 280 \
         [--tune deepseek:1,deepseek:8192,...] [--model-check CHECKPOINT_DIR] [--write-table]
 The table it writes ($OUT/moe_configs.json, and with --write-table merged into the repo's
 src/moet/kernels/moe_configs.json) holds the tuned points; lookups take the nearest bucket.
@@ -282,39 +282,6 @@ def candidates(regime: str, fmt: str):
     return base, gu, dn
 
 
-def token_major_candidates():
-    """(gate_up, down) launches for the token-major path: its grids are (row blocks, pairs) and
-    (row blocks, tokens), so at T = 1 the down side has only H / BN programs: narrow rows and
-    deeper pipelines keep enough bytes in flight."""
-    from moet.kernels.moe_configs import GemmConfig
-    gu = (GemmConfig(32, 32, 1, 2, 4), GemmConfig(16, 32, 1, 1, 4), GemmConfig(64, 32, 1, 4, 4))
-    dn = (GemmConfig(32, 32, 1, 2, 4), GemmConfig(16, 32, 1, 1, 6), GemmConfig(16, 64, 1, 2, 4),
-          GemmConfig(64, 32, 1, 4, 4))
-    return [(gu[0], d) for d in dn] + [(g, dn[0]) for g in gu[1:]]
-
-
-def fused_candidates():
-    """(gate_up, down) tiles for the one-launch decode (moe_fused_decode): items of BN rows over the
-    whole K; the launch takes gate_up's warps and stages. Down items are short (K = I: 1,408 at
-    GLM-4.5-Air, 5.5 steps of 32 units), so wider down tiles (fewer items, each paying its wait,
-    fences and atomics once) are in the sweep."""
-    from moet.kernels.moe_configs import GemmConfig
-    return [(GemmConfig(32, 32, 1, 2, 4), GemmConfig(32, 32, 1, 2, 4)),
-            (GemmConfig(32, 32, 1, 4, 4), GemmConfig(128, 32, 1, 4, 4)),
-            (GemmConfig(64, 32, 1, 4, 4), GemmConfig(128, 64, 1, 4, 4)),
-            (GemmConfig(32, 32, 1, 2, 4), GemmConfig(64, 32, 1, 2, 4)),
-            (GemmConfig(16, 32, 1, 1, 4), GemmConfig(32, 32, 1, 1, 4)),
-            (GemmConfig(64, 32, 1, 4, 4), GemmConfig(64, 32, 1, 4, 4)),
-            (GemmConfig(32, 32, 1, 4, 4), GemmConfig(32, 32, 1, 4, 4)),
-            (GemmConfig(32, 64, 1, 2, 4), GemmConfig(32, 64, 1, 2, 4))]
-
-
-def _alternatives():
-    from moet.kernels.moe_configs import FUSED_MAX_PAIRS, TOKEN_MAJOR_MAX_PAIRS
-    return (("fused", FUSED_MAX_PAIRS, fused_candidates, "fused"),
-            ("token-major", TOKEN_MAJOR_MAX_PAIRS, token_major_candidates, "token_major"))
-
-
 def decode_tile_sizes(pairs: int, experts: int) -> list[int]:
     """Token-tile sizes worth timing at decode: up to ~4x the mean pairs per expert, and at least
     up to 8: BM >= 4 tiles stage x through shared memory (cp.async) where BM 1-2 tiles load it
@@ -358,7 +325,7 @@ def prefill_whole_configs(fmt: str):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=280.0)
     ap.add_argument("--shapes", default="deepseek,glm,qwen")
@@ -511,17 +478,16 @@ def main():
                             if chk.get("ok") and on["us"] < 0.98 * best_us:      # clearly faster: keep it
                                 best, best_us = c, on["us"]
 
-                        tiled = not best.fused and not best.token_major
                         if regime == "decode" and left() > 0:
                             try_flag("pdl", "PDL")                     # launches overlapping the kernel before
-                        if tiled and best.gate_up.SPLIT_K > 1 and left() > 0:
+                        if best.gate_up.SPLIT_K > 1 and left() > 0:
                             try_flag("fused_finish", "fused finish")   # the split gate/up's SwiGLU finish fused
-                        if tiled and regime == "decode" and left() > 0:
+                        if regime == "decode" and left() > 0:
                             try_flag("fused_combine", "fused combine")  # the top-k combine in the down GEMM
-                        if tiled and regime == "decode" and left() > 0:
+                        if regime == "decode" and left() > 0:
                             # the down weights prefetched into L2 before its PDL wait (needs PDL)
                             try_flag("down_prefetch", "down prefetch", pdl=True)
-                        if tiled and regime == "decode" and left() > 0:
+                        if regime == "decode" and left() > 0:
                             # only each down program's first K step (the whole slab competes with
                             # gate/up's reads for L2; a little faster at T = 1 on the H200)
                             try_flag("down_prefetch", "down prefetch, first step", "down_prefetch_first_step", pdl=True,
@@ -529,37 +495,9 @@ def main():
                         for part in ("gate_up", "down"):
                             # the scale bytes behind a branch: the MMAs' K packed by 2 (GemmConfig.kwidth2;
                             # faster on some GEMMs, much slower on others: tried per GEMM)
-                            if tiled and regime == "decode" and left() > 0:
+                            if regime == "decode" and left() > 0:
                                 try_config(replace(best, **{part: replace(getattr(best, part), kwidth2=True)}),
                                            f"{part} kWidth 2", f"{part}_kwidth2")
-                        for alt, max_pairs, alt_candidates, flag in _alternatives():
-                            # the few-token paths (MoEConfig.fused: one launch; .token_major: two),
-                            # each kept if clearly faster than the tiled best and correct
-                            if regime != "decode" or p > max_pairs or left() <= 0:
-                                continue
-                            if getattr(pool, "layout", None) in ("nb8t", "nvfp4t"):   # those read row-major pools only
-                                continue
-                            tried, tiled_us = [], best_us
-                            for gu, dn in alt_candidates():
-                                # one few-token path at a time (a fused best must not ride along)
-                                c = replace(best, gate_up=gu, down=dn,
-                                            **{"fused": False, "token_major": False, "fused_finish": False,
-                                               "fused_combine": False, flag: True})
-                                try:
-                                    r = time_layer(mt, pool, h, e, k, t, dev, gen, c, eb)
-                                except Exception as exc:
-                                    traceback.print_exc()
-                                    r = {"us": float("inf"), "error": repr(exc)[:1000]}
-                                tried.append({"cfg": c.to_json(), **r})
-                                print(f"    {key} T{t} {alt} {c.to_json()} {r['us']:.1f} us", flush=True)
-                            fast = min(tried, key=lambda r: r["us"]) if tried else None
-                            if fast is not None and fast["us"] < 0.98 * best_us:
-                                c = MoEConfig.from_json(fast["cfg"])
-                                chk = check(fmt, pool, h, e, k, t, 7.0, dev, gen, mt, moe_experts_reference, config=c)
-                                fast["check"] = chk
-                                if chk.get("ok"):
-                                    best, best_us = c, fast["us"]
-                            rep.setdefault(flag, {})[f"{key}/T{t}"] = {"tiled_us": tiled_us, "tried": tried}
                         cfg = best
                         entries[str(p)] = best.to_json()
                         if t == 1:

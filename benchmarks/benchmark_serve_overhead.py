@@ -1,6 +1,6 @@
 """The HTTP server's own cost per streamed token, with an engine that costs (almost) nothing.
 
-    python -m moet.bench.serve_overhead --requests 64 --concurrency 16 --max-tokens 64 \
+    python benchmarks/benchmark_serve_overhead.py --requests 64 --concurrency 16 --max-tokens 64 \
         [--step-ms 2 --busy-ms 0 --ops 0] [--endpoint completions|chat] [--logprobs K] [--profile F] [--out F]
         [--rows python,http,http_process]
 
@@ -249,7 +249,7 @@ async def stream_load(url: str, requests: int, concurrency: int, max_tokens: int
     max_tokens, one logprob per token when asked) and its text returned for the caller to check."""
     import httpx
 
-    from moet.bench.serve_bench import sse_events
+    from moet.bench.serve import sse_events
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     events = tokens = 0
@@ -313,12 +313,12 @@ async def stream_load(url: str, requests: int, concurrency: int, max_tokens: int
 
 
 def http_row(args, process: bool = False) -> dict:
-    from moet.bench.serve_bench import wait_until_healthy
+    from moet.bench.serve import wait_until_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "moet.bench.serve_overhead", "--serve", str(port), "--step-ms", str(args.step_ms),
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve", str(port), "--step-ms", str(args.step_ms),
            "--busy-ms", str(args.busy_ms), "--ops", str(args.ops)] + (["--profile", args.profile] if args.profile else []) \
         + (["--engine-process"] if process else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

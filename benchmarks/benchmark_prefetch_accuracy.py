@@ -1,7 +1,7 @@
 """Expert prefetch accuracy on a real checkpoint (default: the shipped moet-tiny), any device:
 greedy generation of a few prompts with the device expert cache capped, prefetch on and off.
 
-    python -m moet.bench.prefetch_accuracy [CHECKPOINT] [--fractions 0.25,0.5] [--max-tokens 24] [--out FILE]
+    python benchmarks/benchmark_prefetch_accuracy.py [CHECKPOINT] [--fractions 0.25,0.5] [--max-tokens 24] [--out FILE]
 
 Per cache fraction: precision / recall of the guesses (layer L+1's experts predicted from layer
 L's post-attention residual, as sets per layer and step), rows prefetched and how many the step

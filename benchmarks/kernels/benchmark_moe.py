@@ -2,7 +2,7 @@
 next to a bf16 MoE layer written the way transformers writes it and torch's grouped GEMM, on
 the routed-expert shapes of real models, in one run on one GPU.
 
-    python -m moet.bench.moe_bench [--budget-s 540] [--out DIR] [--models dsv3,glm45air,qwen3]
+    python benchmarks/kernels/benchmark_moe.py [--budget-s 540] [--out DIR] [--models dsv3,glm45air,qwen3]
                                    [--decode 1,4,8,16,32] [--prefill 512,2048,8192] [--cpu-smoke]
 
 Per model (pools built ON the device: random code bytes, scales in the range quantized weights

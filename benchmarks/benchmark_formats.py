@@ -1,6 +1,6 @@
 """Conversion speed of checkpoint expert formats -> W2, and the scale-rule quality study.
 
-    python -m moet.bench.formats_bench [--device cpu|cuda] [--json OUT] [--repeats N]
+    python benchmarks/benchmark_formats.py [--device cpu|cuda] [--json OUT] [--repeats N]
 
 Speed is "MB/s of checkpoint converted": bytes of the native expert tensors (codes + scales)
 consumed per second by w2.from_<format>, on one DeepSeek-V3 routed-expert matrix shape

@@ -1,6 +1,6 @@
 """FP8 block-128 dense GEMM (moet.kernels.fp8_gemm_triton) on DeepSeek-V3's dense shapes.
 
-    python -m moet.bench.fp8_gemm_bench [--budget-s 480] [--out DIR] [--tokens 1,16,128,2048,8192]
+    python benchmarks/kernels/benchmark_fp8_gemm.py [--budget-s 480] [--out DIR] [--tokens 1,16,128,2048,8192]
                                         [--modes w8a8,w8a16] [--sweep] [--cpu-smoke]
 
 1. Correctness first, at every shape: the kernel (both modes) against the torch reference of the

@@ -1,6 +1,6 @@
 """Paged attention on the GPU: correctness at real shapes first, then decode and prefill speed.
 
-    python -m moet.bench.attention_bench --out $OUT --budget-s 200
+    python benchmarks/kernels/benchmark_attention.py --out $OUT --budget-s 200
 
 1. Checks (every Triton kernel against its torch reference, on the GPU, at real shapes): GQA as
    Qwen3-30B-A3B (32 q heads / 4 kv heads, d 128), MLA as DeepSeek-V3 (128 heads, R 512, P 64, the

@@ -1,4 +1,4 @@
-"""moet.bench.attention_bench end to end on CPU (--smoke: the Triton kernels under the interpreter at
+"""benchmarks/kernels/benchmark_attention.py end to end on CPU (--smoke: the Triton kernels under the interpreter at
 toy shapes, --quick: no checks) -- the bandwidth references, the launch each GQA row ran with, the
 per-setting table -- and the --quick settings the next GPU run measures."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from moet.bench import attention_bench as ab
+from benchmarks.kernels import benchmark_attention as ab
 from tests.kernels.triton_support import requires_triton
 
 

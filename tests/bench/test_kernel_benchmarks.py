@@ -1,4 +1,4 @@
-"""The GPU benchmark harnesses (moet.bench.fp8_gemm_bench, moet.bench.moe_bench) end to end on
+"""The kernel benchmarks (benchmarks/kernels/benchmark_fp8_gemm.py, benchmark_moe.py) end to end on
 CPU with tiny shapes (--cpu-smoke: the torch references stand in for the kernels), and the FP8
 bench's correctness stage with the real Triton kernel under the interpreter."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from moet.bench import fp8_gemm_bench, moe_bench
+from benchmarks.kernels import benchmark_fp8_gemm as fp8_gemm_bench
+from benchmarks.kernels import benchmark_moe as moe_bench
 from tests.kernels.triton_support import requires_triton
 
 

@@ -1,6 +1,6 @@
 """Residency store on a GPU box: correctness first, then bandwidths.
 
-    PYTHONUNBUFFERED=1 python -m moet.bench.store_bench --out $OUT --budget-s 420
+    PYTHONUNBUFFERED=1 python benchmarks/benchmark_store.py --out $OUT --budget-s 420
 
 1. correctness: a tiny qwen3_moe (40 experts x 2 MoE layers) on the device, W2 experts from a
    pack through a pinned host arena into device caches of 10% / 25% / 50%, strict replay:

@@ -1,0 +1,196 @@
+"""`moet bench decode` and `moet bench prefill`: moet's engine on a shape or a checkpoint.
+
+Correctness first: six identical greedy runs of 4 mixed-length prompts (token ids and logprobs
+bit for bit; the prefix cache reset between runs), and the engine's first-token logprobs against
+the contiguous reference loop (moet.testing.reference_loop), held to the model's own bf16 noise
+floor. A run that differs run to run times nothing; a reference disagreement is timed but flagged.
+
+decode, per --batch B: B requests of distinct --prompt-len prompts, --decode-tokens new tokens
+each, after an untimed short run of the same batch (compiles and graph captures land there).
+tok/s counts the steps in which all B sequences decode (tokens / their wall time); TTFT is the
+mean first-token time of the batch. GB/s = the bytes one decode step must read
+(moet.bench.roofline) / the step time; % of roofline against the reference bandwidth measured in
+the same run.
+
+prefill, per --tokens T: one T-token prompt, max_tokens 1, after an untimed 512-token prompt:
+TTFT and T / TTFT."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moet.bench.shapes import prompts
+from moet.bench.target import Settings, Target, sync
+
+
+def timed_run(eng, reqs, device, min_running: int = 1) -> dict:
+    """Submit all, step to the end; per-step wall times split into decode-only and other. A step
+    counts as decode-only when every running sequence decodes, none waits, and at least
+    `min_running` run (so a batch-B rate is not diluted by steps after some have finished).
+    Synchronous steps are timed to a device sync; async steps (EngineConfig.async_scheduling) are
+    not synced: a sync would drain the one-step-ahead pipeline they exist for, and step() returns
+    only once its tokens are on the host, so the step times still add up to the wall."""
+    pipelined = bool(getattr(getattr(eng, "config", None), "async_scheduling", False))
+    for rid, p, sp in reqs:
+        eng.add_request(rid, p, sp)
+    sync(device)
+    t0 = time.perf_counter()
+    first_token = {}
+    dec_time = dec_tokens = 0.0
+    gen = 0
+    ids: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        running = eng.scheduler.running
+        pure_decode = all(s.num_computed_tokens == s.num_tokens - 1 for s in running) \
+            and not eng.scheduler.waiting and len(running) >= min_running
+        ts = time.perf_counter()
+        outs = eng.step()
+        if not pipelined:
+            sync(device)
+        dt = time.perf_counter() - ts
+        n = 0
+        for o in outs:
+            n += 1
+            first_token.setdefault(o.request_id, time.perf_counter() - t0)
+            if o.finished:
+                ids[o.request_id] = list(o.outputs[0].token_ids)
+        gen += n
+        if pure_decode and n:
+            dec_time += dt
+            dec_tokens += n
+    sync(device)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "generated": gen, "decode_tok_s": dec_tokens / dec_time if dec_time else None,
+            "e2e_tok_s": gen / wall, "ttft_s_mean": sum(first_token.values()) / max(1, len(first_token)),
+            "decode_steps_s": dec_time, "token_ids": ids}
+
+
+def first_token_lps(got: dict[int, float], want: dict[int, float]) -> tuple[int, float]:
+    """(top-20 overlap, max |logprob difference| over the overlap) of two first-token dicts."""
+    both = set(want) & set(got)
+    return len(both), max((abs(got[t] - want[t]) for t in both), default=float("inf"))
+
+
+def check_correctness(eng, model, device, vocab: int) -> dict:
+    """Six identical greedy runs (bit for bit), then the engine's first-token distribution against
+    the contiguous reference loop, held to the model's own bf16 noise floor: the same reference
+    with its embedding output perturbed by 2^-9 relative (two seeds). A random-weight model has
+    nearly flat logits (top-1 / top-2 gaps of a few hundredths), so paged vs contiguous rounding
+    flips argmaxes without anything being wrong; the check compares the top-20 logprobs where
+    both sides have them. Agreement within 2x the floor (+0.05) is "ok"; identical argmaxes and
+    8-token continuations are reported as information."""
+    from moet.sampling_params import SamplingParams
+    from moet.testing.reference_loop import ReferenceLoop
+
+    longest = min(300, eng.max_model_len - 16)
+    lengths = [min(n, longest) for n in (17, 64, 129, 300)]
+    ps = [p[:n] for p, n in zip(prompts(4, longest, vocab, 1), lengths)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
+    runs = []
+    for _ in range(6):
+        done = eng.generate_all([(f"c{i}", p, sp) for i, p in enumerate(ps)])
+        eng.reset_prefix_cache()
+        runs.append([(done[f"c{i}"].outputs[0].token_ids,
+                      [{t: v.logprob for t, v in d.items()} for d in done[f"c{i}"].outputs[0].logprobs])
+                     for i in range(len(ps))])
+    identical = all(r == runs[0] for r in runs[1:])
+    ref = ReferenceLoop(model, None, eng.eos_token_ids, eng.max_model_len)
+    sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=20)
+
+    def ref_first(p, noise_seed=None):
+        hook = None
+        if noise_seed is not None:
+            g = torch.Generator(device=device).manual_seed(noise_seed)
+            hook = model.model.embed_tokens.register_forward_hook(
+                lambda m, i, o: o * (1 + 2 ** -9 * torch.randn(o.shape, device=o.device, generator=g)).to(o.dtype))
+        try:
+            r = ref.generate(p, sp if noise_seed is None else sp1).outputs[0]
+        finally:
+            if hook is not None:
+                hook.remove()
+        return r, {t: v.logprob for t, v in r.logprobs[0].items()}
+
+    eng_ov, eng_dlp, floor_ov, floor_dlp, same_first, same_ids = 20, 0.0, 20, 0.0, 0, 0
+    for i, p in enumerate(ps):
+        r, want = ref_first(p)
+        got_ids, got_lps = runs[0][i]
+        same_ids += int(got_ids == r.token_ids)
+        same_first += int(got_ids[0] == r.token_ids[0])
+        ov, d = first_token_lps(got_lps[0], want)
+        eng_ov, eng_dlp = min(eng_ov, ov), max(eng_dlp, d)
+        for seed in (1, 2):
+            ov, d = first_token_lps(ref_first(p, seed)[1], want)
+            floor_ov, floor_dlp = min(floor_ov, ov), max(floor_dlp, d)
+    agrees = eng_ov >= floor_ov - 3 and eng_dlp <= 2 * floor_dlp + 0.05
+    return {"six_runs_bit_identical": identical, "first_token_top20_min_overlap": eng_ov,
+            "first_token_max_abs_dlogprob_on_overlap": eng_dlp,
+            "noise_floor_2^-9_embedding": {"top20_min_overlap": floor_ov, "max_abs_dlogprob": floor_dlp},
+            "reference_agreement_within_noise": agrees,
+            "prompts_with_same_first_token": f"{same_first}/{len(ps)}",
+            "prompts_with_identical_8_tokens_vs_reference": f"{same_ids}/{len(ps)}", "ok": identical and agrees}
+
+
+def correctness_first(t: Target, s: Settings, scenario: str) -> bool:
+    """The check above, recorded; False when the engine is not even deterministic (time nothing)."""
+    c = check_correctness(t.engine, t.model, t.device, t.vocab)
+    s.report.note(scenario, "correctness", c)
+    print(f"[{scenario}] correctness: {'ok' if c['ok'] else 'FAILED'} (six runs identical: "
+          f"{c['six_runs_bit_identical']}, reference within noise: {c['reference_agreement_within_noise']})",
+          flush=True)
+    return bool(c["six_runs_bit_identical"])
+
+
+def config_text(t: Target, s: Settings, **what) -> str:
+    extra = ", ".join(f"{k} {v}" for k, v in what.items())
+    return f"moet {t.expert_format}" + (f", {extra}" if extra else "")
+
+
+def run_decode(t: Target, s: Settings, roof: dict | None) -> None:
+    from moet.bench.roofline import decode_step_bytes
+    from moet.sampling_params import SamplingParams
+
+    eng, report = t.engine, s.report
+    for b in s.batches:
+        if not s.budget.ok(30):
+            report.note("decode", f"skipped batch {b}", "time budget (--budget-s) spent")
+            print(f"[decode] budget: batch {b} skipped", flush=True)
+            continue
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        timed_run(eng, [(f"w{b}-{i}", p, warm) for i, p in enumerate(prompts(b, s.prompt_len, t.vocab, 500 + b))],
+                  t.device)
+        eng.reset_prefix_cache()
+        sp = SamplingParams(temperature=0.0, max_tokens=s.decode_tokens, ignore_eos=True)
+        ps = prompts(b, s.prompt_len, t.vocab, 100 + b)
+        res = timed_run(eng, [(f"d{b}-{i}", p, sp) for i, p in enumerate(ps)], t.device, min_running=b)
+        eng.reset_prefix_cache()
+        if b == 1:
+            s.greedy = {"prompt": ps[0], "ids": res["token_ids"]["d1-0"]}
+        tok_s = res["decode_tok_s"]
+        need = decode_step_bytes(t.model, eng.runner.bytes_per_token, s.prompt_len + s.decode_tokens // 2, b)
+        gb_s = need * tok_s / b / 1e9 if need and tok_s else None
+        report.add({"scenario": "decode", "shape": t.label, "system": "moet", "batch": b,
+                    "config": config_text(t, s, batch=b, prompt=s.prompt_len, new=s.decode_tokens),
+                    "tok_s": tok_s, "gb_s": gb_s,
+                    "pct_roofline": 100 * gb_s / roof["GBps"] if gb_s and roof else None,
+                    "notes": f"TTFT {res['ttft_s_mean'] * 1e3:.0f} ms",
+                    "details": {k: v for k, v in res.items() if k != "token_ids"} | {"bytes_per_step": need}})
+
+
+def run_prefill(t: Target, s: Settings) -> None:
+    from moet.sampling_params import SamplingParams
+
+    eng = t.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    timed_run(eng, [("warm", prompts(1, min(512, eng.max_model_len - 2), t.vocab, 3)[0], sp)], t.device)
+    for n in s.tokens:
+        if not s.budget.ok(30):
+            s.report.note("prefill", f"skipped {n}", "time budget (--budget-s) spent")
+            continue
+        eng.reset_prefix_cache()
+        res = timed_run(eng, [("p", prompts(1, n, t.vocab, 4 + n)[0], sp)], t.device)
+        s.report.add({"scenario": "prefill", "shape": t.label, "system": "moet", "tokens": n,
+                      "config": config_text(t, s, prompt=n), "tok_s": n / res["ttft_s_mean"],
+                      "notes": f"TTFT {res['ttft_s_mean'] * 1e3:.0f} ms",
+                      "details": {k: v for k, v in res.items() if k != "token_ids"}})
+    eng.reset_prefix_cache()

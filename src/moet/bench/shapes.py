@@ -1,0 +1,115 @@
+"""Named real model shapes (config.json fields) and moet's model of such a shape with random
+weights, built on the device: a shape too big to download or to hold on the host can still be
+timed, and every number is about the shape, not about one checkpoint's values."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moet.errors import ConfigError
+
+# config.json fields of each shape (model_type picks moet's family spec)
+QWEN3_30B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+                 max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False, torch_dtype="bfloat16",
+                 eos_token_id=151645)
+GLM45_AIR = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
+                 num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128, num_experts_per_tok=8,
+                 n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                 norm_topk_prob=True, use_qk_norm=False, attention_bias=True, partial_rotary_factor=0.5,
+                 rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=1e6, tie_word_embeddings=False,
+                 torch_dtype="bfloat16", eos_token_id=151329, num_nextn_predict_layers=0)
+QWEN3_235B = dict(QWEN3_30B, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, intermediate_size=12288,
+                  moe_intermediate_size=1536)
+DSV3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+            intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=0,
+            num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+            num_experts_per_tok=8, routed_scaling_factor=2.5, n_group=8, topk_group=4, topk_method="noaux_tc",
+            scoring_func="sigmoid", norm_topk_prob=True, first_k_dense_replace=3, moe_layer_freq=1,
+            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            hidden_act="silu", max_position_embeddings=163840, rope_theta=10000.0, rope_scaling=None,
+            rope_interleave=True, rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
+            torch_dtype="bfloat16", eos_token_id=1)
+# a few-MB Qwen3-MoE-shaped model: the benchmark's own tests on a CPU (its numbers mean nothing)
+MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+             num_experts_per_tok=2, max_position_embeddings=4096, eos_token_id=257)
+
+SHAPES: dict[str, tuple[str, dict]] = {
+    "glm45air": ("GLM-4.5-Air", GLM45_AIR), "qwen3_30b": ("Qwen3-30B-A3B", QWEN3_30B),
+    "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "micro": ("micro (tests)", MICRO)}
+
+
+def shape(name: str) -> tuple[str, dict]:
+    """(display name, config fields) of --shape NAME, or one ConfigError line listing the names."""
+    if name not in SHAPES:
+        raise ConfigError(f"--shape {name}: unknown shape; choose from {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` random token ids (distinct prompts: no prefix-cache hits between them)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@torch.no_grad()
+def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16):
+    """moet's CausalLM of `cfg`'s shape, every tensor made on `device` (no host copy of the
+    weights ever exists), every expert resident in `expert_format`."""
+    from moet.checkpoint.spec import spec_from_config
+    from moet.model.layers.moe import MoE
+    from moet.model.loader import allocate_pool
+    from moet.model.model import CausalLM
+
+    spec = spec_from_config(cfg, "bench shape")
+    with torch.device(device):
+        model = CausalLM(spec, dtype, load_mtp=False)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # Scaled the way trained models are (GPT-2 / Megatron init): weights ~N(0, 0.02), the
+    # projections that write into the residual stream (o_proj, down_proj, expert down) smaller
+    # by sqrt(2 L). With every branch at full size the residual stream of a deep random model
+    # grows so large that a 2^-9 relative perturbation of the embeddings decorrelates the final
+    # hidden state: such a model could not tell a correct engine from a wrong one.
+    depth = math.sqrt(2 * spec.num_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.fill_(1.0)
+        elif "bias" in name:
+            p.normal_(0.0, 0.02, generator=gen) if p.dim() else p.zero_()
+        elif "o_proj" in name or "down_proj" in name:
+            p.normal_(0.0, 0.02 / depth, generator=gen)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    # UE8M0 scale bytes: W2 levels (+-1, +-4) have rms ~2.9, so 2^-10 .. 2^-6 gives expert
+    # weights of rms ~0.02 like the dense ones; the down projection 2^-log2(sqrt(2L)) lower.
+    # Codes are random bytes and scales never zero: no kernel can skip work on them.
+    shift = round(math.log2(depth))
+    u8 = dict(dtype=torch.uint8, device=device, generator=gen)
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            allocate_pool(mod, expert_format, dtype, device)
+            pool = mod.experts.pool
+            for f in pool.__slots__:
+                t = getattr(pool, f, None)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if t.dtype == torch.uint8 and "scale" not in f:
+                    t.copy_(torch.randint(0, 256, t.shape, **u8))              # codes
+                elif t.dtype == torch.uint8:
+                    lo = 117 - (shift if f.startswith("down") else 0)
+                    t.copy_(torch.randint(lo, lo + 5, t.shape, **u8))
+                elif t.dtype == torch.float8_e4m3fn:                            # NVFP4 block scales
+                    t.copy_(torch.empty(t.shape, device=device).uniform_(0.5, 2.0, generator=gen).to(t.dtype))
+                elif "scale_2" in f:        # NVFP4 global scales: e2m1 values have rms ~3, so rms ~0.02
+                    t.fill_(0.007 / (depth if f.startswith("down") else 1.0))
+                else:
+                    t.normal_(0.0, 0.02 / (depth if f.startswith("down") else 1.0), generator=gen)
+            if mod.gate.e_score_correction_bias is not None:
+                mod.gate.e_score_correction_bias.zero_()
+    return model.eval()

@@ -1,0 +1,76 @@
+"""`moet bench decode / prefill` end to end on CPU, on the micro shape (random weights): the
+correctness stage passes before anything is timed, every batch gets a row with positive tok/s,
+GB/s and % of roofline in bench.json and in bench.md's table, the plots are PNGs, and with
+--peer transformers each moet row carries moet tok/s / the peer's at the same batch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moet.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+HEADER = "| device | date | commit | shape | config | tok/s | GB/s | % of roofline | peer ratio | notes |"
+
+
+def bench(tmp_path, *args) -> dict:
+    assert main(["bench", *args, "--shape", "micro", "--device", "cpu", "--prompt-len", "16",
+                 "--out", str(tmp_path)]) == 0
+    return json.loads((tmp_path / "bench.json").read_text())
+
+
+def test_decode_with_the_transformers_peer(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = bench(tmp_path, "decode", "--batch", "1,2", "--decode-tokens", "6", "--peer", "transformers")
+    c = res["sections"]["decode"]["correctness"]
+    assert c["ok"] and c["six_runs_bit_identical"] and c["reference_agreement_within_noise"]
+    assert c["first_token_top20_min_overlap"] >= 15 and c["first_token_max_abs_dlogprob_on_overlap"] < 0.1
+    assert res["roofline"]["GBps"] > 0 and "copy" in res["roofline"]["what"]
+    moet = {r["batch"]: r for r in res["rows"] if r["system"] == "moet"}
+    peer = {r["batch"]: r for r in res["rows"] if r["system"] == "transformers"}
+    assert set(moet) == set(peer) == {1, 2}
+    for b, r in moet.items():
+        assert r["scenario"] == "decode" and r["shape"] == "micro (tests)"
+        assert r["tok_s"] > 0 and r["gb_s"] > 0 and 0 < r["pct_roofline"]
+        assert r["details"]["generated"] == 6 * b and r["details"]["bytes_per_step"] > 0
+        assert peer[b]["tok_s"] > 0 and r["peer_ratio"] == pytest.approx(r["tok_s"] / peer[b]["tok_s"])
+    # two sequences read more bytes per step than one (more experts, two KV caches)
+    assert moet[2]["details"]["bytes_per_step"] > moet[1]["details"]["bytes_per_step"]
+    md = (tmp_path / "bench.md").read_text()
+    assert "## decode" in md and HEADER in md
+    rows = [line for line in md.splitlines() if line.startswith("| ") and line != HEADER]
+    assert len(rows) == 4 and sum("moet w2, batch" in line for line in rows) == 2
+    assert all(f"{res['info']['commit'] or 'n/a'}" in line and res["info"]["device"] in line for line in rows)
+    for name in ("decode_tok_s.png", "decode_roofline.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+
+
+def test_prefill(tmp_path):
+    res = bench(tmp_path, "prefill", "--tokens", "64,128")
+    assert res["sections"]["prefill"]["correctness"]["ok"]
+    rows = {r["tokens"]: r for r in res["rows"]}
+    assert set(rows) == {64, 128} and all(r["tok_s"] > 0 and r["scenario"] == "prefill" for r in rows.values())
+    assert "## prefill" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["decode", "--shape", "llama9000"], "--shape llama9000: unknown shape; choose from glm45air"),
+    (["decode", "--shape", "micro", "--batch", "1,x"], "--batch '1,x': give comma-separated whole numbers"),
+    (["decode", "--shape", "micro", "--batch", "0"], "--batch '0'"),
+    (["residency"], "moet bench residency runs a named shape"),
+    (["residency", "--shape", "micro", "--gpu-budget-gb", "32,big"], "--gpu-budget-gb '32,big'"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, args, message):
+    assert main(["bench", *args, "--device", "cpu", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moet: error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "o" / "bench.json").exists()
+
+
+def test_an_unwritable_out_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "decode", "--shape", "micro", "--device", "cpu", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moet: error: --out ") and "not a writable directory" in err and "\n" not in err
