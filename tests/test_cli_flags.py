@@ -23,7 +23,8 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def _bool_fields(cls):
-    return [f for f in fields(cls) if str(f.type) == "bool"]
+    knobs = cls.knob_fields() if cls is EngineConfig else fields(cls)
+    return [f for f in knobs if str(f.type) == "bool"]
 
 
 def test_every_bool_field_is_a_switch_pair():
@@ -106,10 +107,10 @@ def test_plain_help_is_about_one_screen_and_points_to_the_rest(command, capsys, 
     for flag in COMMON_SERVE if command == "serve" else ("--prompt", "--max-tokens", "--temperature",
                                                           "--expert-format", "--help-all"):
         assert flag in short, flag
-    for title in ("model:", "memory and KV cache:", "scheduling:", "advanced:"):
-        assert f"\n{title}\n" in short and f"\n{title}\n" in every
+    for title in ("model:", "memory and KV cache:", "scheduling:", "kernels (how steps run on the GPU"):
+        assert f"\n{title}" in short and f"\n{title}" in every
     # every field is in --help-all, only common ones in --help
-    names = [f for f in fields(EngineConfig) if f.name != "model"]
+    names = [f for f in EngineConfig.knob_fields() if f.name != "model"]
     if command == "serve":
         names += list(fields(ServeConfig))
     for f in names:
@@ -129,8 +130,8 @@ def test_help_texts_say_what_a_knob_does_not_how_it_measured():
     summaries or their reference text (docs/perf.md is where numbers live)."""
     banned = re.compile(r"tok/s|\brun \d|\bruns? \d|\b20\d\d-\d\d|\bSPEC\b|KERNEL-NOTES|developers' guide|"
                         r"\d+(\.\d+)?x\b|\bH200\b|\bissue \d")
-    for cls in (EngineConfig, ServeConfig):
-        for f in fields(cls):
+    for knobs in (EngineConfig.knob_fields(), fields(ServeConfig)):
+        for f in knobs:
             for key in ("help", "doc"):
                 text = f.metadata.get(key) or ""
                 assert not banned.search(text), (f.name, key, banned.search(text).group(0))

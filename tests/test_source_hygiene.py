@@ -38,7 +38,7 @@ def diary_hits(root: Path) -> list[str]:
 
 def test_the_scan_sees_the_package():
     files = {p.relative_to(PACKAGE).as_posix() for p in scanned_files(PACKAGE)}
-    assert "config.py" in files and "kernels/attention_triton.py" in files
+    assert "config/engine.py" in files and "kernels/attention_triton.py" in files
     assert "kernels/attention_configs.json" in files and "assets/moet-tiny/MODEL_CARD.md" in files
     assert "assets/moet-tiny/tokenizer.json" not in files
 

@@ -1,5 +1,6 @@
-"""docs/config.md, generated from the fields of EngineConfig and ServeConfig (their `help` and
-`doc` metadata, types, defaults and choices), so the reference cannot drift from the flags.
+"""docs/config.md, generated from the knobs of EngineConfig's sub-configs and ServeConfig's fields
+(their `help` and `doc` metadata, types, defaults and choices), one section per sub-config, so the
+reference cannot drift from the flags.
 
     python -m moet.config_reference docs/config.md     # rewrite it after changing a field
     python -m moet.config_reference --check docs/config.md
@@ -13,18 +14,24 @@ import sys
 import textwrap
 from dataclasses import fields
 
-from moet.config import GROUP_ADVANCED, GROUPS, EngineConfig, _field_kind, default_text, flag_name, metavar
+from moet.config import GROUP_MODEL, GROUP_SERVER, SECTIONS, EngineConfig, default_text, field_kind, flag_name, metavar
 
 _INTRO = """\
 # Configuration reference
 
-<!-- Generated from the fields of EngineConfig (src/moet/config.py) and ServeConfig
+<!-- Generated from the knobs of EngineConfig's sub-configs (src/moet/config/) and ServeConfig
 (src/moet/serve/serve_config.py) by `python -m moet.config_reference docs/config.md`; edit the
-fields' help and doc there, not this file (tests/test_cli_config_doc.py checks the two agree). -->
+knobs' help and doc there, not this file (tests/test_cli_config_doc.py checks the two agree). -->
 
-Every engine setting is a field of `EngineConfig`: an `LLM(...)` keyword of the same name and a
-flag of `moet serve` and `moet generate` with dashes (`max_num_seqs` -> `--max-num-seqs`). The
-server's own settings (`ServeConfig`) are flags of `moet serve` only.
+Every engine setting is a knob of one of `EngineConfig`'s sub-configs, grouped by what it controls
+(`EngineConfig.cache.block_size`, `EngineConfig.scheduler.max_num_seqs`); each is also an
+`LLM(...)` keyword of the same name and a flag of `moet serve` and `moet generate` with dashes
+(`max_num_seqs` -> `--max-num-seqs`). The server's own settings (`ServeConfig`) are flags of
+`moet serve` only.
+
+- From Python, flat keywords and sub-configs mix: `EngineConfig(model=path, max_num_seqs=8,
+  cache=CacheConfig(block_size=32))`; a flat keyword applies on top of the sub-config it belongs
+  to. `LLM(path, **keywords)` takes the same keywords.
 
 - Switches (on/off settings) take no value: `--enforce-eager` turns one on, `--no-enforce-eager`
   turns it off. From Python they are booleans: `LLM(path, enforce_eager=True)`.
@@ -40,9 +47,11 @@ def _anchor(title: str) -> str:
     return "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c == "-")
 
 
-def _entry(f, owner: str) -> list[str]:
+def _entry(f, owner: str | None) -> list[str]:
+    """One knob's entry; owner: its EngineConfig attribute (`cache`, ...; "" for `model`), None for
+    ServeConfig's fields."""
     md = f.metadata
-    kind = _field_kind(f)[0]
+    kind = field_kind(f)[0]
     if f.name == "model":
         lines = ["### `MODEL` (the positional argument)", ""]
     else:
@@ -51,8 +60,10 @@ def _entry(f, owner: str) -> list[str]:
             f"`{flag_name(f.name)}{value}`"
         lines = [f"### {head}", ""]
     facts = []
-    if owner == "EngineConfig":
+    if owner is not None:
         facts.append(f"`LLM({f.name}=...)`")
+        if owner:
+            facts.append(f"`EngineConfig.{owner}.{f.name}`")
     else:
         facts.append("`moet serve` only")
     if f.name == "model":
@@ -77,20 +88,23 @@ def _fill(text: str) -> str:
 def render() -> str:
     from moet.serve.serve_config import ServeConfig
 
-    entries: dict[str, list[tuple]] = {g: [] for g in GROUPS}
-    for cls in (EngineConfig, ServeConfig):
-        for f in fields(cls):
-            group = f.metadata.get("group") or GROUP_ADVANCED
-            entries.setdefault(group, []).append((f, cls.__name__))
-    groups = [g for g in entries if entries[g]]
-    titles = {g: g.split(" (")[0] for g in groups}
-    out = [_INTRO + ", ".join(f"[{titles[g]}](#{_anchor(titles[g])})" for g in groups) + ".", ""]
-    for g in groups:
-        out += [f"## {titles[g]}", ""]
-        if titles[g] != g:                            # the group's note: "name (note)"
-            note = g[len(titles[g]) + 2:-1]
+    # (title, its note, its about paragraph, [(field, owner)]): the model first (MODEL and LoadConfig),
+    # the server, then the other sub-configs, as `--help` shows them.
+    load = SECTIONS["load"]
+    sections = [(GROUP_MODEL, load.about, [(fields(EngineConfig)[0], "")] + [(f, "load") for f in fields(load)]),
+                (GROUP_SERVER, "`moet serve` only. From Python: `ServeConfig` (src/moet/serve/serve_config.py).",
+                 [(f, None) for f in fields(ServeConfig)])]
+    sections += [(cls.title, cls.about, [(f, name) for f in fields(cls)]) for name, cls in SECTIONS.items()
+                 if name != "load"]
+    titles = [t.split(" (")[0] for t, _, _ in sections]
+    out = [_INTRO + ", ".join(f"[{t}](#{_anchor(t)})" for t in titles) + ".", ""]
+    for (title, about, entries), short in zip(sections, titles):
+        out += [f"## {short}", ""]
+        if short != title:                            # the group's note: "name (note)"
+            note = title[len(short) + 2:-1]
             out += [_fill(note[:1].upper() + note[1:] + "."), ""]
-        for f, owner in entries[g]:
+        out += [_fill(about), ""]
+        for f, owner in entries:
             out += _entry(f, owner)
     return "\n".join(out).rstrip("\n") + "\n"
 

@@ -5,7 +5,8 @@
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     out[0].outputs[0].text
 
-Every EngineConfig field is an LLM keyword. A thin wrapper over moet.engine.LLMEngine
+Every EngineConfig knob is an LLM keyword (flat: `LLM(path, max_num_seqs=8)`), and so is each
+sub-config (`LLM(path, cache=CacheConfig(block_size=32))`). A thin wrapper over moet.engine.LLMEngine
 (continuous batching over a paged KV cache): all prompts are submitted together and stepped
 until each finishes; outputs come back in prompt order. The pre-engine one-sequence loop lives
 on as the test oracle in moet/testing/reference_loop.py.
@@ -22,11 +23,7 @@ from moet.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **kwargs: Any):
-        unknown = set(kwargs) - set(EngineConfig.field_names())
-        if unknown:
-            raise ConfigError(f"unknown LLM option(s) {', '.join(sorted(unknown))}; "
-                              f"valid: {', '.join(EngineConfig.field_names()[1:])}")
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = EngineConfig(model=model, **kwargs)     # an unknown keyword: ConfigError naming the closest
         from moet.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine.from_config(self.config)
@@ -99,7 +96,8 @@ class LLM:
         """vLLM-style chat: one conversation (a list of {"role", "content"} dicts) or a list of
         conversations, rendered with the checkpoint's chat template (tools included)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError(f"{self.config.tokenizer or self.config.model} has no chat template; use generate()")
+            raise ConfigError(f"{self.config.load.tokenizer or self.config.model} has no chat template; "
+                              "use generate()")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:

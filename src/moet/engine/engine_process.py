@@ -413,9 +413,9 @@ class EngineProcess:
     def from_config(cls, config) -> "EngineProcess":
         from moet.engine.llm_engine import load_tokenizer
 
-        source = config.tokenizer or config.model
+        source = config.load.tokenizer or config.model
         return cls(build_llm_engine, (config,), load_tokenizer=functools.partial(
-            load_tokenizer, source, config.trust_remote_code), tokenizer_source=source)
+            load_tokenizer, source, config.load.trust_remote_code), tokenizer_source=source)
 
     @property
     def pid(self) -> int | None:

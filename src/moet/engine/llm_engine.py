@@ -125,24 +125,26 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.max_model_len = max_model_len
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-            raise ConfigError(f"without chunked prefill max_num_batched_tokens={config.max_num_batched_tokens} must "
+        sch = config.scheduler
+        if not sch.enable_chunked_prefill and sch.max_num_batched_tokens < max_model_len:
+            raise ConfigError(f"without chunked prefill max_num_batched_tokens={sch.max_num_batched_tokens} must "
                               f"be >= max_model_len={max_model_len}; raise it or enable chunked prefill")
         self.runner = ModelRunner(config, model, device, max_model_len, residency=residency)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
         max_seqs, max_tokens = self._step_limits(max_model_len)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=sch.enable_chunked_prefill)
         self.sampler = Sampler(eos_token_ids)
         self.eos_token_ids = set(eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._seed_stream = random.Random(config.seed)    # seeds of requests that bring none
+        self._seed_stream = random.Random(sch.seed)    # seeds of requests that bring none
         self._next_seq_id = 0
-        self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.block_size)
+        self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.cache.block_size)
         self._token_str_cache: dict[int, str] = {}
         self._failed_now: dict[str, Request] = {}       # requests failed in the running step
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
-        self._async = AsyncDecode(self) if config.async_scheduling else None
+        self._async = AsyncDecode(self) if sch.async_scheduling else None
         # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
         # up front, and from then on count (and log) every compile a request had to wait for
         self._jit = install_jit_watch() if device.type == "cuda" else None
@@ -150,7 +152,7 @@ class LLMEngine:
         for w in (self._jit, self._gc):
             if w is not None:
                 w.mark_starting()
-        if device.type == "cuda" and config.compile_warmup and residency is None:
+        if device.type == "cuda" and config.kernels.compile_warmup and residency is None:
             self.compile_warmup()
         if not server_starting():                    # a server marks them once it accepts requests
             for w in (self._jit, self._gc):
@@ -214,7 +216,7 @@ class LLMEngine:
     def _step_limits(self, max_model_len: int) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) the scheduler gets: the config's, lowered when
         a partial expert cache could not hold the experts of a full step at once."""
-        cfg = self.config
+        cfg = self.config.scheduler
         cap = self.residency.step_token_cap() if self.residency is not None else None
         seqs = self.residency.decode_seq_cap() if self.residency is not None else None
         max_seqs = cfg.max_num_seqs if seqs is None else min(cfg.max_num_seqs, seqs)
@@ -240,22 +242,22 @@ class LLMEngine:
         from moet.model import load_model
 
         ckpt = open_checkpoint(config.model)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, ckpt.spec.torch_dtype, ckpt.weight_format)
+        device = resolve_device(config.load.device)
+        dtype = resolve_dtype(config.load.dtype, ckpt.spec.torch_dtype, ckpt.weight_format)
         # config.json and the flags against each other, before any weight is read
-        max_model_len = resolve_max_model_len(ckpt.spec, config.max_model_len, config.allow_long_max_model_len,
-                                              f"{ckpt.path}/config.json")
+        max_model_len = resolve_max_model_len(ckpt.spec, config.scheduler.max_model_len,
+                                              config.scheduler.allow_long_max_model_len, f"{ckpt.path}/config.json")
         check_kv_request(config, ckpt.spec, max_model_len, dtype, device)
         reason = store_reason(config, ckpt, device, dtype)
-        model = load_model(ckpt, expert_format=config.expert_format, dtype=dtype, device=device,
-                           zero_mode=config.w2_zero_mode, scale_rule=config.w2_scale_rule,
-                           load_mtp=config.load_mtp, progress=True, routed_experts=reason is None)
+        model = load_model(ckpt, expert_format=config.load.expert_format, dtype=dtype, device=device,
+                           zero_mode=config.load.w2_zero_mode, scale_rule=config.load.w2_scale_rule,
+                           load_mtp=config.load.load_mtp, progress=True, routed_experts=reason is None)
         residency = None
         if reason is not None:
             log.info("routed experts through the expert store: %s", reason)
             residency = ExpertResidency.open(config, ckpt, model, device)
         try:
-            tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+            tokenizer = load_tokenizer(config.load.tokenizer or config.model, config.load.trust_remote_code)
             gen = ckpt.reader.generation_config
             eos = gen.get("eos_token_id", None)
             eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set(ckpt.spec.eos_token_ids)
@@ -287,7 +289,7 @@ class LLMEngine:
 
     def encode(self, prompt) -> tuple[str | None, list[int]]:
         """str | list[int] | {"prompt": str} | {"prompt_token_ids": [...], "prompt"?: str}."""
-        return encode_prompt(self.tokenizer, prompt, self.config.tokenizer or self.config.model)
+        return encode_prompt(self.tokenizer, prompt, self.config.load.tokenizer or self.config.model)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate and queue. Raises ConfigError for a request that can never run."""
@@ -320,7 +322,8 @@ class LLMEngine:
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs)
         # siblings share the prompt: let the first prefill it, the rest hit the prefix cache
-        wait_for_first = self.config.enable_prefix_caching and len(seqs) > 1 and len(ids) > self.config.block_size
+        cache = self.config.cache
+        wait_for_first = cache.enable_prefix_caching and len(seqs) > 1 and len(ids) > cache.block_size
         req.pending = seqs[1:] if wait_for_first else []
         for s in seqs:
             if s not in req.pending:

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_subcommand(subparsers) -> None:
     from moet.assets import default_model
-    from moet.config import EngineConfig
+    from moet.config import SchedulerConfig
 
     p = subparsers.add_parser("plan", help="expert placement per tier and predicted decode tok/s for a GPU/host budget",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -180,7 +180,7 @@ def add_subcommand(subparsers) -> None:
                         "KV, the engine's floor for an auto-sized expert cache)")
     p.add_argument("--activation-reserve", type=float, default=0.05, metavar="FRACTION",
                    help="share of the GPU budget kept for activations (default 0.05, the engine's)")
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.__dataclass_fields__["max_num_seqs"].default,
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs,
                    help="as the engine's flag: the expert cache must hold MoE layers x top_k x min(this, 4) rows")
     p.add_argument("--context", type=int, default=4096, help="tokens of context per sequence (KV read and reserve; "
                                                              "default 4096)")
