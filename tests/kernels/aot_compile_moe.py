@@ -1,4 +1,4 @@
-"""Compile the Triton grouped MoE kernels (moet.kernels.moe_triton) for sm_90 without a GPU
+"""Compile the Triton grouped MoE kernels (moet.kernels.moe_gemm, moe_align_triton) for sm_90 without a GPU
 (Triton AOT, the ptxas shipped with triton), the GPU path included (inline-asm decoders, bf16
 dots), which the interpreter cannot run.
 
@@ -13,6 +13,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moet.kernels import moe_align_triton
+from moet.kernels import moe_gemm as g
 from moet.kernels import moe_triton as m
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -69,7 +71,7 @@ def main(quick: bool = False) -> None:
                              s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
                 const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=split, HAS_LIMIT=gate_up,
                              USE_ASM=2, BM=bm, BN=bn, BKH=bkh, PDL=pdl, UNROLL=unroll)   # sm_90: asm_level 2
-                c = _compile(m._moe_gemm_kernel, types, const, warps, stages)
+                c = _compile(g._moe_gemm_kernel, types, const, warps, stages)
                 # FP4 at asm_level 2 converts its e4m3 scales with the hardware instruction
                 cvt = " e4m3-cvt" if "cvt.rn.f16x2.e4m3x2" in c.asm["ptx"] else ""
                 print("gemm", name, "gate_up" if gate_up else "down", bm, bn, bkh, split, unroll,
@@ -86,7 +88,7 @@ def main(quick: bool = False) -> None:
                 const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=1, HAS_LIMIT=gate_up, USE_ASM=2,
                              BM=8, BN=32 if gate_up else 64, BKH=64 if gate_up else 32, PDL=True, TILED=True,
                              KW2=kw2)
-                ttgir = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ttgir"]
+                ttgir = _compile(g._moe_gemm_kernel, types, const, 2, 4).asm["ttgir"]
                 widths.append("/".join(sorted(set(re.findall(r"kWidth = (\d+)", ttgir)))))
             print("kwidth", name, "gate_up" if gate_up else "down", *widths)
     # row-tiled pools (nb8t, nvfp4t): the tiled addressing, whole-tile and half-tile K steps (the
@@ -99,35 +101,35 @@ def main(quick: bool = False) -> None:
                          limit="fp32", P="i32")
             const = dict(N=n, K=k, TOPK=8, GATE_UP=gate_up, FMT=fmt, SPLIT_K=2, HAS_LIMIT=gate_up, USE_ASM=2, BM=1,
                          BN=32, BKH=bkh, PDL=True, UNROLL=1, TILED=True)
-            c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
+            c = _compile(g._moe_gemm_kernel, types, const, 2, 4)
             print("gemm-tiled", name, "gate_up" if gate_up else "down", bkh, "cubin bytes", len(c.asm["cubin"]))
         # and a prefill tile (BM 64, BN 128, the SwiGLU epilogue writing act)
         types = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32", bslot_ptr="*i32",
                      out_ptr="*bf16", s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
         const = dict(N=2048, K=7168, TOPK=8, GATE_UP=True, FMT=fmt, SPLIT_K=1, HAS_LIMIT=True, USE_ASM=2, BM=64,
                      BN=128, BKH=32, PDL=False, UNROLL=1, TILED=True)
-        c = _compile(m._moe_gemm_kernel, types, const, 8, 3)
+        c = _compile(g._moe_gemm_kernel, types, const, 8, 3)
         print("gemm-tiled", name, "prefill gate_up 32", "cubin bytes", len(c.asm["cubin"]))
         # two MMA chains a step (GemmConfig.chains 2) on the tiled decode tile of the table at T = 1:
         # gate/up with its gate and up dots alternating, down with even / odd slots apart; both
         # compile with the inline-asm decoders
         types = dict(types, out_ptr="*fp32")
         const = dict(const, SPLIT_K=2, BM=1, BN=32, PDL=True, CHAINS=2)
-        c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
+        c = _compile(g._moe_gemm_kernel, types, const, 2, 4)
         print("gemm-chains2", name, "gate_up", "cubin bytes", len(c.asm["cubin"]))
         const = dict(const, N=7168, K=2048, GATE_UP=False, HAS_LIMIT=False, SPLIT_K=1)
-        c = _compile(m._moe_gemm_kernel, types, const, 2, 4)
+        c = _compile(g._moe_gemm_kernel, types, const, 2, 4)
         print("gemm-chains2", name, "down", "cubin bytes", len(c.asm["cubin"]))
         # tiles that divide the GEMM (EVEN_K / EVEN_N: constant masks), what the launcher picks at
         # these shapes: gate/up split in two and down, the table's T = 1 tiles
         for gu, n_, k_, split in ((True, 2048, 7168, 2), (False, 7168, 2048, 1)):
             even = dict(const, N=n_, K=k_, GATE_UP=gu, HAS_LIMIT=gu, SPLIT_K=split, CHAINS=1, EVEN_K=True,
                         EVEN_N=True)
-            c = _compile(m._moe_gemm_kernel, types, even, 2, 4)
+            c = _compile(g._moe_gemm_kernel, types, even, 2, 4)
             print("gemm-even", name, "gate_up" if gu else "down", "cubin bytes", len(c.asm["cubin"]))
         # the down GEMM with its L2 prefetch before the PDL wait (MoEConfig.down_prefetch)
         const = dict(const, CHAINS=1, PREFETCH=8, PREFETCH_STEPS=2)
-        ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
+        ptx = _compile(g._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
         ok = 0 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
         print("gemm-prefetch", name, "before-wait" if ok else "missing")
     # the split gate/up with the SwiGLU finish in its last program per (tile, row block)
@@ -137,7 +139,7 @@ def main(quick: bool = False) -> None:
                      s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
         const = dict(N=2048, K=7168, TOPK=8, GATE_UP=True, FMT=fmt, SPLIT_K=2, HAS_LIMIT=True, USE_ASM=True,
                      BM=1, BN=32, BKH=32, PDL=True, FUSED_FINISH=True)
-        ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
+        ptx = _compile(g._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
         ok = "fence.acq_rel.gpu" in ptx and "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
         print("gemm-fused-finish", name, "handoff" if ok else "no-handoff")
         # the down GEMM with the top-k combine in its last program per (token, row block)
@@ -147,45 +149,21 @@ def main(quick: bool = False) -> None:
                      P="i32")
         const = dict(N=7168, K=2048, TOPK=8, GATE_UP=False, FMT=fmt, SPLIT_K=1, HAS_LIMIT=False, USE_ASM=True,
                      BM=2, BN=32, BKH=32, PDL=True, FUSED_COMBINE=True)
-        ptx = _compile(m._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
+        ptx = _compile(g._moe_gemm_kernel, types, const, 2, 4).asm["ptx"]
         ok = "fence.acq_rel.gpu" in ptx and "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
         print("gemm-fused-combine", name, "handoff" if ok else "no-handoff")
-    c = _compile(m._prep_small_kernel, dict(ids_ptr="*i64", table_ptr="*i32", sorted_ptr="*i32", bslot_ptr="*i32",
-                                            nblk_ptr="*i32", miss_ptr="*i64", P="i32", NB="i32", x_ptr="*bf16",
-                                            xp_ptr="*bf16", s_x="i32"),
+    c = _compile(moe_align_triton._prep_small_kernel,
+                 dict(ids_ptr="*i64", table_ptr="*i32", sorted_ptr="*i32", bslot_ptr="*i32", nblk_ptr="*i32",
+                      miss_ptr="*i64", P="i32", NB="i32", x_ptr="*bf16", xp_ptr="*bf16", s_x="i32"),
                  dict(H=7168, UPW=8, BH=2048, BM=16, PP=256, QB=32, FILL=1024, PDL=True))
     print("align", "cubin bytes", len(c.asm["cubin"]))
-    c = _compile(m._swiglu_finish_kernel, dict(ws_ptr="*fp32", act_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32",
+    c = _compile(g._swiglu_finish_kernel, dict(ws_ptr="*fp32", act_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32",
                                                limit="fp32", P="i32"),
                  dict(I=2048, UPW=8, SPLIT_K=2, HAS_LIMIT=True, BI=1024, PDL=True))
     print("swiglu", "cubin bytes", len(c.asm["cubin"]))
-    c = _compile(m._combine_kernel, dict(ws_ptr="*fp32", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
+    c = _compile(g._combine_kernel, dict(ws_ptr="*fp32", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
                                          out_ptr="*bf16", P="i32"), dict(H=7168, TOPK=8, SPLIT_K=2, BH=1024, PDL=False))
     print("combine", "cubin bytes", len(c.asm["cubin"]))
-    # the few-token decode paths (GLM-4.5-Air shape, T = 1): token-major's two kernels and the
-    # one-launch persistent kernel (its fences are inline asm, its waits atomics: GPU-only code)
-    tm_types = dict(x_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32",
-                    act_ptr="*bf16", miss_ptr="*i64", s_x="i32", s_wq_slot="i32", s_sc_slot="i32", limit="fp32")
-    for fmt, name in ((m.FMT_W2, "w2"), (m.FMT_FP4, "fp4")):
-        c = _compile(m._tm_gate_up_kernel, tm_types, dict(N=1408, K=4096, TOPK=8, FMT=fmt, HAS_LIMIT=False,
-                                                          USE_ASM=True, BN=32, BKH=32, PDL=True), 2, 4)
-        print("token-major", name, "gate_up cubin bytes", len(c.asm["cubin"]))
-        c = _compile(m._tm_down_kernel, dict(act_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
-                                             wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", out_ptr="*bf16",
-                                             s_wq_slot="i32", s_sc_slot="i32", s_out="i32"),
-                     dict(N=4096, K=1408, TOPK=8, FMT=fmt, USE_ASM=True, BN=32, BKH=32, PDL=True), 2, 4)
-        print("token-major", name, "down cubin bytes", len(c.asm["cubin"]))
-        from moet.kernels import moe_fused_decode as fd
-        c = _compile(fd._fused_decode_kernel,
-                     dict(x_ptr="*bf16", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32", gq_ptr="*i16", gs_ptr="*u8",
-                          gs2_ptr="*fp32", dq_ptr="*i16", ds_ptr="*u8", ds2_ptr="*fp32", act_ptr="*bf16", y_ptr="*fp32",
-                          out_ptr="*bf16", cnt_ptr="*i32", miss_ptr="*i64", s_x="i32", s_gq="i32", s_gs="i32",
-                          s_dq="i32", s_ds="i32", s_out="i32", limit="fp32", P="i32", NPROG="i32"),
-                     dict(ROUNDS=4, H=4096, I=1408, TOPK=8, FMT=fmt, HAS_LIMIT=False, USE_ASM=True, BNA=32, BKA=32,
-                          BND=32, BKD=32, PDL=True), 2, 4)
-        ptx = c.asm["ptx"]
-        assert "fence.acq_rel.gpu" in ptx and "atom" in ptx, "the fused kernel lost its fences or atomics"
-        print("fused", name, "cubin bytes", len(c.asm["cubin"]))
 
 
 if __name__ == "__main__":

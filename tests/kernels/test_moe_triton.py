@@ -24,6 +24,7 @@ from tests.kernels.triton_support import requires_ptxas, requires_triton
 
 pytestmark = requires_triton
 
+from moet.errors import ConfigError  # noqa: E402
 from moet.formats import nvfp4, w2  # noqa: E402
 from moet.kernels import moe_configs  # noqa: E402
 from moet.kernels.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
@@ -39,10 +40,6 @@ CFG_SPLIT_GU = MoEConfig(16, GemmConfig(32, 16, 2, 4, 2), GemmConfig(16, 16, 1, 
 # decode tiles of one or two pairs (the H200 table picks BM 1 at T = 1: no padded token rows)
 CFG_BM1 = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2))
 CFG_BM2 = MoEConfig(2, GemmConfig(32, 16, 1, 2, 2), GemmConfig(16, 16, 2, 2, 2))
-# token-major decode (two launches, no alignment): up to TOKEN_MAJOR_MAX_PAIRS pairs, else the tiles above
-CFG_TM = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 1, 2, 2), token_major=True)
-# one-launch decode (persistent, counters between its gate/up and down items): up to FUSED_MAX_PAIRS pairs
-CFG_FUSED = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(16, 16, 1, 2, 2), fused=True)
 
 
 def _mt():
@@ -178,7 +175,7 @@ def test_small_align_kernel(t, k, num_experts, bm, seed):
     """The decode-regime alignment (slots in first-appearance order): every resident pair in
     exactly one tile of its slot, tiles per slot = cdiv(count, bm), padding P, unused tiles -1,
     misses added to the counter; and the slot-major copy of the hidden states."""
-    mt = _mt()
+    from moet.kernels.moe_align_triton import _prep_small_kernel
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, num_experts, (t, k), generator=g).to(DEVICE)
     slots = num_experts + 2
@@ -191,10 +188,10 @@ def test_small_align_kernel(t, k, num_experts, bm, seed):
     miss = torch.full((1,), 5, dtype=torch.int32, device=DEVICE)
     x = torch.randn(t, h, generator=g).to(DEVICE)
     xp = torch.full((t, upw, h // upw), float("nan"), device=DEVICE)
-    mt._prep_small_kernel[(1 + t,)](ids.reshape(-1), table, sorted_ids, bslot, torch.empty(pp, dtype=torch.int32,
-                                    device=DEVICE), miss, p, nb, x, xp, x.stride(0), x,
-                                    H=h, UPW=upw, BH=64, BM=bm, PP=pp, QB=min(pp, 32), FILL=64, ZERO_OUT=False,
-                                    PDL=False)
+    _prep_small_kernel[(1 + t,)](ids.reshape(-1), table, sorted_ids, bslot, torch.empty(pp, dtype=torch.int32,
+                                 device=DEVICE), miss, p, nb, x, xp, x.stride(0), x,
+                                 H=h, UPW=upw, BH=64, BM=bm, PP=pp, QB=min(pp, 32), FILL=64, ZERO_OUT=False,
+                                 PDL=False)
     _, _, misses, per = _align_brute(ids.cpu(), table.cpu(), slots, bm)
     assert int(miss.item()) == 5 + misses
     assert torch.equal(xp, x.reshape(t, h // upw, upw).transpose(1, 2))
@@ -226,10 +223,6 @@ CASES = [
     ("w2", 3, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_BM1),          # one pair per tile
     ("w2", 9, 3, 96, 64, 4, 4, [1, 3, 0, 2], 1.0, CFG_BM2),                   # several 2-pair tiles per slot
     ("fp4", 3, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_BM1),
-    ("w2", 1, 4, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_TM),           # token-major, one token
-    ("w2", 2, 3, 96, 64, 6, 8, [3, -1, 0, 7, -1, 5], 1.0, CFG_TM),            # K tails, clamp, 2 tokens
-    ("fp4", 2, 2, 96, 48, 6, 8, [3, -1, 0, 7, -1, 5], 1.0, CFG_TM),
-    ("w2", 9, 2, 64, 32, 6, 8, [3, -1, 0, 7, -1, 5], None, CFG_TM),           # 18 pairs: falls back to tiles
 ]
 
 
@@ -280,97 +273,6 @@ def test_misses_zero_counted_slot_invariant_and_bit_identical(poisoned):
     out2 = mt.moe_experts_w2_triton(x, ids, w, tab2, pool2, torch.zeros(1, dtype=torch.int64, device=DEVICE),
                                     config=CFG)
     assert torch.equal(out2, outs[0])
-
-
-def test_token_major_misses_slot_invariant_bit_identical_and_bf16(poisoned):
-    """The token-major path: misses zero and counted once per pair, the same bits from permuted
-    slots and on reruns, bf16 hidden states (as the engine passes them) against the reference, and
-    the same result as the tiled path (within the bound: the dot shapes differ)."""
-    mt = _mt()
-    g = torch.Generator().manual_seed(17)
-    pool = _w2_pool(6, 64, 32, g)
-    tab = _table([3, -1, 0, 5, -1, 1])
-    x, ids, w = _inputs(2, 4, 64, 6, g)
-    ids[0] = torch.tensor([1, 4, 0, 2])
-    m = torch.full((1,), 11, dtype=torch.int64, device=DEVICE)
-    out = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m, config=CFG_TM)
-    misses = int((tab.long()[ids.long()] < 0).sum())
-    assert int(m.item()) == 11 + misses and misses >= 2
-    ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
-    assert _relerr(out, ref) <= BOUND
-    assert torch.equal(out, mt.moe_experts_w2_triton(x, ids, w, tab, pool, m, config=CFG_TM))
-    perm = torch.tensor([4, 2, 5, 0, 3, 1], device=DEVICE)
-    inv = torch.argsort(perm).to(torch.int32)
-    pool2 = W2Pool(*(getattr(pool, f)[perm] for f in ("gate_up_codes", "gate_up_scales", "down_codes", "down_scales")),
-                   layout="nb8")
-    tab2 = torch.where(tab >= 0, inv[tab.clamp(min=0).long()], tab)
-    assert torch.equal(out, mt.moe_experts_w2_triton(x, ids, w, tab2, pool2, m, config=CFG_TM))
-    tiled = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m, config=CFG_BM1)
-    assert _relerr(out, tiled) <= BOUND
-    none = _table([-1] * 6)                                  # nothing resident: exactly zero
-    m0 = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    assert (mt.moe_experts_w2_triton(x, ids, w, none, pool, m0, config=CFG_TM) == 0).all() and int(m0.item()) == 8
-    xb = x.bfloat16()
-    ob = mt.moe_experts_w2_triton(xb, ids, w, tab, pool, m, config=CFG_TM)
-    rb = moe_experts_reference(xb, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
-    assert ob.dtype == torch.bfloat16 and _relerr(ob, rb) <= 2 ** -7
-
-
-@pytest.mark.parametrize("fmt", ["w2", "fp4"])
-def test_fused_decode_misses_slot_invariant_bit_identical_and_counters_left_zero(poisoned, fmt):
-    """The one-launch decode: the reference's result (SwiGLU clamp on), misses zero and counted once
-    per pair, the token-major path's result (same tiles, same combine order: bit-identical under the
-    interpreter, within fp32 rounding compiled), bit-identical to itself on
-    reruns and from permuted slots, bf16 hidden states, and its counters zero after every launch
-    (the next layer and graph replays rely on it)."""
-    mt = _mt()
-    from moet.kernels import moe_fused_decode as fd
-    g = torch.Generator().manual_seed(23 if fmt == "w2" else 24)
-    pool, run = _pool_and_run(mt, fmt, g)
-    tab = _table([3, -1, 0, 5, -1, 1])
-    x, ids, w = _inputs(2, 4, 64, 6, g)
-    ids[0] = torch.tensor([1, 4, 0, 2])
-    m = torch.full((1,), 11, dtype=torch.int64, device=DEVICE)
-    out = run(x, ids, w, tab, pool, m, swiglu_limit=1.5, config=CFG_FUSED)
-    misses = int((tab.long()[ids.long()] < 0).sum())
-    assert int(m.item()) == 11 + misses and misses >= 2
-    ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE),
-                                swiglu_limit=1.5)
-    assert _relerr(out, ref) <= BOUND
-    assert int(fd._zeroed_counters(out.device, 1).abs().sum()) == 0
-    tm = MoEConfig(1, CFG_FUSED.gate_up, CFG_FUSED.down, token_major=True)
-    tm_out = run(x, ids, w, tab, pool, m, swiglu_limit=1.5, config=tm)
-    if DEVICE == "cpu":                                      # the interpreter runs the same numpy ops
-        assert torch.equal(out, tm_out)
-    else:                                                    # two programs: ptxas may contract and order
-        assert _relerr(out, tm_out) <= 1e-5                  # the same sums differently (H200: not bitwise)
-    assert torch.equal(out, run(x, ids, w, tab, pool, m, swiglu_limit=1.5, config=CFG_FUSED))
-    if fmt == "w2":
-        perm = torch.tensor([4, 2, 5, 0, 3, 1], device=DEVICE)
-        inv = torch.argsort(perm).to(torch.int32)
-        pool2 = W2Pool(*(getattr(pool, f)[perm] for f in ("gate_up_codes", "gate_up_scales", "down_codes",
-                                                          "down_scales")), layout="nb8")
-        tab2 = torch.where(tab >= 0, inv[tab.clamp(min=0).long()], tab)
-        assert torch.equal(out, run(x, ids, w, tab2, pool2, m, swiglu_limit=1.5, config=CFG_FUSED))
-    none = _table([-1] * 6)                                  # nothing resident: exactly zero
-    m0 = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    assert (run(x, ids, w, none, pool, m0, config=CFG_FUSED) == 0).all() and int(m0.item()) == 8
-    xb = x[:1].bfloat16()                                    # one token, as decode passes it
-    ob = run(xb, ids[:1], w[:1], tab, pool, m, config=CFG_FUSED)
-    rb = moe_experts_reference(xb, ids[:1], w[:1], tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE))
-    assert ob.dtype == torch.bfloat16 and _relerr(ob, rb) <= 2 ** -7
-    assert int(fd._zeroed_counters(out.device, 1).abs().sum()) == 0
-
-
-def test_fused_decode_grid_and_limits():
-    from moet.kernels import moe_fused_decode as fd
-    assert fd.fused_grid(torch.device("cpu"), 500) == 1          # the interpreter runs programs in turn
-    if torch.cuda.is_available():
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert fd.fused_grid(torch.device("cuda"), 10 ** 6) == sms and fd.fused_grid(torch.device("cuda"), 3) == 3
-    with pytest.raises(ValueError, match="counters"):
-        fd._zeroed_counters(torch.device(DEVICE), fd._COUNTER_INTS + 1)
-    assert MoEConfig.from_json(CFG_FUSED.to_json()) == CFG_FUSED and "fused" not in CFG_TM.to_json()
 
 
 def test_prefill_path_and_token_chunks(poisoned, monkeypatch):
@@ -459,20 +361,6 @@ def test_row_tiled_nvfp4t_pool_gives_the_nvfp4_bits(poisoned, monkeypatch, t, cf
     ref_t = moe_experts_reference(x, ids, w, tab, tp, m3)
     assert torch.equal(ref_rm, ref_t) and _relerr(b, ref_t) <= BOUND
 
-def test_row_tiled_pool_takes_the_gemm_path_where_the_table_says_token_major(poisoned, monkeypatch):
-    """A table config that asks for the token-major (or fused) decode, which reads row-major nb8
-    only, runs an nb8t pool on the tiled GEMM path instead of failing; explicit configs refuse."""
-    mt = _mt()
-    monkeypatch.setattr(mt, "lookup", lambda *a, **k: CFG_TM)
-    g = torch.Generator().manual_seed(33)
-    pool = _w2_pool(2, 512, 256, g)
-    x, ids, w = _inputs(1, 2, 512, 2, g)
-    tab = _table([0, 1])
-    m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    out = mt.moe_experts_w2_triton(x, ids, w, tab, row_tiled(pool), m)
-    ref = moe_experts_reference(x, ids, w, tab, row_tiled(pool), torch.zeros(1, dtype=torch.int64, device=DEVICE))
-    assert _relerr(out, ref) <= BOUND
-
 def test_row_tiled_pool_refuses_what_it_cannot_serve():
     mt = _mt()
     g = torch.Generator().manual_seed(32)
@@ -481,9 +369,6 @@ def test_row_tiled_pool_refuses_what_it_cannot_serve():
     pool = row_tiled(_w2_pool(2, 256, 256, g))
     x, ids, w = _inputs(1, 2, 256, 2, g)
     m = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    for cfg in (CFG_TM, CFG_FUSED):
-        with pytest.raises(mt.ConfigError, match="nb8t"):
-            mt.moe_experts_w2_triton(x, ids, w, _table([0, 1]), pool, m, config=cfg)
     bad = W2Pool(*(getattr(_w2_pool(2, 64, 64, g), f) for f in ("gate_up_codes", "gate_up_scales", "down_codes",
                                                                  "down_scales")), layout="nb8t")
     x, ids, w = _inputs(1, 2, 64, 2, g)
@@ -519,7 +404,13 @@ def test_config_table_lookup(monkeypatch):
                 assert MoEConfig.from_json(c.to_json()) == c and c.BM >= 1 and c.BM & (c.BM - 1) == 0
     pdl = MoEConfig(1, GemmConfig(), GemmConfig(), pdl=True)
     assert MoEConfig.from_json(pdl.to_json()) == pdl and "pdl" not in MoEConfig(1, GemmConfig(), GemmConfig()).to_json()
-    assert MoEConfig.from_json(CFG_TM.to_json()) == CFG_TM and "token_major" not in CFG_BM1.to_json()
+    # the deleted few-token decodes (docs/kernels.md, MoE): an old table's false keys read as before, a
+    # true one is refused in one line instead of running another path than the table asks for
+    old = CFG_BM1.to_json()
+    assert MoEConfig.from_json(old | {"token_major": False, "fused": False}) == CFG_BM1
+    for key in ("token_major", "fused"):
+        with pytest.raises(ConfigError, match=f"MoEConfig.{key}, a decode path moet no longer has"):
+            MoEConfig.from_json(old | {key: True})
     fake = {"version": 1, "devices": {"GPU X": {"w2 H64 I32": {
         "8": MoEConfig(16, GemmConfig(16), GemmConfig(32)).to_json(),
         "64": MoEConfig(16, GemmConfig(64), GemmConfig(64)).to_json(),
@@ -567,9 +458,6 @@ def test_kernels_compile_for_sm90():
     assert kinds.count("gemm") == 8 and {"align", "swiglu", "combine"} <= set(kinds), r.stdout
     gemms = [line for line in r.stdout.splitlines() if line.startswith("gemm ")]
     assert all(line.endswith(" e4m3-cvt") == (line.split()[1] == "fp4") for line in gemms), r.stdout
-    # the few-token paths, GPU-only code (the interpreter never compiles): run 13 found token-major
-    # failing to compile on the H200 only; the fused kernel's fences and atomics are asserted there
-    assert kinds.count("token-major") == 4 and kinds.count("fused") == 2, r.stdout
     # GemmConfig.kwidth2: the scale bytes behind the branch give the MMA operands kWidth 2; without
     # it Triton 3.6 packs K by 4 (the 8-bit scale load; moe_tiles._scale_values)
     kw = [line.split() for line in r.stdout.splitlines() if line.startswith("kwidth ")]

@@ -1,6 +1,6 @@
 """Hand-offs between the programs of one launch (GPU-wide counters), shared by the kernels whose
-programs pass work to each other: the one-launch MoE decode (moe_fused_decode) and the fused
-split merge of the paged decode (attention_triton, fused_merge).
+programs pass work to each other: the grouped MoE's fused SwiGLU finish and fused top-k combine
+(moe_gemm) and the fused split merge of the paged decode (attention_triton, fused_merge).
 
 Memory ordering: a producer's stores, then fence.acq_rel.gpu in every thread, a CTA barrier and
 the atomic (signal); a consumer's acquire atomic (or the producer-side atomic's result), the fence
@@ -49,11 +49,3 @@ def acquired(USE_ASM: tl.constexpr):
     gpu_fence(USE_ASM)
     tl.debug_barrier()
 
-
-@triton.jit
-def wait_at_least(ptr, target, USE_ASM: tl.constexpr):
-    """Spin until *ptr >= target; what its producers stored before signalling is then visible."""
-    c = tl.atomic_add(ptr, 0, sem="acquire")
-    while c < target:
-        c = tl.atomic_add(ptr, 0, sem="acquire")
-    acquired(USE_ASM)

@@ -1,8 +1,9 @@
-"""moe_align_block_size over pool SLOTS (vLLM's fused_moe layout, addressed through the slot table).
+"""Slot alignment of the (token, expert) pairs (vLLM's fused_moe layout, addressed through the slot
+table), the torch form the grouped MoE (moe_triton.py) runs in the prefill regime.
 
-The grouped-GEMM kernels (moe_triton.py, prefill regime) want every (token, expert) pair of one resident
-expert in consecutive rows, padded so that each BLOCK_M-row tile belongs to exactly one slot.
-This module builds that layout in torch, with no host synchronisation (fixed output sizes, so
+The grouped-GEMM kernels want every (token, expert) pair of one resident expert in consecutive
+rows, padded so that each BLOCK_M-row tile belongs to exactly one slot. moe_align_block_size (the
+prefill regime) builds that layout in torch, with no host synchronisation (fixed output sizes, so
 it is CUDA-graph friendly) and deterministically:
 
   pair p = t * k + j  (row-major flatten of topk_ids [T, k]),  s = slot_table[topk_ids[t, j]]
@@ -15,6 +16,8 @@ it is CUDA-graph friendly) and deterministically:
 
 Worst-case length: each used slot wastes at most block_m - 1 rows and at most min(P, S) slots
 are used, so P + min(P, S) * (block_m - 1), rounded up to a multiple of block_m.
+
+The decode regime's form, one Triton launch, is moe_align_triton.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Launch configurations of the Triton grouped MoE kernels (moet.kernels.moe_triton), read from
 a table in the repository (moe_configs.json beside this file) keyed by device name, expert
 format and shape, and by the number of (token, expert) pairs; written by
-`python -m moet.bench.moe_kernel_tune`. Shapes or devices the table lacks get the defaults
+benchmarks/kernels/tune_moe.py. Shapes or devices the table lacks get the defaults
 below (the tuned H200 values of the nearest regime), so every shape runs, tuned or not.
 
 Table layout:
@@ -14,18 +14,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from moet.errors import ConfigError
 from moet.kernels.launch_tables import read_table
 
 TABLE_PATH = Path(__file__).with_name("moe_configs.json")
 # Up to this many pairs the slot alignment is one Triton program (O(P^2) compares, no host
 # sync, one launch); above it, the sort-based moe_align_block_size in torch.
 SMALL_ALIGN_MAX_PAIRS = 512
-# The token-major decode path (MoEConfig.token_major) re-reads an expert's weights for every pair
-# that routes to it, so it is only for a few tokens (T = 1..2 at top-8), where pairs rarely share one.
-TOKEN_MAJOR_MAX_PAIRS = 16
-# The one-launch decode (MoEConfig.fused) reads an expert once per pair too, and its counters are
-# sized for a few tokens.
-FUSED_MAX_PAIRS = 16
+# Keys of launch tables written before the token-major and one-launch decodes were deleted (no shipped
+# table selected them; docs/kernels.md, MoE): false is what every config means now, true is refused
+DELETED_KEYS = ("token_major", "fused")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +35,17 @@ class GemmConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    # the K loop unrolled this many times (moe_triton's UNROLL: one step's activation loads in
+    # the K loop unrolled this many times (moe_gemm's UNROLL: one step's activation loads in
     # flight during another's dots); 1 = not unrolled
     unroll: int = 1
-    # independent MMA accumulator chains a K step on the tiled path (moe_triton's CHAINS; the fused
-    # and token-major decodes ignore it): 1, or 2 = gate/up: the gate and up dots alternate (the
-    # same bits); down: even and odd slots in two accumulators summed after the K loop (other bits)
+    # independent MMA accumulator chains a K step (moe_gemm's CHAINS): 1, or 2 = gate/up: the gate
+    # and up dots alternate (the same bits); down: even and odd slots in two accumulators summed
+    # after the K loop (other bits)
     chains: int = 1
     # the scale bytes behind an always-taken branch, so Triton packs the MMA operands' K by 2
     # (kWidth 2: activations by ldmatrix, no register moves) instead of the 4 its heuristic takes from
     # the 8-bit scale load (moe_tiles._scale_values); other fp32 sum order. Fewer instructions a K step,
     # but more registers and one shared-memory load per scale byte: a win on some tiles only.
-    # The tiled path only (the fused and token-major decodes ignore it)
     kwidth2: bool = False
 
     def __post_init__(self):
@@ -64,23 +61,15 @@ class MoEConfig:
     # programmatic dependent launch between the layer's kernels (sm_90+): each kernel's launch
     # overlaps the one before; pays off where the kernels are short (small models at T = 1)
     pdl: bool = False
-    # token-major decode (moe_triton's _tm kernels, up to TOKEN_MAJOR_MAX_PAIRS pairs): two launches
-    # (gate/up + SwiGLU per pair; down + the top-k combine per token), no slot alignment, no
-    # activation copy, no fp32 workspace; BM and SPLIT_K are unused (each pair is its own tile)
-    token_major: bool = False
-    # one-launch decode (moe_fused_decode, up to FUSED_MAX_PAIRS pairs): gate/up BN / BKH for the
-    # gate/up items, down BN / BKH for the down items, gate_up's num_warps / num_stages for the
-    # launch; BM and SPLIT_K are unused
-    fused: bool = False
     # the tiled path with a split gate/up (gate_up.SPLIT_K > 1): its last program per (tile, row
-    # block) does the SwiGLU finish, so the layer has one launch fewer (moe_triton FUSED_FINISH)
+    # block) does the SwiGLU finish, so the layer has one launch fewer (moe_gemm's FUSED_FINISH)
     fused_finish: bool = False
     # decode regime: the top-k combine in the down GEMM's last program per (token, row block), so
-    # the layer has one launch fewer (moe_triton FUSED_COMBINE)
+    # the layer has one launch fewer (moe_gemm's FUSED_COMBINE)
     fused_combine: bool = False
     # under PDL (pdl=True, the tiled path): each down program prefetches its weight slab into L2
     # before it waits for the gate/up kernel, so the down's DRAM reads overlap gate/up's tail
-    # (moe_triton PREFETCH); the same bits
+    # (moe_gemm's PREFETCH); the same bits
     down_prefetch: bool = False
     # with down_prefetch: only the first this many K steps of each down program's slab (0 = all of it)
     down_prefetch_steps: int = 0
@@ -95,10 +84,6 @@ class MoEConfig:
         d = {"BM": self.BM, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
         if self.pdl:
             d["pdl"] = True
-        if self.token_major:
-            d["token_major"] = True
-        if self.fused:
-            d["fused"] = True
         if self.fused_finish:
             d["fused_finish"] = True
         if self.fused_combine:
@@ -111,14 +96,17 @@ class MoEConfig:
 
     @staticmethod
     def from_json(d: dict) -> "MoEConfig":
+        gone = [k for k in DELETED_KEYS if d.get(k)]
+        if gone:
+            raise ConfigError(f"MoE launch table entry {d} asks for MoEConfig.{gone[0]}, a decode path moet no longer "
+                              "has (docs/kernels.md, MoE); re-tune the table or drop the key")
         return MoEConfig(int(d["BM"]), GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]), bool(d.get("pdl", False)),
-                         bool(d.get("token_major", False)), bool(d.get("fused", False)),
                          bool(d.get("fused_finish", False)), bool(d.get("fused_combine", False)),
                          bool(d.get("down_prefetch", False)), int(d.get("down_prefetch_steps", 0)))
 
 
 def default_config(num_pairs: int) -> MoEConfig:
-    """The H200 tuning's winners (moe_kernel_tune; docs/kernels.md, MoE): decode one-pair tiles,
+    """The H200 tuning's winners (benchmarks/kernels/tune_moe.py; docs/kernels.md, MoE): decode one-pair tiles,
     gate/up split in two (the best or close to it across the three model shapes and both formats
     at T = 1), prefill the prefill sweep's winner."""
     if num_pairs <= SMALL_ALIGN_MAX_PAIRS:     # decode: few tokens per expert, stream the weights

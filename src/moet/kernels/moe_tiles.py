@@ -1,5 +1,4 @@
-"""Device functions the grouped MoE kernels are built from (moe_triton's tiled GEMMs, the
-token-major decode in moe_token_major, the one-launch decode in moe_fused_decode): W2 / FP4
+"""Device functions the grouped MoE kernels are built from (moe_gemm's grouped GEMMs): W2 / FP4
 weight tiles decoded in registers into MMA operands (inline asm on a GPU, plain Triton integer
 ops under the interpreter: the same bits), the dots over the slot tensors, tile loads, the
 SwiGLU. The operand layouts and the decoders' exactness are described in moe_triton's docstring.
@@ -311,56 +310,24 @@ def _rows_dots_split(acc, acc2, wq, sc, rows, rmask, u, umask, g, gmask, x0, x1,
 
 
 @triton.jit
-def _x_slots(xp, step, xm, FMT: tl.constexpr, CAST: tl.constexpr, USE_ASM: tl.constexpr, CACHE: tl.constexpr):
+def _x_slots(xp, step, xm, FMT: tl.constexpr):
     """The activation tiles of slots 0..7 (W2; FP4 uses 0..3, the rest alias slot 0): slot q at
-    xp + q * step (step K / UPW for slot-major rows, 1 for a row in natural order); CAST: to
-    the MMA operand dtype (a hidden row of the caller's dtype); CACHE: the loads' cache modifier
-    (".cg" where another program of the same launch wrote the rows: past L1)."""
-    x0 = tl.load(xp, mask=xm, other=0.0, cache_modifier=CACHE)
-    x1 = tl.load(xp + step, mask=xm, other=0.0, cache_modifier=CACHE)
-    x2 = tl.load(xp + 2 * step, mask=xm, other=0.0, cache_modifier=CACHE)
-    x3 = tl.load(xp + 3 * step, mask=xm, other=0.0, cache_modifier=CACHE)
-    if CAST:
-        x0 = _op_cast(x0, USE_ASM)
-        x1 = _op_cast(x1, USE_ASM)
-        x2 = _op_cast(x2, USE_ASM)
-        x3 = _op_cast(x3, USE_ASM)
+    xp + q * step (step K / UPW: the rows are slot-major)."""
+    x0 = tl.load(xp, mask=xm, other=0.0)
+    x1 = tl.load(xp + step, mask=xm, other=0.0)
+    x2 = tl.load(xp + 2 * step, mask=xm, other=0.0)
+    x3 = tl.load(xp + 3 * step, mask=xm, other=0.0)
     if FMT == 0:
-        x4 = tl.load(xp + 4 * step, mask=xm, other=0.0, cache_modifier=CACHE)
-        x5 = tl.load(xp + 5 * step, mask=xm, other=0.0, cache_modifier=CACHE)
-        x6 = tl.load(xp + 6 * step, mask=xm, other=0.0, cache_modifier=CACHE)
-        x7 = tl.load(xp + 7 * step, mask=xm, other=0.0, cache_modifier=CACHE)
-        if CAST:
-            x4 = _op_cast(x4, USE_ASM)
-            x5 = _op_cast(x5, USE_ASM)
-            x6 = _op_cast(x6, USE_ASM)
-            x7 = _op_cast(x7, USE_ASM)
+        x4 = tl.load(xp + 4 * step, mask=xm, other=0.0)
+        x5 = tl.load(xp + 5 * step, mask=xm, other=0.0)
+        x6 = tl.load(xp + 6 * step, mask=xm, other=0.0)
+        x7 = tl.load(xp + 7 * step, mask=xm, other=0.0)
     else:
         x4 = x0
         x5 = x0
         x6 = x0
         x7 = x0
     return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _op_cast(v, USE_ASM: tl.constexpr):
-    """The MMA operand dtype: bf16 on the GPU, fp32 under the interpreter (as x_perm holds)."""
-    # One return after a static if/else: Triton compiles the code after a taken `if` too, so an
-    # early return in one branch is an "inconsistent return types" error on the GPU.
-    if USE_ASM:
-        out = v.to(tl.bfloat16)
-    else:
-        out = v.to(tl.float32)
-    return out
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """The wait half of _pdl_enter only: for a kernel whose programs wait on each other, no later
-    kernel may start launching (and take SMs) before it ends (moe_fused_decode)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
