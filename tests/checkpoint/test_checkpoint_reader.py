@@ -114,7 +114,7 @@ def test_mtp_layers_are_loaded_and_kept():
     m = model.mtp[0]
     assert torch.equal(m.eh_proj.weight, ckpt.reader.get("model.layers.3.eh_proj.weight"))
     assert torch.equal(m.layer.self_attn.q_proj.bias, ckpt.reader.get("model.layers.3.self_attn.q_proj.bias"))
-    gate_up = m.layer.mlp.pool.gate_up[5]
+    gate_up = m.layer.mlp.experts.pool.gate_up[5]
     assert torch.equal(gate_up[:32], ckpt.reader.get("model.layers.3.mlp.experts.5.gate_proj.weight"))
     # the stored embedding / head copies equal the main ones, so they are shared, not duplicated
     assert not m.has_own_embed and not m.has_own_head and m.embed_tokens is None

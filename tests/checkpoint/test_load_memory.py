@@ -37,7 +37,7 @@ after, peak = status("VmRSS"), status("VmHWM")
 from moet.kernels.pools import pool_nbytes
 from moet.model.layers.moe import MoE
 model_bytes = sum(p.nbytes for p in model.parameters()) + sum(
-    pool_nbytes(m.pool) for m in model.modules() if isinstance(m, MoE))
+    pool_nbytes(m.experts.pool) for m in model.modules() if isinstance(m, MoE))
 print(json.dumps({"base": base, "peak0": peak0, "after": after, "peak": peak, "model": model_bytes}))
 """
 

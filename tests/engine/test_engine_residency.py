@@ -224,8 +224,9 @@ def test_store_rule_and_weight_estimate(path, monkeypatch):
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32)
     dense, expert = estimated_weight_bytes(ckpt, "w2", torch.float32)
     assert dense == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert expert == sum(t.numel() * t.element_size() for b in model.moe_blocks().values()
-                         for t in (getattr(b.pool, f) for f in b.pool.__slots__) if isinstance(t, torch.Tensor))
+    pools = [b.experts.pool for b in model.moe_blocks().values()]
+    assert expert == sum(t.numel() * t.element_size() for p in pools
+                         for t in (getattr(p, f) for f in p.__slots__) if isinstance(t, torch.Tensor))
     cfg = EngineConfig(model=path)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert store_reason(cfg, ckpt, cpu, torch.float32) is None

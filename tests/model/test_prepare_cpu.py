@@ -55,10 +55,10 @@ def test_relayouts_give_the_same_bits(fmt, dtype):
     decoded = prepared.prepare_cpu(1 << 30)
     moes = [m for m in prepared.modules() if isinstance(m, MoE)]
     if fmt == "bf16":                 # a packed DensePool where this torch packs, else the reference
-        assert all(m.cpu_pool is None or m.cpu_pool.kind == "dense" for m in moes)
-        assert (decoded > 0) == (moes[0].cpu_pool is not None)
+        assert all(m.experts.cpu_pool is None or m.experts.cpu_pool.kind == "dense" for m in moes)
+        assert (decoded > 0) == (moes[0].experts.cpu_pool is not None)
     else:
-        assert moes and all(isinstance(m.cpu_pool, DecodedPool) for m in moes) and decoded > 0
+        assert moes and all(isinstance(m.experts.cpu_pool, DecodedPool) for m in moes) and decoded > 0
     assert all(m.kv_b_f32 is not None for m in prepared.modules() if isinstance(m, MLAttention))
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         assert any(m.cpu_packed is not None for m in prepared.modules() if type(m) is Linear)
@@ -69,12 +69,12 @@ def test_relayouts_give_the_same_bits(fmt, dtype):
 def test_float32_decodes_respect_the_budget():
     _, model = _pair("w2", torch.float32)
     assert model.prepare_cpu(1000) == 0
-    assert all(m.cpu_pool is None for m in model.modules() if isinstance(m, MoE))
+    assert all(m.experts.cpu_pool is None for m in model.modules() if isinstance(m, MoE))
 
 
 def test_cpu_engine_prepares_its_model():
     eng = LLMEngine.from_config(EngineConfig(model=cached_checkpoint("deepseek_v3"), expert_format="w2",
                                              dtype="bfloat16", device="cpu", max_model_len=64))
     moes = [m for m in eng.model.modules() if isinstance(m, MoE)]
-    assert moes and all(m.cpu_pool is not None for m in moes)
+    assert moes and all(m.experts.cpu_pool is not None for m in moes)
     assert all(m.kv_b_f32 is not None for m in eng.model.modules() if isinstance(m, MLAttention))

@@ -54,7 +54,7 @@ def test_fp4_experts_keep_nvfp4_bytes():
     path = cached_checkpoint("glm4_moe", "nvfp4")
     ckpt = open_checkpoint(path)
     model = load_model(ckpt, expert_format="fp4", dtype=torch.float32)
-    pool = model.model.layers[1].mlp.pool
+    pool = model.model.layers[1].mlp.experts.pool
     name = "model.layers.1.mlp.experts.3.up_proj"
     assert torch.equal(pool.gate_up_weight[3, 32:], ckpt.reader.get(name + ".weight"))
     assert torch.equal(pool.gate_up_scale[3, 32:].view(torch.uint8), ckpt.reader.get(name + ".weight_scale").view(torch.uint8))
@@ -96,7 +96,8 @@ def test_w2_scale_rule_mse_is_used_when_asked():
     b = load_model(ckpt, expert_format="w2", dtype=torch.float32, scale_rule="mse")
     w = ckpt.reader.get("model.layers.0.block_sparse_moe.experts.1.w3.weight")
     want = w2.quantize(w, scale_rule="mse")
-    assert b.model.layers[0].mlp.pool.layout == "nb8"          # the kernels' code layout (formats.md)
-    assert torch.equal(w2.from_nb8(b.model.layers[0].mlp.pool.gate_up_codes[1, 32:]), want.codes)
-    assert torch.equal(b.model.layers[0].mlp.pool.gate_up_scales[1, 32:], want.scales)
-    assert not torch.equal(a.model.layers[0].mlp.pool.gate_up_codes, b.model.layers[0].mlp.pool.gate_up_codes)
+    assert b.model.layers[0].mlp.experts.pool.layout == "nb8"          # the kernels' code layout (formats.md)
+    assert torch.equal(w2.from_nb8(b.model.layers[0].mlp.experts.pool.gate_up_codes[1, 32:]), want.codes)
+    assert torch.equal(b.model.layers[0].mlp.experts.pool.gate_up_scales[1, 32:], want.scales)
+    pa, pb = a.model.layers[0].mlp.experts.pool, b.model.layers[0].mlp.experts.pool
+    assert not torch.equal(pa.gate_up_codes, pb.gate_up_codes)

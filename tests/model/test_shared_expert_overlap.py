@@ -1,5 +1,5 @@
 """EngineConfig.overlap_shared_experts: the shared experts run on a second CUDA stream next to the
-routed experts (MoE.shared_stream). Off CUDA it is a no-op; on CUDA greedy token ids and logprobs
+routed experts (ExpertSlots.shared_stream). Off CUDA it is a no-op; on CUDA greedy token ids and logprobs
 are bit-identical with and without it, eager and inside the captured decode graphs."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.model.tiny_glm import GLM_TINY, greedy_outputs
 def test_overlap_is_a_noop_off_cuda():
     m = eb.random_model(GLM_TINY, torch.device("cpu"), seed=int(torch.seed() % 2**31))
     assert m.overlap_shared_experts(torch.device("cpu")) == 0
-    assert all(b.shared_stream is None for b in m.modules() if isinstance(b, MoE))
+    assert all(b.experts.shared_stream is None for b in m.modules() if isinstance(b, MoE))
     assert EngineConfig(model="x").overlap_shared_experts is True       # on: measured faster (docs/perf.md)
 
 
@@ -60,7 +60,7 @@ def test_two_stream_branch_orders_and_values(monkeypatch):
     want = block.forward_parts(x)                                                # one stream, same kernels
     assert log == ["routed on main", "shared on main"]
     log.clear()
-    block.shared_stream = side
+    block.experts.shared_stream = side
     got = block.forward_parts(x)
     monkeypatch.undo()
     assert log == ["side waits main", "shared on side", "routed on main", "main waits side"]
@@ -74,7 +74,7 @@ def test_overlap_bit_identical_on_cuda():
     outs = {}
     for overlap in (False, True):
         def streams(eng, model, overlap=overlap):
-            n = sum(b.shared_stream is not None for b in model.modules() if isinstance(b, MoE))
+            n = sum(b.experts.shared_stream is not None for b in model.modules() if isinstance(b, MoE))
             assert n == (2 if overlap else 0)                     # layer 0 is dense in GLM-4.5
         for eager in (True, False):
             outs[overlap, eager] = greedy_outputs(dev, seed, streams, enforce_eager=eager,

@@ -28,7 +28,7 @@ def ds_ckpt():
 def resident_rows(path: str, tag: str, **load_kw) -> dict[str, object]:
     """{pack layer name: pool} the loader builds with every expert resident (the reference)."""
     model = load_model(open_checkpoint(path), expert_format=tag, dtype=torch.float32, **load_kw)
-    return {name: moe.pool for name, moe in model.moe_blocks().items()}
+    return {name: moe.experts.pool for name, moe in model.moe_blocks().items()}
 
 
 def assert_pack_equals_pools(pack, pools: dict) -> None:

@@ -38,7 +38,7 @@ def test_cached_equals_resident_bit_for_bit(qwen40_pack, fraction, policy):
     slots = int(rows * fraction)
     assert slots >= min_cache_slots(pack.num_layers, ckpt.spec.router.top_k, 1)
     model = load_model(ckpt, expert_format="w2", dtype=torch.float32, routed_experts=False)
-    assert all(m.pool is None for m in model.moe_blocks().values())   # experts come from the store only
+    assert all(m.experts.pool is None for m in model.moe_blocks().values())   # experts come from the store only
     arena = HostArena(pack, max(1, rows // 8), pin=False)                  # small: the arena evicts too
     cache = ExpertCache(pack, slots, "cpu", arena=arena, policy=policy)
     cache.attach(model.moe_blocks())
@@ -143,4 +143,4 @@ def test_demand_fetch_one_pass_bit_identical_and_prefill_rows_go_first(qwen40_pa
     with pytest.raises(ConfigError, match="one MoE layer needs"):
         cache2.demand(0, np.arange(7))
     detach_demand(blocks)
-    assert all(m.demand_fetch is None for m in blocks.values())
+    assert all(m.experts.demand_fetch is None for m in blocks.values())

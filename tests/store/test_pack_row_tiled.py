@@ -43,7 +43,7 @@ def test_row_tiled_pack_rows_layout_and_stale_layout_rebuild(tmp_path, wide_ckpt
 def test_row_tiled_cache_equals_resident_bit_for_bit(tmp_path, wide_ckpt, tag):
     ckpt = open_checkpoint(wide_ckpt)
     ref = load_model(ckpt, expert_format=tag, dtype=torch.float32)
-    assert all(m.pool.layout == TILED[tag] for m in ref.moe_blocks().values())
+    assert all(m.experts.pool.layout == TILED[tag] for m in ref.moe_blocks().values())
     model = load_model(ckpt, expert_format=tag, dtype=torch.float32, routed_experts=False)
     with open_pack(ckpt, str(tmp_path), tag=tag) as pack:
         rows = pack.num_layers * pack.num_experts

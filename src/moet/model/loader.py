@@ -24,6 +24,7 @@ from moet.model.layers.moe import MoE
 from moet.model.model import CausalLM
 from moet.quant.decode import decode
 from moet.quant.requantize import check_all_arrived, convert_into, new_pool
+from moet.store.expert_slots import ExpertSlots
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -37,11 +38,9 @@ def default_weight_loader(param: torch.nn.Parameter, fmt: str, parts: dict[str, 
 
 
 def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> None:
-    """Every expert resident: slot = expert id."""
-    e = moe.spec.router.num_experts
-    moe.pool = new_pool(moe.spec, expert_format, e, dtype, device)
-    moe.slot_table = torch.arange(e, dtype=torch.int32, device=device)
-    moe.miss_counter = moe.miss_counter.to(device)
+    """Every expert resident: slot = expert id (the block's ExpertSlots, store/expert_slots.py)."""
+    pool = new_pool(moe.spec, expert_format, moe.spec.router.num_experts, dtype, device)
+    moe.experts = ExpertSlots.resident(expert_format, pool, device)
 
 
 def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
@@ -51,7 +50,7 @@ def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, tor
     spec = moe.spec
     if not 0 <= expert < spec.router.num_experts:
         raise CheckpointError(f"{where}: expert {expert} is out of range (config says {spec.router.num_experts} experts)")
-    convert_into(moe.pool, expert, spec, proj, fmt, parts, w2_opts, where)
+    convert_into(moe.experts.pool, expert, spec, proj, fmt, parts, w2_opts, where)
 
 
 def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
@@ -68,7 +67,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
     """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr.
     keep_fp8: FP8 block-128 dense weights stay e4m3 (model/fp8_dense.py); None = where the
     device can run the FP8 kernel. routed_experts=False skips routed-expert tensors and leaves
-    MoE pools unset: the store (moet.store: pack -> arena -> device cache) provides them."""
+    the MoE blocks without a pool: the store (moet.store: pack -> arena -> device cache) provides them."""
     spec, reader = ckpt.spec, ckpt.reader
     if keep_fp8 if keep_fp8 is not None else (ckpt.weight_format == "fp8_block" and fp8_dense.available(device)):
         fp8_dense.use_fp8_linears(model, fp8_dense.fp8_linear_names(ckpt))

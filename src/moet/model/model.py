@@ -138,21 +138,21 @@ class CausalLM(nn.Module):
 
     def overlap_shared_experts(self, device: torch.device) -> int:
         """Run every MoE block's shared experts on one second CUDA stream, next to the routed
-        experts (MoE.shared_stream; one stream for all layers: the layers run one after another).
+        experts (ExpertSlots.shared_stream; one stream for all layers: the layers run one after another).
         No-op off CUDA. -> number of MoE blocks that overlap."""
         if device.type != "cuda":
             return 0
         blocks = [m for m in self.modules() if isinstance(m, MoE) and m.shared_experts is not None]
         stream = torch.cuda.Stream(device) if blocks else None
         for m in blocks:
-            m.shared_stream = stream
+            m.experts.shared_stream = stream
         return len(blocks)
 
     def prepare_cpu(self, expert_bytes: int) -> int:
         """Once, before a CPU run's first step, for weights that never change after (every expert
         resident, no expert store): bf16 Linears keep a oneDNN-packed copy of their weight (the
         same results, Linear.pack_for_cpu), MLA layers keep kv_b_proj in float32 (what their
-        absorbed-form references compute with), and MoE layers get a `cpu_pool`
+        absorbed-form references compute with), and MoE layers get a `cpu_pool` (ExpertSlots.cpu_pool)
         (kernels/moe_cpu.py): W2 / FP4 experts an exact float32 decode (4 bytes per weight), bf16
         experts their weights oneDNN-packed; the reference's bits either way. All of those only
         while the bytes they add fit `expert_bytes`; else the layers keep the reference.
@@ -167,22 +167,22 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if type(m) is Linear:
                 m.pack_for_cpu()
-        moes = [m for m in self.modules() if isinstance(m, MoE) and m.pool is not None]
+        slots = [m.experts for m in self.modules() if isinstance(m, MoE) and m.experts.pool is not None]
         exact_bytes = 4 * 3 * self.spec.hidden_size * self.spec.moe_intermediate_size      # per slot
         plan = []
-        for m in moes:
-            n = cpu_pool_bytes(m.pool, self.dtype)
-            if n == 0 and not isinstance(m.pool, DensePool):
-                n = exact_bytes * m.pool.num_slots
-            plan.append((m, n))
+        for e in slots:
+            n = cpu_pool_bytes(e.pool, self.dtype)
+            if n == 0 and not isinstance(e.pool, DensePool):
+                n = exact_bytes * e.pool.num_slots
+            plan.append((e, n))
         need = sum(n for _, n in plan)
         if need == 0 or need > expert_bytes:
             return 0
-        for m, n in plan:
+        for e, n in plan:
             if n:
-                m.cpu_pool = cpu_pool(m.pool, self.dtype)
-            if m.cpu_pool is None and not isinstance(m.pool, DensePool):
-                m.cpu_pool = decoded_pool(m.pool)
+                e.cpu_pool = cpu_pool(e.pool, self.dtype)
+            if e.cpu_pool is None and not isinstance(e.pool, DensePool):
+                e.cpu_pool = decoded_pool(e.pool)
         return need
 
     # ------------------------------------------------------------------ caches

@@ -23,7 +23,7 @@ from moet.store.expert_cache import ExpertCache
 
 
 class LayerDemand:
-    """MoE.demand_fetch of the block at pack layer `index`: called with the block's routed ids."""
+    """ExpertSlots.demand_fetch of the block at pack layer `index`: called with the block's routed ids."""
 
     def __init__(self, cache: ExpertCache, index: int):
         self.cache = cache
@@ -43,11 +43,11 @@ def attach_demand(blocks: dict[str, object], cache: ExpertCache) -> int:
     n = 0
     for name, moe in blocks.items():
         if name in index:
-            moe.demand_fetch = LayerDemand(cache, index[name])
+            moe.experts.demand_fetch = LayerDemand(cache, index[name])
             n += 1
     return n
 
 
 def detach_demand(blocks: dict[str, object]) -> None:
     for moe in blocks.values():
-        moe.demand_fetch = None
+        moe.experts.demand_fetch = None

@@ -2,11 +2,12 @@
 table [layers, experts] (-1 = absent) the MoE layers read through.
 
 The pool is a kernels/pools.py object built from the pack's row layout, and every MoE block's
-`pool` is that very object (its `slot_table` is row l of the table, a view): a cached expert's
-bytes are the pack row's bytes, so the computation cannot tell a cached expert from a resident
-one. A miss (slot -1) contributes zero and counts in the layer's miss counter; the MoE layer's
-route log (`route_counts`, int32 [experts], a row of this cache's [layers, experts]) says which
-experts the pass chose, so the runner knows what to fetch (store/replay.py drives it).
+ExpertSlots (store/expert_slots.py) holds that very object (its `slot_table` is row l of the
+table, a view): a cached expert's bytes are the pack row's bytes, so the computation cannot tell a
+cached expert from a resident one. A miss (slot -1) contributes zero and counts in the layer's miss
+counter; the MoE layer's route log (`route_counts`, int32 [experts], a row of this cache's
+[layers, experts]) says which experts the pass chose, so the runner knows what to fetch
+(store/replay.py drives it).
 
 Eviction: by recency-decayed frequency (score = decay * score + [used this step], per step;
 ties: least recent, then lowest key), or plain LRU; never a row the current pass needs.
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from moet.errors import ConfigError, MoetError
+from moet.store.expert_slots import ExpertSlots
 from moet.store.host_arena import HostArena
 from moet.store.pack_file import PackFile, copy_row_into_slot
 
@@ -90,9 +92,10 @@ class ExpertCache:
     # ---- wiring
 
     def attach(self, blocks: dict[str, object]) -> None:
-        """Point MoE blocks ({pack layer name: MoE}, CausalLM.moe_blocks()) at this
-        cache: pool, table row, miss counter and route log. Blocks the pack lacks are an error;
-        pack layers without a block (MTP not loaded) are simply never used."""
+        """Hand MoE blocks ({pack layer name: MoE}, CausalLM.moe_blocks()) an ExpertSlots over this
+        cache: pool, table row, miss counter and route log (views: the tensors CUDA graphs capture
+        are this cache's). Blocks the pack lacks are an error; pack layers without a block (MTP not
+        loaded) are simply never used."""
         names = self.pack.meta.layers
         unknown = [n for n in blocks if n not in names]
         if unknown:
@@ -103,13 +106,12 @@ class ExpertCache:
                 continue
             if moe.spec.router.num_experts != self.num_experts:
                 raise ConfigError(f"{name}: {moe.spec.router.num_experts} experts, the pack has {self.num_experts}")
-            moe.pool = self.pool
-            # a CPU layout of the experts (CausalLM.prepare_cpu) is a copy of the pool this one
-            # replaces, indexed by its slots: the cache's slots change, so the MoE reads the cache
-            moe.cpu_pool = None
-            moe.slot_table = self.slot_table[l]
-            moe.miss_counter = self.miss_counters[l:l + 1]
-            moe.route_counts = self.route_counts[l]
+            # A new ExpertSlots: no CPU layout (CausalLM.prepare_cpu's copy of the pool this one
+            # replaces is indexed by its slots, and the cache's slots change) and no demand fetch
+            # (attach_demand adds it); the shared experts' stream is the engine's, kept.
+            moe.experts = ExpertSlots(self.slot_table[l], self.miss_counters[l:l + 1],
+                                      pools={self.layout.tag: self.pool}, route_counts=self.route_counts[l],
+                                      shared_stream=moe.experts.shared_stream)
 
     def key(self, layer: int, expert: int) -> int:
         return layer * self.num_experts + expert

@@ -1,9 +1,10 @@
 """The MoE block: router -> routed experts through a slot table and a pool -> + shared experts.
 
-The block owns its router and shared experts (dense weights). Routed experts are reached
-only through `slot_table` (int32 [num_experts], -1 = absent) and `pool` (moet.kernels.pools),
-which the loader fills with every expert resident (slot = expert id) for now; a later runner
-hands in the device cache's table and pool instead, without touching this file.
+The block owns its router and shared experts (dense weights). Routed experts are reached only
+through `experts`, one ExpertSlots (store/expert_slots.py: the pools, the slot table, the miss
+counter, the route log, the demand-fetch hook, the shared experts' stream): the loader's with every
+expert resident (slot = expert id), or the expert store's device cache, handed in without
+touching this file.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from moet.checkpoint.spec import ModelSpec
 from moet.kernels.moe_dispatch import moe_experts
 from moet.model.layers.linear import MLP
 from moet.model.layers.router import route
+from moet.store.expert_slots import ExpertSlots
 
 
 class Router(nn.Module):
@@ -36,29 +38,13 @@ class MoE(nn.Module):
         self.gate = Router(spec, dtype)
         self.shared_experts = (MLP(spec.hidden_size, spec.shared_intermediate_size, dtype)
                                if spec.shared_intermediate_size else None)
-        self.slot_table = torch.full((spec.router.num_experts,), -1, dtype=torch.int32)
-        self.pool = None                               # set by the loader
-        # CPU runs without the expert store: `pool` repacked once for CPU GEMVs (kernels/moe_cpu.py,
-        # set by CausalLM.prepare_cpu), which the MoE computes with instead of the torch reference
-        # decoding the routed experts' rows on every call; None elsewhere
-        self.cpu_pool = None
-        self.miss_counter = torch.zeros(1, dtype=torch.int64)
-        # The store's route log (int32 [num_experts] or None): how many tokens chose each expert
-        # this pass, so the runner knows which experts a missed step needs (moet.store).
-        self.route_counts: torch.Tensor | None = None
-        # The store's demand fetch (store/demand.py) or None: called with the routed ids in eager
-        # passes, it makes those experts resident before they run, so the pass needs no replay.
-        self.demand_fetch = None
-        # A second CUDA stream for the shared experts (EngineConfig.overlap_shared_experts), or
-        # None: at decode the routed and the shared experts are each a few small GEMVs that leave
-        # the GPU half idle while they ramp up and drain; on two streams they overlap (SGLang's
-        # dual-stream MoE). Both outputs are computed exactly as on one stream.
-        self.shared_stream: torch.cuda.Stream | None = None
+        # set by the loader or the expert store; until then no pool and every expert absent
+        self.experts = ExpertSlots.absent(spec.router.num_experts)
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(routed experts' output, shared experts' output or None), not yet summed: the decoder
         layer hands both to the next RMSNorm.add, which does the add inside its kernel on CUDA."""
-        side = self.shared_stream if self.shared_experts is not None and x.is_cuda else None
+        side = self.experts.shared_stream if self.shared_experts is not None and x.is_cuda else None
         if side is None:
             return self._routed(x), (self.shared_experts(x) if self.shared_experts is not None else None)
         main = torch.cuda.current_stream(x.device)
@@ -78,14 +64,14 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.select_experts(x)
-        if self.demand_fetch is not None:  # expert store, eager pass: make these experts resident now
-            self.demand_fetch(ids)
-        if self.route_counts is not None:  # integer adds: exact in any order (graph-capturable)
+        e = self.experts
+        if e.demand_fetch is not None:     # expert store, eager pass: make these experts resident now
+            e.demand_fetch(ids)
+        if e.route_counts is not None:     # integer adds: exact in any order (graph-capturable)
             flat = ids.reshape(-1)
-            self.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=self.route_counts.dtype))
+            e.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=e.route_counts.dtype))
         # Triton grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
-        pool = self.pool if self.cpu_pool is None else self.cpu_pool
-        return moe_experts(x, ids, weights, self.slot_table, pool, self.miss_counter,
+        return moe_experts(x, ids, weights, e.slot_table, e.compute_pool(), e.miss_counter,
                            swiglu_limit=self.spec.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

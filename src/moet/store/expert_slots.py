@@ -1,0 +1,91 @@
+"""ExpertSlots: the one object through which a MoE layer reaches its routed experts.
+
+A MoE block (model/layers/moe.py) owns its router and shared experts; everything about its routed
+experts that is decided outside the block (where their weights are, which of them are resident,
+what to count, whom to call before they run, which stream the shared experts may use) arrives in
+one ExpertSlots, `MoE.experts`, instead of loose attributes. The block reads it in every forward
+and writes into it only through the tensors it holds (the miss counter, the route log).
+
+Who builds it, and when:
+  * MoE.__init__: `ExpertSlots.absent(num_experts)`, no pool and every expert absent, until one
+    of the two below replaces it;
+  * model/loader.py (every expert resident, no expert store): `ExpertSlots.resident(...)`, one
+    pool of the expert format, slot = expert id; once, before the weights are read into the pool;
+  * store/expert_cache.py, ExpertCache.attach (the expert store): the device cache's pool, the
+    layer's row of the cache's slot table, miss counters and route log; once, at engine start.
+Fields set on the block's ExpertSlots after that, each by one writer:
+  * `cpu_pool` by CausalLM.prepare_cpu (model/model.py), once, before a CPU run's first step;
+  * `demand_fetch` by store/demand.py (attach_demand / detach_demand), at engine start;
+  * `shared_stream` by CausalLM.overlap_shared_experts (model/model.py), at engine start on CUDA.
+
+CUDA graphs capture the tensors, not this object: `slot_table`, `miss_counter` and `route_counts`
+keep their storage for the engine's life (the cache rewrites the table in place, the runner zeroes
+the counters in place), so nothing here may be reallocated once graphs are captured, and wrapping
+a tensor in an ExpertSlots never copies it.
+
+Adding a tier (the FP4 repair tier) is one more entry of `pools`; how a layer computes over two
+pools goes in `pool` / `compute_pool`, which assume one pool per layer today.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(eq=False)
+class ExpertSlots:
+    # int32 [num_experts]: the slot of each expert in the pool, -1 = not resident. The loader's
+    # arange (slot = expert), or a row of the device cache's [layers, experts] table (a view), which
+    # ExpertCache rewrites in place as it fetches and evicts. The MoE kernels read it.
+    slot_table: torch.Tensor
+    # int64 [1]: (token, expert) pairs of this layer whose expert was absent, added by the MoE
+    # kernels (a missed pair contributes zero). The store zeroes it before each pass
+    # (ExpertCache.begin_pass) and reads it after (store/replay.py); with every expert resident it
+    # only ever counts zero.
+    miss_counter: torch.Tensor
+    # The routed experts' pools (moet.kernels.pools: W2Pool / FP4Pool / DensePool), keyed by format
+    # tag ("w2", "fp4", "bf16": the pack tags), leading dimension the slot. Today one per layer: the
+    # loader's (every expert) or the device cache's (shared by every layer, the cache's slots).
+    # Empty until the loader or the store sets one (a model whose experts come from the store only).
+    pools: dict[str, object] = field(default_factory=dict)
+    # A copy of `pool` laid out for CPU GEMVs (kernels/moe_cpu.py: CpuPool or DecodedPool, the same
+    # slots), which the layer computes with instead of `pool`; only for CPU runs whose slots never
+    # change (no expert store). Set by CausalLM.prepare_cpu; None elsewhere.
+    cpu_pool: object | None = None
+    # int32 [num_experts] or None: tokens that chose each expert this pass, added by the layer
+    # (integer adds: exact in any order, graph-capturable). A row of the device cache's route log,
+    # so the runner knows which experts a missed pass needs; None without the store.
+    route_counts: torch.Tensor | None = None
+    # Called with the routed ids [T, k] before the experts run, in eager passes: makes those experts
+    # resident so the pass cannot miss (store/demand.py's LayerDemand). None: no demand fetch.
+    demand_fetch: Callable[[torch.Tensor], None] | None = None
+    # A second CUDA stream for the shared experts (EngineConfig.overlap_shared_experts), or None: at
+    # decode the routed and the shared experts are each a few small GEMVs that leave the GPU half
+    # idle while they ramp up and drain; on two streams they overlap (SGLang's dual-stream MoE).
+    # One stream for every layer (the layers run one after another).
+    shared_stream: torch.cuda.Stream | None = None
+
+    @classmethod
+    def absent(cls, num_experts: int) -> "ExpertSlots":
+        """No pool, every expert absent: a block's state before the loader or the store fills it."""
+        return cls(torch.full((num_experts,), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+
+    @classmethod
+    def resident(cls, fmt: str, pool, device: torch.device | str) -> "ExpertSlots":
+        """Every expert resident in `pool` (format tag `fmt`), slot = expert id."""
+        return cls(torch.arange(pool.num_slots, dtype=torch.int32, device=device),
+                   torch.zeros(1, dtype=torch.int64, device=device), pools={fmt: pool})
+
+    @property
+    def pool(self):
+        """The pool the slot table indexes (None while there is none)."""
+        if len(self.pools) > 1:
+            raise RuntimeError(f"a MoE layer has pools {sorted(self.pools)} but computes with one: the layer's rule "
+                               "for several tiers belongs here")
+        return next(iter(self.pools.values()), None)
+
+    def compute_pool(self):
+        """What the layer hands the MoE kernels: the CPU layout when there is one, else `pool`."""
+        return self.cpu_pool if self.cpu_pool is not None else self.pool
