@@ -266,13 +266,13 @@ def store_run(model, paths, meta, slots: int, s: Settings, max_model_len: int, w
         os.unlink(paths.hot_set)                     # every card starts cold
     cfg = _store_config(s, max_model_len, slots)
     t = time.perf_counter()
-    res = ExpertResidency(cfg, PackFile(paths, meta, o_direct=cfg.o_direct), model.spec, model, s.device)
+    res = ExpertResidency(cfg, PackFile(paths, meta, o_direct=cfg.store.o_direct), model.spec, model, s.device)
     eng = LLMEngine(cfg, model, None, set(), s.device, max_model_len, residency=res)
-    rec = {"slots": slots, "engine_start_s": time.perf_counter() - t, "miss_tolerance": cfg.miss_tolerance,
-           "host_arena_gb": cfg.host_arena_gb, "o_direct": cfg.o_direct}
+    rec = {"slots": slots, "engine_start_s": time.perf_counter() - t, "miss_tolerance": cfg.store.miss_tolerance,
+           "host_arena_gb": cfg.store.host_arena_gb, "o_direct": cfg.store.o_direct}
     try:
         rec["correctness"] = compare(correctness_outputs(eng, model.spec.vocab_size, s.prompt_len), want)
-        strict = cfg.miss_tolerance == 0
+        strict = cfg.store.miss_tolerance == 0
         if strict and not rec["correctness"]["bit_identical"]:
             rec["error"] = "outputs differ from all resident at --miss-tolerance 0; nothing timed"
             return rec
@@ -287,8 +287,9 @@ def store_run(model, paths, meta, slots: int, s: Settings, max_model_len: int, w
                    bytes_fetched_per_generated_token=per_tok,
                    pcie_bound_tok_s_55GBps=PCIE_GBPS * 1e9 / per_tok if per_tok else None,
                    engine_stats=dict(res.stats()))
-        arena = int((cfg.host_arena_gb if cfg.host_arena_gb is not None else meta.file_bytes / 2**30) * 2**30)
-        rec["plan"] = predicted(facts, gbps, slots, arena, s, runs, cfg.miss_tolerance, rec["hit_rate"])
+        arena_gb = cfg.store.host_arena_gb
+        arena = int((arena_gb if arena_gb is not None else meta.file_bytes / 2**30) * 2**30)
+        rec["plan"] = predicted(facts, gbps, slots, arena, s, runs, cfg.store.miss_tolerance, rec["hit_rate"])
     finally:
         eng.close()
         drop_experts(model)                          # the cache's pool goes before the next one is made

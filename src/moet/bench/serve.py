@@ -42,7 +42,8 @@ def _check_ids(cfg) -> list[int]:
     """The chat prompt both paths answer greedily before timing (raw token ids: no template or
     parser can make the paths differ)."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(cfg.load.tokenizer or cfg.model,
+                                        trust_remote_code=cfg.load.trust_remote_code)
     text = tok.apply_chat_template(CHECK_MESSAGES, tokenize=False, add_generation_prompt=True)
     return tok.encode(text, add_special_tokens=False)
 
@@ -198,11 +199,9 @@ def python_api_phase(cfg, args, deadline: float) -> tuple[dict, str]:
 
 
 def _engine_flags(cfg) -> list[str]:
-    from dataclasses import fields
-
     from moet.config import EngineConfig
     out = []
-    for f in fields(EngineConfig):
+    for f in EngineConfig.knob_fields():
         v = getattr(cfg, f.name)
         if f.name == "model" or v is None or v == f.default:
             continue
@@ -432,7 +431,7 @@ def run_serve(s) -> None:
         ratio = (res["decode_tok_per_s"] / results["python"]["decode_tok_per_s"]
                  if phase == "http" and "python" in results else None)
         s.report.add({"scenario": "serve", "shape": label, "system": "moet", "concurrency": s.concurrency,
-                      "config": f"moet {cfg.expert_format}, {'Python API (AsyncEngine)' if phase == 'python' else 'HTTP moet serve, streamed'}, "
+                      "config": f"moet {cfg.load.expert_format}, {'Python API (AsyncEngine)' if phase == 'python' else 'HTTP moet serve, streamed'}, "
                                 f"{s.concurrency} streams, {s.requests} requests x {s.decode_tokens} tokens",
                       "tok_s": res["decode_tok_per_s"], "peer_ratio": ratio,
                       "notes": f"p50 {res['latency_p50_s']:.3f} s" + (f", TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms"

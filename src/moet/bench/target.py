@@ -109,22 +109,22 @@ def open_target(s: Settings, max_model_len: int, max_num_seqs: int, max_num_batc
         name, cfg = shape(s.shape)
         ec = engine_config(s, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, model=f"random:{cfg['model_type']}")
-        dtype = torch.bfloat16 if ec.dtype == "auto" else getattr(torch, ec.dtype)   # a shape's torch_dtype
+        dtype = torch.bfloat16 if ec.load.dtype == "auto" else getattr(torch, ec.load.dtype)   # a shape's torch_dtype
         try:
-            model = random_model(cfg, s.device, ec.expert_format, dtype=dtype)
+            model = random_model(cfg, s.device, ec.load.expert_format, dtype=dtype)
             sync(s.device)
-            eng = LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, s.device, ec.max_model_len)
+            eng = LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, s.device, ec.scheduler.max_model_len)
         except torch.cuda.OutOfMemoryError as exc:
-            raise ConfigError(f"--shape {s.shape} with {ec.expert_format} experts does not fit this GPU "
+            raise ConfigError(f"--shape {s.shape} with {ec.load.expert_format} experts does not fit this GPU "
                               f"({str(exc).splitlines()[0][:160]}); try --expert-format w2 or moet bench "
                               f"residency") from None
-        t = Target(name, cfg, model, eng, s.device, ec.expert_format)
+        t = Target(name, cfg, model, eng, s.device, ec.load.expert_format)
     else:
         cfg = checkpoint_config(s.model)
         ec = engine_config(s, max_model_len=min(max_model_len, int(cfg.get("max_position_embeddings", max_model_len))),
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, model=str(s.model))
         eng = LLMEngine.from_config(ec)
-        t = Target(Path(str(s.model)).name, cfg, eng.runner.model, eng, s.device, ec.expert_format,
+        t = Target(Path(str(s.model)).name, cfg, eng.runner.model, eng, s.device, ec.load.expert_format,
                    checkpoint=str(eng.checkpoint.path))
     t.facts = {"build_s": round(time.perf_counter() - t0, 2), "num_kv_blocks": eng.runner.num_blocks,
                "kv_cache_gib": round(eng.runner.kv_cache_bytes / 2**30, 3), "max_model_len": eng.max_model_len,
