@@ -720,7 +720,7 @@ class Bench:
             lines.append(f"| {arch} | {ctx} | {batch} | {fmt} | {lab} | {launch} | {r['ms']:.3f} "
                          f"| {r['gbps']:.0f} | {r['frac_of_copy']:.0%} | {r['frac_of_gemv']:.0%} "
                          f"| {r.get('tflops', float('nan')):.0f} | {gcell} | {s.get('gbps', float('nan')):.0f} |")
-        # every GQA setting side by side (--quick: the launches; issue 5 reads batch 1)
+        # every GQA setting side by side (--quick: the launches)
         gqa = [r for r in self.records if r["kind"] == "decode" and r["arch"] == "gqa"]
         cols = list(dict.fromkeys((r["ctx"], r["batch"], r["fmt"]) for r in gqa))
         if gqa and len({r["setting"] for r in gqa}) > 1:

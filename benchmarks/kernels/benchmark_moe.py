@@ -1,4 +1,4 @@
-"""The expert-kernel "Measured" harness of issue 4: moet's Triton MoE layer (W2 and FP4 pools)
+"""The expert kernels timed: moet's Triton MoE layer (W2 and FP4 pools)
 next to a bf16 MoE layer written the way transformers writes it and torch's grouped GEMM, on
 the routed-expert shapes of real models, in one run on one GPU.
 
