@@ -175,13 +175,3 @@ def test_pickle_copy_and_asdict_round_trip():
     assert EngineConfig(**cfg.knob_values()) == cfg
     assert set(cfg.knob_values()) == set(EngineConfig.field_names())
 
-
-def test_bench_serve_passes_a_config_to_its_server_as_flags_that_rebuild_it():
-    """moet bench serve starts `moet serve` with the flags of the knobs that differ from their default."""
-    from moet.bench.serve import _engine_flags
-
-    cfg = EngineConfig(model="m", **ALL_FLAT)
-    p = argparse.ArgumentParser()
-    add_cli_arguments(p)
-    assert from_cli_args(p.parse_args(["m"] + _engine_flags(cfg))) == cfg
-    assert _engine_flags(EngineConfig(model="m")) == []

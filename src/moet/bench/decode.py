@@ -28,10 +28,11 @@ def timed_run(eng, reqs, device, min_running: int = 1) -> dict:
     """Submit all, step to the end; per-step wall times split into decode-only and other. A step
     counts as decode-only when every running sequence decodes, none waits, and at least
     `min_running` run (so a batch-B rate is not diluted by steps after some have finished).
-    Synchronous steps are timed to a device sync; async steps (EngineConfig.async_scheduling) are
-    not synced: a sync would drain the one-step-ahead pipeline they exist for, and step() returns
+    Synchronous steps are timed to a device sync; async steps (EngineConfig.scheduler.async_scheduling)
+    are not synced: a sync would drain the one-step-ahead pipeline they exist for, and step() returns
     only once its tokens are on the host, so the step times still add up to the wall."""
-    pipelined = bool(getattr(getattr(eng, "config", None), "async_scheduling", False))
+    scheduler = getattr(getattr(eng, "config", None), "scheduler", None)
+    pipelined = bool(getattr(scheduler, "async_scheduling", False))
     for rid, p, sp in reqs:
         eng.add_request(rid, p, sp)
     sync(device)

@@ -1,4 +1,5 @@
-"""AsyncDecode: pure decode steps launched one step ahead of the host (EngineConfig.async_scheduling).
+"""AsyncDecode: pure decode steps launched one step ahead of the host
+(EngineConfig.scheduler.async_scheduling).
 
 Why: a synchronous step ends with the host waiting for the sampled ids (the step's only sync),
 then updating the scheduler, detokenizing, checking stops and building the next batch while

@@ -160,7 +160,7 @@ class LLMEngine:
                     w.mark_ready()
 
     def compile_warmup(self) -> int:
-        """Warm-up requests of random tokens (EngineConfig.compile_warmup), then no trace of them:
+        """Warm-up requests of random tokens (EngineConfig.kernels.compile_warmup), then no trace of them:
         no request, an empty prefix cache, zeroed token and step counters. -> the number of
         warm-up requests. Two parts, each aimed at what Triton specializes on (constexpr tile
         sizes and launch widths chosen from a step's sizes; integer arguments equal to 1, multiples
