@@ -81,3 +81,20 @@ def test_stalls_while_serving_reads_the_watches_warnings():
     assert got["gc"] == {"count": 1, "seconds": 0.21, "slowest": [(0.21, "(generation 2, 5 objects collected)")]}
     empty = {"count": 0, "seconds": 0.0, "slowest": []}
     assert stalls_while_serving("nothing here") == {"jit": empty, "gc": empty}
+
+
+def test_the_http_phase_passes_the_same_engine_settings_to_moet_serve():
+    """The server subprocess gets the engine keyword arguments the Python API phase ran with, as
+    `moet serve` flags: parsed by serve's own parser they give the same EngineConfig."""
+    from moet.bench.serve import _engine_flags
+    from moet.cli import _build
+    from moet.config import EngineConfig, from_cli_args
+
+    kw = {"model": "ckpt", "max_num_seqs": 4, "max_model_len": 320, "enforce_eager": True,
+          "enable_prefix_caching": False, "kv_cache_memory_gb": None, "expert_format": "fp4", "device": "cpu",
+          "compile_warmup": True}
+    flags = _engine_flags(kw)
+    assert "ckpt" not in flags and "--enforce-eager" in flags and "--no-enable-prefix-caching" in flags
+    _, serve = _build("serve")
+    args = serve.parse_args(["ckpt", *flags])
+    assert from_cli_args(args) == EngineConfig(**{k: v for k, v in kw.items() if v is not None})

@@ -198,15 +198,19 @@ def python_api_phase(cfg, args, deadline: float) -> tuple[dict, str]:
     return res, check
 
 
-def _engine_flags(cfg) -> list[str]:
-    from moet.config import EngineConfig
+def _engine_flags(kw: dict) -> list[str]:
+    """`moet serve` flags of flat EngineConfig keyword arguments (model excluded)."""
     out = []
-    for f in EngineConfig.knob_fields():
-        v = getattr(cfg, f.name)
-        if f.name == "model" or v is None or v == f.default:
+    for name, v in kw.items():
+        if name == "model" or v is None:
             continue
-        flag = f.name.replace("_", "-")
-        out += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [f"--{flag}", str(v)]
+        flag = "--" + name.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else f"--no-{flag[2:]}")
+        elif isinstance(v, (list, tuple)):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
     return out
 
 
@@ -368,12 +372,12 @@ def stalls_while_serving(server_log: str) -> dict:
     return out
 
 
-def http_phase(cfg, args, deadline: float) -> tuple[dict, str]:
+def http_phase(cfg, args, deadline: float, kw: dict) -> tuple[dict, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "moet.cli", "serve", cfg.model, "--port", str(port), "--no-log-requests",
-           "--max-pending-requests", str(max(256, args.concurrency * 2))] + _engine_flags(cfg)
+           "--max-pending-requests", str(max(256, args.concurrency * 2))] + _engine_flags(kw)
     print("[http] " + " ".join(cmd), flush=True)
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe would block the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -410,19 +414,22 @@ def run_serve(s) -> None:
     each with a fresh engine; a row per phase, the HTTP row's peer ratio = HTTP / Python API."""
     from types import SimpleNamespace
 
-    from moet.bench.target import engine_config
+    from moet.bench.target import engine_kwargs
     from moet.checkpoint.resolve import resolve_checkpoint
+    from moet.config import EngineConfig
 
-    cfg = engine_config(s, max_model_len=s.prompt_len + s.decode_tokens + 64, max_num_seqs=s.concurrency,
+    kw = engine_kwargs(s, max_model_len=s.prompt_len + s.decode_tokens + 64, max_num_seqs=s.concurrency,
                         max_num_batched_tokens=None, model=str(resolve_checkpoint(s.model)),
                         compile_warmup=s.engine_kw.get("compile_warmup", True))   # as `moet serve` starts
+    cfg = EngineConfig(**kw)
     args = SimpleNamespace(requests=s.requests, concurrency=s.concurrency, max_tokens=s.decode_tokens)
     deadline = time.perf_counter() + max(60.0, s.budget.left())
     label = os.path.basename(str(s.model).rstrip("/"))
     checks, results = {}, {}
     for phase in ("python", "http"):
         try:
-            res, checks[phase] = (python_api_phase if phase == "python" else http_phase)(cfg, args, deadline)
+            res, checks[phase] = (python_api_phase(cfg, args, deadline) if phase == "python"
+                                  else http_phase(cfg, args, deadline, kw))
         except Exception as exc:             # the other phase's numbers stand; the report says why
             s.report.note("serve", f"{phase} error", f"{type(exc).__name__}: {exc}")
             continue
@@ -434,7 +441,7 @@ def run_serve(s) -> None:
                       "config": f"moet {cfg.load.expert_format}, {'Python API (AsyncEngine)' if phase == 'python' else 'HTTP moet serve, streamed'}, "
                                 f"{s.concurrency} streams, {s.requests} requests x {s.decode_tokens} tokens",
                       "tok_s": res["decode_tok_per_s"], "peer_ratio": ratio,
-                      "notes": f"p50 {res['latency_p50_s']:.3f} s" + (f", TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms"
+                      "notes": ("peer = the Python API, " if ratio is not None else "") + f"p50 {res['latency_p50_s']:.3f} s" + (f", TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms"
                                                                        if res.get("ttft_p50_s") else "")
                                + ("" if ok else f", {res.get('failures')} failures, incomplete"),
                       "details": res})

@@ -80,13 +80,17 @@ def target_label(s: Settings) -> str:
     return shape(s.shape)[0] if s.shape else Path(str(s.model)).name
 
 
-def engine_config(s: Settings, *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None,
-                  **over):
+def engine_config(s: Settings, **kw):
+    """EngineConfig of engine_kwargs(s, ...)."""
+    from moet.config import EngineConfig
+    return EngineConfig(**engine_kwargs(s, **kw))
+
+
+def engine_kwargs(s: Settings, *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None,
+                  **over) -> dict:
     """EngineConfig of the user's flags; what the bench needs fills only what they left unset:
     room for the largest batch and the longest request, and no start-up compile ladder (the bench
-    warms up what it times itself)."""
-    from moet.config import EngineConfig
-
+    warms up what it times itself). Flat EngineConfig keyword arguments."""
     kw = dict(s.engine_kw)
     kw.setdefault("max_model_len", max_model_len)
     kw.setdefault("max_num_seqs", max_num_seqs)
@@ -96,7 +100,7 @@ def engine_config(s: Settings, *, max_model_len: int, max_num_seqs: int, max_num
     if kw["max_num_seqs"] < max_num_seqs:
         raise ConfigError(f"--max-num-seqs {kw['max_num_seqs']} is below the largest --batch {max_num_seqs}")
     kw.update(over)
-    return EngineConfig(device=str(s.device), **kw)
+    return dict(kw, device=str(s.device))
 
 
 def open_target(s: Settings, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> Target:
