@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_tests.sh wheels
 #       here, with pip and a registry: the serving packages (fastapi, starlette, uvicorn, pydantic,
-#       openai and what they need) as wheels for CPython 3.12 x86_64 in .whl/serve, at the versions
+#       openai and what they need; import-linter for the import-contract tests) as wheels for CPython
+#       3.12 x86_64 in .whl/serve, at the versions
 #       installed on this machine; for a GPU machine that has torch but cannot install packages.
 #   scripts/gpu_tests.sh run [--out DIR] [--workers N] [--budget S] [--rerun-budget S] [PYTEST ARGS...]
 #       on the GPU machine: installs .whl/serve/*.whl (if any) into /tmp/site, runs the suite with
@@ -22,7 +23,8 @@ wheels() {
     local pkgs=() p v
     for p in fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
              opentelemetry-api openai httpx2 httpcore2 truststore distro jiter sniffio anyio idna \
-             typing_extensions httpx httpcore h11; do
+             typing_extensions httpx httpcore h11 \
+             import-linter grimp click rich markdown-it-py mdurl pygments; do
         v=$(python3 -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')
         [ -n "$v" ] && pkgs+=("$p==$v")
     done
