@@ -72,26 +72,28 @@ def estimated_weight_bytes(ckpt, tag: str, dtype: torch.dtype) -> tuple[int, int
 
 def store_reason(config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why routed experts go through the store; None: all resident (the loader's path)."""
-    explicit = [n for n in ("pack_dir", "expert_cache_slots", "expert_cache_gb") if getattr(config, n) is not None]
+    store = config.store
+    explicit = [n for n in ("pack_dir", "expert_cache_slots", "expert_cache_gb") if getattr(store, n) is not None]
     if not pack_layers(ckpt.spec):
         return None                                   # no routed experts: nothing to page
-    if config.expert_format not in PACK_TAGS:
+    fmt = config.load.expert_format
+    if fmt not in PACK_TAGS:
         if explicit:
-            raise ConfigError(f"{explicit[0]} is set but expert_format={config.expert_format} has no pack (packs hold "
+            raise ConfigError(f"{explicit[0]} is set but expert_format={fmt} has no pack (packs hold "
                               f"{', '.join(PACK_TAGS)}); use --expert-format w2 or fp4, or unset {explicit[0]}")
         return None
     if explicit:
         return f"{explicit[0]} is set"
     if device.type != "cuda":
         return None
-    dense, expert = estimated_weight_bytes(ckpt, config.expert_format, dtype)
+    dense, expert = estimated_weight_bytes(ckpt, fmt, dtype)
     free, total = torch.cuda.mem_get_info(device)
-    budget = total * config.gpu_memory_utilization - (total - free)
+    budget = total * config.cache.gpu_memory_utilization - (total - free)
     if budget < dense:
         # Nothing can help here but memory: say whose it is (another process, or an engine of this
         # one not yet freed), rather than the store's later "0 expert slots".
         raise ConfigError(
-            f"the GPU budget is {budget / 2**30:.1f} GiB ({config.gpu_memory_utilization:.0%} of {device}'s "
+            f"the GPU budget is {budget / 2**30:.1f} GiB ({config.cache.gpu_memory_utilization:.0%} of {device}'s "
             f"{total / 2**30:.1f} GiB, less {(total - free) / 2**30:.1f} GiB already in use there, by another "
             f"process or an engine not yet freed), and the dense weights alone need {dense / 2**30:.1f} GiB: "
             f"free that memory or raise --gpu-memory-utilization")
@@ -121,7 +123,8 @@ class ExpertResidency:
     @classmethod
     def open(cls, config: EngineConfig, ckpt, model, device: torch.device, *,
              progress: bool = True) -> "ExpertResidency":
-        pack_dir = os.path.expanduser(config.pack_dir or DEFAULT_PACK_DIR)
+        store, load = config.store, config.load
+        pack_dir = os.path.expanduser(store.pack_dir or DEFAULT_PACK_DIR)
         try:
             os.makedirs(pack_dir, exist_ok=True)
         except OSError as exc:
@@ -129,9 +132,9 @@ class ExpertResidency:
                 raise
             raise not_writable(pack_dir, exc, "creating the pack directory") from None
         t0 = time.perf_counter()
-        pack = open_pack(ckpt, pack_dir, tag=config.expert_format, zero_mode=config.w2_zero_mode,
-                         scale_rule=config.w2_scale_rule, verify=config.pack_verify, rebuild=config.rebuild_pack,
-                         o_direct=config.o_direct, device=device, progress=progress)
+        pack = open_pack(ckpt, pack_dir, tag=load.expert_format, zero_mode=load.w2_zero_mode,
+                         scale_rule=load.w2_scale_rule, verify=store.pack_verify, rebuild=store.rebuild_pack,
+                         o_direct=store.o_direct, device=device, progress=progress)
         return cls(config, pack, ckpt.spec, model, device, pack_open_s=time.perf_counter() - t0,
                    repairer=RowRepairer(ckpt, pack, device))
 
@@ -143,7 +146,7 @@ class ExpertResidency:
         self.pack = pack
         self.model = model
         self.pack_open_s = pack_open_s
-        self.miss_tolerance = config.miss_tolerance      # a bench may change it between runs
+        self.miss_tolerance = config.store.miss_tolerance      # a bench may change it between runs
         self.total_rows = self.pack.num_layers * self.pack.num_experts
         self.arena: HostArena | None = None
         self.cache: ExpertCache | None = None
@@ -155,7 +158,7 @@ class ExpertResidency:
         # fetches after a pass with misses (the stall a step waits for; prefetches excluded)
         self.step_fetches = 0
         self.step_fetch_s = 0.0
-        self._log_every = float(getattr(config, "expert_stats_interval_s", 0.0) or 0.0)
+        self._log_every = float(config.store.expert_stats_interval_s)
         self._log_t = time.monotonic()
         self._log_last: dict[str, float] | None = None
         self._closed = False
@@ -171,7 +174,8 @@ class ExpertResidency:
         self.repair_retry_s = REPAIR_RETRY_S  # rows still damaged are tried again this often (at a step)
         self._retry_t = time.monotonic()
         try:
-            self.arena = HostArena(self.pack, arena_slots(config.host_arena_gb, self.pack.stride, self.total_rows),
+            slots = arena_slots(config.store.host_arena_gb, self.pack.stride, self.total_rows)
+            self.arena = HostArena(self.pack, slots,
                                    pin=device.type == "cuda", repair=self._repair_row if repairer else None)
             self.preloaded = self.arena.preload_hot_set()
         except BaseException:
@@ -186,7 +190,7 @@ class ExpertResidency:
         return len(self.spec.moe_layers)
 
     def requested_slots(self) -> int | None:
-        c = self.config
+        c = self.config.store
         return cache_slots(c.expert_cache_slots, c.expert_cache_gb, self.pack.layout.row_bytes, self.total_rows)
 
     def auto_slots(self, kv_floor_bytes: int) -> int:
@@ -195,15 +199,15 @@ class ExpertResidency:
         if self.device.type != "cuda":
             return self.total_rows
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.gpu_memory_utilization - (total - free)
+        budget = total * self.config.cache.gpu_memory_utilization - (total - free)
         room = budget * (1 - _ACTIVATION_RESERVE) - kv_floor_bytes
         return max(0, min(self.total_rows, int(room // self.pack.layout.row_bytes)))
 
     def start(self, num_slots: int) -> None:
         """Allocate the device cache, point the MoE blocks at it, warm it (everything when it all
         fits, else the saved hot set)."""
-        c, r = self.config, self.spec.router
-        need = min_cache_slots(self.layers_per_token, r.top_k, c.max_num_seqs)
+        c, r = self.config.store, self.spec.router
+        need = min_cache_slots(self.layers_per_token, r.top_k, self.config.scheduler.max_num_seqs)
         if num_slots < need:
             raise ConfigError(
                 f"the device expert cache would hold {num_slots} experts, fewer than the {need} a decode step needs "

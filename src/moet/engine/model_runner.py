@@ -1,6 +1,6 @@
 """ModelRunner: owns the model and its paged KV cache, and runs one scheduled step.
 
-  * KV cache size: EngineConfig.num_kv_blocks, else kv_cache_memory_gb, else (CUDA) what
+  * KV cache size: EngineConfig.cache.num_kv_blocks, else kv_cache_memory_gb, else (CUDA) what
     gpu_memory_utilization leaves after the weights and a profiled forward of
     max_num_batched_tokens tokens, else (CPU) what max_num_seqs full-length sequences need,
     at most 4 GiB. Bytes per token come from the model (all attention layers, MTP included).
@@ -90,14 +90,14 @@ def check_kv_size(config: EngineConfig, num_blocks: int, bytes_per_token: int, m
     not fit in `available` bytes (None: not known here), saying what fits and which flag to
     change. `source`: what sized the cache ("num_kv_blocks", "kv_cache_memory_gb", "cpu_default",
     "gpu_budget"), so the message names that flag."""
-    bs = config.block_size
+    bs = config.cache.block_size
     per_block = bytes_per_token * bs
     need = -(-max_model_len // bs)
     tokens = num_blocks * bs
     if source == "num_kv_blocks":
         flag = f"--num-kv-blocks {num_blocks}"
     elif source == "kv_cache_memory_gb":
-        flag = f"--kv-cache-memory-gb {config.kv_cache_memory_gb:g}"
+        flag = f"--kv-cache-memory-gb {config.cache.kv_cache_memory_gb:g}"
     elif source == "cpu_default":
         flag = f"the CPU default KV cache (at most {_gib(CPU_DEFAULT_KV_BYTES)})"
     else:
@@ -128,17 +128,18 @@ def check_kv_request(config: EngineConfig, spec, max_model_len: int, dtype: torc
     """The KV sizes the config fixes (num_kv_blocks, kv_cache_memory_gb), checked before the
     weights are read: too small for one max_model_len sequence, or more than the device has free
     now (the runner checks again after loading, against what the weights left)."""
-    if config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
+    if config.cache.num_kv_blocks is None and config.cache.kv_cache_memory_gb is None:
         return
-    per_token = kv_bytes_per_token_of(spec, kv_format_for(config.kv_cache_dtype, dtype), config.load_mtp)
+    per_token = kv_bytes_per_token_of(spec, kv_format_for(config.cache.kv_cache_dtype, dtype), config.load.load_mtp)
     blocks, source = _explicit_blocks(config, per_token)
     check_kv_size(config, blocks, per_token, max_model_len, available_kv_bytes(device), device, source)
 
 
 def _explicit_blocks(config: EngineConfig, bytes_per_token: int) -> tuple[int, str]:
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks, "num_kv_blocks"
-    return int(config.kv_cache_memory_gb * (1 << 30)) // (bytes_per_token * config.block_size), "kv_cache_memory_gb"
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks, "num_kv_blocks"
+    return int(cache.kv_cache_memory_gb * (1 << 30)) // (bytes_per_token * cache.block_size), "kv_cache_memory_gb"
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -157,9 +158,9 @@ class ModelRunner:
         self.device = device
         if device.type == "cuda":       # one q/k/v GEMV per layer instead of three (decode is launch-bound)
             model.fuse_projections()
-            set_small_kernel_pdl(config.small_kernel_pdl)
-            set_gqa_fused_merge(config.attention_fused_merge)
-            if config.overlap_shared_experts:
+            set_small_kernel_pdl(config.kernels.small_kernel_pdl)
+            set_gqa_fused_merge(config.kernels.attention_fused_merge)
+            if config.kernels.overlap_shared_experts:
                 model.overlap_shared_experts(device)
         elif residency is None:
             # CPU, every expert resident for good: repack the routed experts once for CPU GEMVs
@@ -170,8 +171,8 @@ class ModelRunner:
             if n:
                 log.info("routed experts repacked for the CPU: %.0f MiB", n / 2**20)
         self.max_model_len = max_model_len
-        self.block_size = config.block_size
-        self.kv_format = kv_format_for(config.kv_cache_dtype, model.dtype)
+        self.block_size = config.cache.block_size
+        self.kv_format = kv_format_for(config.cache.kv_cache_dtype, model.dtype)
         self.bytes_per_token = model.kv_bytes_per_token(self.kv_format)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         # On CUDA block tables are padded to one fixed width (graphs need it; eager steps match it)
@@ -190,7 +191,7 @@ class ModelRunner:
                               "--kv-cache-memory-gb / --gpu-memory-utilization") from None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_error: str | None = None
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and not config.kernels.enforce_eager:
             self._capture_graphs()
 
     # ------------------------------------------------------------------ sizing
@@ -202,21 +203,21 @@ class ModelRunner:
     def _kv_floor_bytes(self) -> int:
         """KV bytes an auto-sized expert cache leaves room for: the explicit KV size when given,
         else min(max_num_seqs, 4) sequences of max_model_len tokens."""
-        cfg, per_block = self.config, self.bytes_per_token * self.block_size
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks * per_block
-        if cfg.kv_cache_memory_gb is not None:
-            return int(cfg.kv_cache_memory_gb * (1 << 30))
-        return min(cfg.max_num_seqs, 4) * self.max_blocks_per_seq * per_block
+        cache, per_block = self.config.cache, self.bytes_per_token * self.block_size
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks * per_block
+        if cache.kv_cache_memory_gb is not None:
+            return int(cache.kv_cache_memory_gb * (1 << 30))
+        return min(self.config.scheduler.max_num_seqs, 4) * self.max_blocks_per_seq * per_block
 
     def _plan_num_blocks(self) -> tuple[int, str]:
         """(blocks, what sized them: the flag check_kv_size names)."""
         cfg = self.config
         per_block = self.bytes_per_token * self.block_size
-        if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gb is not None:
+        if cfg.cache.num_kv_blocks is not None or cfg.cache.kv_cache_memory_gb is not None:
             return _explicit_blocks(cfg, self.bytes_per_token)
         if self.device.type != "cuda":
-            want = cfg.max_num_seqs * self.max_blocks_per_seq
+            want = cfg.scheduler.max_num_seqs * self.max_blocks_per_seq
             return max(1, min(want, CPU_DEFAULT_KV_BYTES // per_block)), "cpu_default"
         return self._profile_cuda_blocks(per_block), "gpu_budget"
 
@@ -227,7 +228,7 @@ class ModelRunner:
         dev = self.device
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
         scratch = self.model.new_kv_cache(blocks, self.block_size, self.kv_format, dev)
         batch = AttentionBatch.build(block_tables=[list(range(blocks))], context_lens=[0], query_lens=[n],
@@ -242,7 +243,7 @@ class ModelRunner:
         del scratch, hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        budget = total * self.config.gpu_memory_utilization - (total - free) - activation
+        budget = total * self.config.cache.gpu_memory_utilization - (total - free) - activation
         if budget < per_block:
             raise ConfigError(f"no GPU memory left for the KV cache (total {total / 2**30:.1f} GiB, in use "
                               f"{(total - free) / 2**30:.1f} GiB, activations {activation / 2**30:.1f} GiB); raise "
@@ -316,7 +317,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        dev, mx = self.device, self.config.max_num_seqs
+        dev, mx = self.device, self.config.scheduler.max_num_seqs
         self._static = {
             "input_ids": torch.zeros(mx, dtype=torch.long, device=dev),
             "positions": torch.zeros(mx, dtype=torch.long, device=dev),
