@@ -785,9 +785,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="no checks, decode at 32K only (batch 1 / 32, bf16 / fp8), prefill 8K bf16: "
                          "the short GPU call")
     ap.add_argument("--small-kernel-pdl", action=argparse.BooleanOptionalAction, default=True,
-                    help="the kernels launched as the engine launches them, EngineConfig.small_kernel_pdl (default "
-                         "on: under programmatic dependent launch, so the GQA decode also prefetches its first "
-                         "steps before the PDL wait; --no-small-kernel-pdl for the A/B)")
+                    help="the kernels launched as the engine launches them, EngineConfig.kernels.small_kernel_pdl "
+                         "(default on: under programmatic dependent launch, so the GQA decode also prefetches its "
+                         "first steps before the PDL wait; --no-small-kernel-pdl for the A/B)")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("attention_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)

@@ -30,7 +30,7 @@ from moet.kernels.kv_cache import GQALayerKV, MLALayerKV
 DEFAULT_SPLIT_TOKENS = 64
 
 # GQA decode with the split merge in the split kernel (attention_triton fused_merge): set once per
-# process by the CUDA model runner from EngineConfig.attention_fused_merge, so fixed for a model
+# process by the CUDA model runner from EngineConfig.kernels.attention_fused_merge, so fixed for a model
 # like the split partition (it may move the last bits)
 _gqa_fused_merge = False
 

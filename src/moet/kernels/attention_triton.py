@@ -19,7 +19,7 @@ min(max_splits, table width / split) -- no host sync, one launch shape for CUDA 
 past a sequence's last split write nothing and the merge reads only its used splits. So the
 partials stay bounded (B * heads * max_splits) with a table padded to max_model_len, and a
 sequence's output does not depend on the table's width or on the rest of the batch.
-  Under PDL (EngineConfig.small_kernel_pdl) each split program first reads its length and block
+  Under PDL (EngineConfig.kernels.small_kernel_pdl) each split program first reads its length and block
   table and prefetches its first step's K / V rows into L2, then waits for the kernel before
   (_gqa_prefetch): the first step's chain of dependent DRAM reads, a visible part of a batch-1
   long-context call (docs/kernels.md, attention), overlaps that kernel; only where the grid fits
@@ -801,8 +801,9 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     last bits and must be fixed per model (the table never varies it by batch size).
     fused_merge: no merge launch; the last program of each (sequence, kv head) merges its heads'
     splits in the merge kernel's order (the same bits under the interpreter; compiled, another
-    kernel's arithmetic may contract differently). Off in the engine (EngineConfig.attention_fused_merge):
-    slower on the H200 at every batch (docs/kernels.md, attention).
+    kernel's arithmetic may contract differently). Off in the engine
+    (EngineConfig.kernels.attention_fused_merge): slower on the H200 at every batch (docs/kernels.md,
+    attention).
     swap_ab: the tile's update transposed (tokens as the MMAs' M, so Hopper can use wgmma with the
     K / V tiles read from shared memory); the same math, other bits (fixed per model, like num_warps).
     fp8_words: an fp8 cache read as int32 words of 4 e4m3 bytes, the dots split by byte slot

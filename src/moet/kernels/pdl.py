@@ -10,7 +10,7 @@ idle time; docs/kernels.md, PDL). Under PDL a kernel launched with
 writes are visible. `pdl_enter` does both first thing, so a kernel never touches memory before its
 predecessor is complete (and, transitively, everything before that): the same results, the launch
 and ramp-up overlapped. The grouped MoE kernels take their PDL from their launch table
-(MoEConfig.pdl); these small kernels from EngineConfig.small_kernel_pdl, set once per process
+(MoEConfig.pdl); these small kernels from EngineConfig.kernels.small_kernel_pdl, set once per process
 by the model runner (a launch option, like the Triton cache: not per engine) through
 pdl_flag.py, which needs no Triton.
 """

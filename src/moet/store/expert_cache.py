@@ -363,7 +363,7 @@ class ExpertCache:
 
 
 def cache_slots(expert_cache_slots: int | None, expert_cache_gb: float | None, row_bytes: int, total_rows: int) -> int | None:
-    """Slots for EngineConfig.expert_cache_slots / expert_cache_gb (None: neither is set; the
+    """Slots for EngineConfig.store.expert_cache_slots / expert_cache_gb (None: neither is set; the
     engine decides from free device memory after weights and KV)."""
     if expert_cache_slots is not None:
         return min(expert_cache_slots, total_rows)

@@ -61,7 +61,7 @@ class ExpertSlots:
     # Called with the routed ids [T, k] before the experts run, in eager passes: makes those experts
     # resident so the pass cannot miss (store/demand.py's LayerDemand). None: no demand fetch.
     demand_fetch: Callable[[torch.Tensor], None] | None = None
-    # A second CUDA stream for the shared experts (EngineConfig.overlap_shared_experts), or None: at
+    # A second CUDA stream for the shared experts (EngineConfig.kernels.overlap_shared_experts), or None: at
     # decode the routed and the shared experts are each a few small GEMVs that leave the GPU half
     # idle while they ramp up and drain; on two streams they overlap (SGLang's dual-stream MoE).
     # One stream for every layer (the layers run one after another).

@@ -193,7 +193,7 @@ def available_host_bytes() -> int:
 
 
 def arena_slots(host_arena_gb: float | None, stride: int, total_rows: int) -> int:
-    """Slots for EngineConfig.host_arena_gb: that many GiB, or unset: the whole pack if it fits
+    """Slots for EngineConfig.store.host_arena_gb: that many GiB, or unset: the whole pack if it fits
     in half the available host memory, else that half."""
     budget = available_host_bytes() // 2 if host_arena_gb is None else int(host_arena_gb * 2**30)
     return max(0, min(total_rows, budget // stride))

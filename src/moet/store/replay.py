@@ -2,7 +2,7 @@
 resident step (SPEC 2.3).
 
     out, res = run_with_replay(lambda: model.forward_paged(ids, batch, kv), cache,
-                               miss_tolerance=config.miss_tolerance, scan=batch_is_prefill)
+                               miss_tolerance=config.store.miss_tolerance, scan=batch_is_prefill)
 
 A pass runs the step; missed (token, expert) pairs contribute zero and are counted per layer.
 If none missed, the pass is the step. Otherwise the missing rows are fetched and:
