@@ -5,6 +5,7 @@
     EngineConfig.cache       CacheConfig: GPU memory, the paged KV cache, prefix caching          (cache.py)
     EngineConfig.scheduler   SchedulerConfig: sequence length, batch limits, chunked prefill      (scheduler.py)
     EngineConfig.store       StoreConfig: the expert store (pack -> host arena -> GPU cache)       (store.py)
+    EngineConfig.gate        GateConfig: the FP4 repair tier and the confidence gate              (gate.py)
     EngineConfig.kernels     KernelConfig: CUDA graphs, streams, kernel launches                  (kernels.py)
 
 Each knob is a dataclass field of one sub-config, declared with its metadata (moet.config.knobs):
@@ -37,6 +38,7 @@ from moet.config.flags import (
     metavar,
     refuse_switch_values,
 )
+from moet.config.gate import GateConfig
 from moet.config.kernels import KernelConfig
 from moet.config.load import DTYPES, EXPERT_FORMATS, W2_SCALE_RULES, W2_ZERO_MODES, LoadConfig
 from moet.config.scheduler import SchedulerConfig
@@ -44,6 +46,7 @@ from moet.config.store import EXPERT_CACHE_POLICIES, EXPERT_DECODE_MODES, PACK_V
 
 __all__ = [
     "CacheConfig", "DTYPES", "EXPERT_CACHE_POLICIES", "EXPERT_DECODE_MODES", "EXPERT_FORMATS", "EngineConfig",
+    "GateConfig",
     "GROUPS", "GROUP_MODEL", "GROUP_SERVER", "HELP_ALL", "HelpFormatter", "KV_CACHE_DTYPES", "KernelConfig",
     "LoadConfig", "PACK_VERIFY_MODES", "SECTIONS", "SchedulerConfig", "StoreConfig", "W2_SCALE_RULES",
     "W2_ZERO_MODES", "add_cli_arguments", "add_field_argument", "add_help_all", "argument_group", "default_text",

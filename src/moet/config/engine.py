@@ -1,4 +1,4 @@
-"""EngineConfig: the checkpoint (`model`) and the five sub-configs that hold every other knob.
+"""EngineConfig: the checkpoint (`model`) and the six sub-configs that hold every other knob.
 
     EngineConfig(model=path, max_num_seqs=8, expert_format="fp4")                 # flat keywords
     EngineConfig(model=path, cache=CacheConfig(block_size=32), max_num_seqs=8)   # sub-configs, or both
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields, replace
 
 from moet.config.cache import CacheConfig
+from moet.config.gate import GateConfig
 from moet.config.kernels import KernelConfig
 from moet.config.knobs import Section
 from moet.config.load import LoadConfig
@@ -31,6 +32,7 @@ SECTIONS: dict[str, type[Section]] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "store": StoreConfig,
+    "gate": GateConfig,
     "kernels": KernelConfig,
 }
 # Each knob's sub-config (a knob name is unique across them: checked at import below).
@@ -53,16 +55,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __init__(self, model: str, *, load: LoadConfig | Mapping | None = None,
                  cache: CacheConfig | Mapping | None = None, scheduler: SchedulerConfig | Mapping | None = None,
-                 store: StoreConfig | Mapping | None = None, kernels: KernelConfig | Mapping | None = None,
-                 **knobs) -> None:
+                 store: StoreConfig | Mapping | None = None, gate: GateConfig | Mapping | None = None,
+                 kernels: KernelConfig | Mapping | None = None, **knobs) -> None:
         unknown = [k for k in knobs if k not in KNOB_SECTION]
         if unknown:
             raise ConfigError(unknown_knobs_message(unknown))
-        given = {"load": load, "cache": cache, "scheduler": scheduler, "store": store, "kernels": kernels}
+        given = {"load": load, "cache": cache, "scheduler": scheduler, "store": store, "gate": gate,
+                 "kernels": kernels}
         self.model = model
         for name, cls in SECTIONS.items():
             flat = {k: v for k, v in knobs.items() if KNOB_SECTION[k] == name}

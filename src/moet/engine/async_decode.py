@@ -106,7 +106,8 @@ class AsyncDecode:
             self.resolve(touched)
 
     def eligible_step(self, sched: SchedulerOutput) -> bool:
-        if self.engine.residency is not None or sched.preempted or not sched.scheduled:
+        # the confidence gate reads each step's logits on the host before it samples
+        if self.engine.residency is not None or self.engine.gate is not None or sched.preempted or not sched.scheduled:
             return False
         return all(s.num_new_tokens == 1 and s.samples and eligible_seq(s.seq) for s in sched.scheduled)
 

@@ -154,6 +154,23 @@ class BlockManager:
                 self.block_hash[b] = h
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
+    def unregister_rewritten(self, seq: Sequence, first: int, last: int) -> int:
+        """seq's positions first..last were computed again (the confidence gate's repair,
+        engine/confidence_gate.py) into blocks it holds alone: drop those blocks from the prefix
+        cache index, which promises KV as a fresh computation of their tokens writes it.
+        -> blocks dropped."""
+        n = 0
+        for i in range(first // self.block_size, last // self.block_size + 1):
+            b = seq.block_table[i]
+            assert self.ref_count[b] == 1, (b, seq)
+            h = self.block_hash[b]
+            if h is not None:
+                if self.hash_to_block.get(h) == b:
+                    del self.hash_to_block[h]
+                self.block_hash[b] = None
+                n += 1
+        return n
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); only when no block is held,
         so that the next identical request recomputes exactly as the first time. False if

@@ -37,6 +37,7 @@ import torch
 from moet.config import EngineConfig
 from moet.engine.async_decode import AsyncDecode
 from moet.engine.block_manager import BlockManager
+from moet.engine.confidence_gate import ConfidenceGate, GateCounters
 from moet.engine.detokenizer import IncrementalDetokenizer
 from moet.engine.gc_pauses import install_gc_pauses, server_starting
 from moet.engine.model_runner import ModelRunner
@@ -143,6 +144,9 @@ class LLMEngine:
         self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.cache.block_size)
         self._token_str_cache: dict[int, str] = {}
         self._failed_now: dict[str, Request] = {}       # requests failed in the running step
+        # the confidence gate (engine/confidence_gate.py): where the model holds the FP4 repair tier
+        self.gate = (ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach)
+                     if config.gate.fp4_gate and model.has_repair_tier() else None)
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
         self._async = AsyncDecode(self) if sch.async_scheduling else None
         # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
@@ -205,6 +209,8 @@ class LLMEngine:
         st.prompt_tokens_total = st.generation_tokens_total = st.num_steps = st.last_step_num_tokens = 0
         self.scheduler.num_preemptions = 0
         st.last_step_time_s = 0.0
+        if self.gate is not None:
+            self.gate.counters = GateCounters()
         log.info("compile warm-up: %d requests (prefills of 1-%d tokens, 2-%d concurrent) in %.1f s", n_req,
                  sizes[-1] if sizes else 0, seqs[-1] if seqs else 1, time.perf_counter() - t0)
         return n_req
@@ -237,6 +243,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         from moet.checkpoint import open_checkpoint
         from moet.checkpoint.spec import resolve_max_model_len
+        from moet.engine.confidence_gate import repair_tier_plan
         from moet.engine.expert_residency import ExpertResidency, store_reason
         from moet.engine.model_runner import check_kv_request
         from moet.model import load_model
@@ -249,9 +256,12 @@ class LLMEngine:
                                               config.scheduler.allow_long_max_model_len, f"{ckpt.path}/config.json")
         check_kv_request(config, ckpt.spec, max_model_len, dtype, device)
         reason = store_reason(config, ckpt, device, dtype)
+        repair, why = repair_tier_plan(config, ckpt, device, dtype, reason)
+        log.info("FP4 repair tier and confidence gate %s: %s", "on" if repair else "off", why)
         model = load_model(ckpt, expert_format=config.load.expert_format, dtype=dtype, device=device,
                            zero_mode=config.load.w2_zero_mode, scale_rule=config.load.w2_scale_rule,
-                           load_mtp=config.load.load_mtp, progress=True, routed_experts=reason is None)
+                           load_mtp=config.load.load_mtp, progress=True, routed_experts=reason is None,
+                           repair_tier=repair)
         residency = None
         if reason is not None:
             log.info("routed experts through the expert store: %s", reason)
@@ -456,6 +466,8 @@ class LLMEngine:
         self._stats.prompt_tokens_total += prompt_tokens
         if not sampling:
             return
+        if self.gate is not None:                    # unsure rows: their tokens from repaired logits
+            logits = self.gate.apply(sampling, logits)
         seqs = [s.seq for s in sampling]
         # every row stays in the sample (a failed sequence's too): the other rows' tokens do not
         # depend on it, and the batch is the one the forward computed
@@ -618,6 +630,8 @@ class LLMEngine:
             st.extra["async_sync_resolves"] = float(self._async.num_sync_resolves)
         if self.residency is not None:
             st.extra.update(self.residency.stats())
+        if self.gate is not None:
+            st.extra.update(self.gate.stats(st.generation_tokens_total))
         return EngineStats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(st).items()})
 
     def generate_all(self, requests: list[tuple[str, Any, SamplingParams]], progress=None) -> dict[str, RequestOutput]:

@@ -294,6 +294,13 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
+    def repair_forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """forward with the FP4 repair tier (engine/confidence_gate.py), always eager: the captured
+        decode graphs compute with the primary tier."""
+        with self.model.repair_tier():
+            return self.model.forward_paged(input_ids, batch, self.kv)
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 

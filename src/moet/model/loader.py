@@ -24,7 +24,7 @@ from moet.model.layers.moe import MoE
 from moet.model.model import CausalLM
 from moet.quant.decode import decode
 from moet.quant.requantize import check_all_arrived, convert_into, new_pool
-from moet.store.expert_slots import ExpertSlots
+from moet.store.expert_slots import REPAIR_FORMAT, ExpertSlots
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -37,20 +37,27 @@ def default_weight_loader(param: torch.nn.Parameter, fmt: str, parts: dict[str, 
     param.data.copy_(value)
 
 
-def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device) -> None:
-    """Every expert resident: slot = expert id (the block's ExpertSlots, store/expert_slots.py)."""
-    pool = new_pool(moe.spec, expert_format, moe.spec.router.num_experts, dtype, device)
-    moe.experts = ExpertSlots.resident(expert_format, pool, device)
+def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device, repair: bool = False) -> None:
+    """Every expert resident: slot = expert id (the block's ExpertSlots, store/expert_slots.py);
+    repair: an FP4 repair tier of every expert beside it (slot = expert id too)."""
+    n = moe.spec.router.num_experts
+    moe.experts = ExpertSlots.resident(expert_format, new_pool(moe.spec, expert_format, n, dtype, device), device)
+    if repair:
+        moe.experts.add_repair_tier(new_pool(moe.spec, REPAIR_FORMAT, n, dtype, device),
+                                    torch.arange(n, dtype=torch.int32, device=device))
 
 
 def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
                 w2_opts: dict, where: str) -> None:
-    """Convert one projection of one expert into its rows of the layer's pool (slot = expert).
-    w2_opts: keyword arguments of moet.formats.w2.quantize (zero_mode, scale_rule)."""
+    """Convert one projection of one expert into its rows of the layer's pool (slot = expert), and
+    of the repair tier's pool when the layer has one. w2_opts: keyword arguments of
+    moet.formats.w2.quantize (zero_mode, scale_rule)."""
     spec = moe.spec
     if not 0 <= expert < spec.router.num_experts:
         raise CheckpointError(f"{where}: expert {expert} is out of range (config says {spec.router.num_experts} experts)")
     convert_into(moe.experts.pool, expert, spec, proj, fmt, parts, w2_opts, where)
+    if moe.experts.repair_pool is not None:
+        convert_into(moe.experts.repair_pool, expert, spec, proj, fmt, parts, w2_opts, where)
 
 
 def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
@@ -63,8 +70,10 @@ def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
 
 def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_mode: str = "auto",
                  scale_rule: str = "published", device: torch.device | str = "cpu", progress: bool = False,
-                 keep_fp8: bool | None = None, routed_experts: bool = True) -> None:
+                 keep_fp8: bool | None = None, routed_experts: bool = True, repair_tier: bool = False) -> None:
     """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr.
+    repair_tier: every MoE block also gets the FP4 repair tier (ExpertSlots.add_repair_tier), filled
+    from the same tensors: the checkpoint's NVFP4 bytes unchanged, other formats quantized to NVFP4.
     keep_fp8: FP8 block-128 dense weights stay e4m3 (model/fp8_dense.py); None = where the
     device can run the FP8 kernel. routed_experts=False skips routed-expert tensors and leaves
     the MoE blocks without a pool: the store (moet.store: pack -> arena -> device cache) provides them."""
@@ -73,7 +82,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
         fp8_dense.use_fp8_linears(model, fp8_dense.fp8_linear_names(ckpt))
     moes = [m for m in model.modules() if isinstance(m, MoE)] if routed_experts else []
     for moe in moes:
-        allocate_pool(moe, expert_format, model.dtype, device)
+        allocate_pool(moe, expert_format, model.dtype, device, repair=repair_tier)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     experts_loaded: dict[int, set[tuple[int, str]]] = {id(m): set() for m in moes}
@@ -87,7 +96,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
 
     shard_bytes = reader.shard_bytes()
     bar = tqdm(total=sum(shard_bytes.values()), unit="B", unit_scale=True, unit_divisor=1024,
-               desc=f"loading ({expert_format} experts)", disable=not progress, leave=False)
+               desc=f"loading ({expert_format}{' + fp4' if repair_tier and moes else ''} experts)", disable=not progress, leave=False)
     by_shard: dict[str, list[str]] = {sh: [] for sh in reader.shards}
     for n, info in reader.tensors.items():
         by_shard[info.file].append(n)

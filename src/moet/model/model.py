@@ -11,6 +11,8 @@ They are loaded and kept for speculative decoding; `mtp_forward` runs one.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -169,21 +171,45 @@ class CausalLM(nn.Module):
                 m.pack_for_cpu()
         slots = [m.experts for m in self.modules() if isinstance(m, MoE) and m.experts.pool is not None]
         exact_bytes = 4 * 3 * self.spec.hidden_size * self.spec.moe_intermediate_size      # per slot
-        plan = []
+        plan = []       # (ExpertSlots, its attribute to set, the pool, bytes of the CPU layout)
         for e in slots:
-            n = cpu_pool_bytes(e.pool, self.dtype)
-            if n == 0 and not isinstance(e.pool, DensePool):
-                n = exact_bytes * e.pool.num_slots
-            plan.append((e, n))
-        need = sum(n for _, n in plan)
+            for attr, pool in (("cpu_pool", e.pool), ("repair_cpu_pool", e.repair_pool)):
+                if pool is None:
+                    continue
+                n = cpu_pool_bytes(pool, self.dtype)
+                if n == 0 and not isinstance(pool, DensePool):
+                    n = exact_bytes * pool.num_slots
+                plan.append((e, attr, pool, n))
+        need = sum(n for *_, n in plan)
         if need == 0 or need > expert_bytes:
             return 0
-        for e, n in plan:
-            if n:
-                e.cpu_pool = cpu_pool(e.pool, self.dtype)
-            if e.cpu_pool is None and not isinstance(e.pool, DensePool):
-                e.cpu_pool = decoded_pool(e.pool)
+        for e, attr, pool, n in plan:
+            layout = cpu_pool(pool, self.dtype) if n else None
+            if layout is None and not isinstance(pool, DensePool):
+                layout = decoded_pool(pool)
+            setattr(e, attr, layout)
         return need
+
+    # ------------------------------------------------------------------ the FP4 repair tier
+
+    def has_repair_tier(self) -> bool:
+        """Every MoE block holds the FP4 repair tier (ExpertSlots.repair_slot_table)."""
+        blocks = list(self.moe_blocks().values())
+        return bool(blocks) and all(m.experts.repair_slot_table is not None for m in blocks)
+
+    @contextlib.contextmanager
+    def repair_tier(self):
+        """Forwards inside compute the routed experts with the FP4 repair tier (the confidence
+        gate's repair pass, engine/confidence_gate.py); eager only: a captured graph keeps the tier
+        it was captured with."""
+        blocks = list(self.moe_blocks().values())
+        for m in blocks:
+            m.experts.repairing = True
+        try:
+            yield
+        finally:
+            for m in blocks:
+                m.experts.repairing = False
 
     # ------------------------------------------------------------------ caches
 

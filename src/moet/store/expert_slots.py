@@ -23,8 +23,13 @@ keep their storage for the engine's life (the cache rewrites the table in place,
 the counters in place), so nothing here may be reallocated once graphs are captured, and wrapping
 a tensor in an ExpertSlots never copies it.
 
-Adding a tier (the FP4 repair tier) is one more entry of `pools`; how a layer computes over two
-pools goes in `pool` / `compute_pool`, which assume one pool per layer today.
+The FP4 repair tier (EngineConfig.gate, engine/confidence_gate.py) is one more entry of `pools`
+with its own slot table, `repair_slot_table`: a forward computes with the primary tier (`primary`,
+the pool `slot_table` indexes) unless `repairing` is set, which only the confidence gate's repair
+pass does (CausalLM.repair_tier), always eagerly: captured decode graphs read the primary tier.
+Every expert has an FP4 row (model/loader.py fills both pools); a pool of part of the experts, with
+W2 rows standing in for the absent ones, is not built yet, so `add_repair_tier` refuses a table
+with holes.
 """
 from __future__ import annotations
 
@@ -32,6 +37,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+# The repair tier's format tag (the pack's and the pools' name for NVFP4 rows).
+REPAIR_FORMAT = "fp4"
 
 
 @dataclass(eq=False)
@@ -66,6 +74,16 @@ class ExpertSlots:
     # idle while they ramp up and drain; on two streams they overlap (SGLang's dual-stream MoE).
     # One stream for every layer (the layers run one after another).
     shared_stream: torch.cuda.Stream | None = None
+    # The format tag of the pool `slot_table` indexes ("w2", ...): set by `resident`; "" for a
+    # single-pool ExpertSlots built elsewhere (the store's), whose one pool is the primary.
+    primary: str = ""
+    # The FP4 repair tier: int32 [num_experts], each expert's slot in pools[REPAIR_FORMAT]; None
+    # without the tier. Set by `add_repair_tier` (model/loader.py), once, before the weights load.
+    repair_slot_table: torch.Tensor | None = None
+    # The repair pool laid out for CPU GEMVs, as `cpu_pool` is for the primary (CausalLM.prepare_cpu).
+    repair_cpu_pool: object | None = None
+    # True only inside CausalLM.repair_tier: the layer computes with the repair tier.
+    repairing: bool = False
 
     @classmethod
     def absent(cls, num_experts: int) -> "ExpertSlots":
@@ -76,16 +94,44 @@ class ExpertSlots:
     def resident(cls, fmt: str, pool, device: torch.device | str) -> "ExpertSlots":
         """Every expert resident in `pool` (format tag `fmt`), slot = expert id."""
         return cls(torch.arange(pool.num_slots, dtype=torch.int32, device=device),
-                   torch.zeros(1, dtype=torch.int64, device=device), pools={fmt: pool})
+                   torch.zeros(1, dtype=torch.int64, device=device), pools={fmt: pool}, primary=fmt)
+
+    def add_repair_tier(self, pool, slot_table: torch.Tensor) -> None:
+        """The FP4 repair tier: `pool` (an FP4Pool) and each expert's slot in it."""
+        if self.repair_slot_table is not None:
+            raise RuntimeError("this MoE layer already has a repair tier")
+        if REPAIR_FORMAT in self.pools:
+            raise RuntimeError(f"the repair tier's format {REPAIR_FORMAT} is already this layer's primary format")
+        if bool((slot_table < 0).any()):
+            raise ValueError("a repair tier must hold an FP4 row of every expert (partial pools are not built yet)")
+        self.pools[REPAIR_FORMAT] = pool
+        self.repair_slot_table = slot_table
 
     @property
     def pool(self):
         """The pool the slot table indexes (None while there is none)."""
+        if self.primary:
+            return self.pools[self.primary]
         if len(self.pools) > 1:
-            raise RuntimeError(f"a MoE layer has pools {sorted(self.pools)} but computes with one: the layer's rule "
-                               "for several tiers belongs here")
+            raise RuntimeError(f"a MoE layer has pools {sorted(self.pools)} and no primary tier")
         return next(iter(self.pools.values()), None)
 
+    @property
+    def repair_pool(self):
+        """The FP4 repair tier's pool, or None without the tier."""
+        return self.pools.get(REPAIR_FORMAT) if self.repair_slot_table is not None else None
+
+    def tier(self):
+        """(slot table, pool) the layer computes with now: the repair tier's inside a repair pass,
+        else the primary's; the pool in its CPU layout when there is one."""
+        if self.repairing:
+            if self.repair_slot_table is None:
+                raise RuntimeError("a repair pass reached a MoE layer without a repair tier")
+            pool = self.repair_cpu_pool if self.repair_cpu_pool is not None else self.repair_pool
+            return self.repair_slot_table, pool
+        return self.slot_table, self.compute_pool()
+
     def compute_pool(self):
-        """What the layer hands the MoE kernels: the CPU layout when there is one, else `pool`."""
+        """The primary tier's pool as the layer hands it to the MoE kernels: the CPU layout when
+        there is one, else `pool`."""
         return self.cpu_pool if self.cpu_pool is not None else self.pool

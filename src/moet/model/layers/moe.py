@@ -70,9 +70,10 @@ class MoE(nn.Module):
         if e.route_counts is not None:     # integer adds: exact in any order (graph-capturable)
             flat = ids.reshape(-1)
             e.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=e.route_counts.dtype))
-        # Triton grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
-        return moe_experts(x, ids, weights, e.slot_table, e.compute_pool(), e.miss_counter,
-                           swiglu_limit=self.spec.swiglu_limit)
+        # the primary tier, or the FP4 repair tier inside a repair pass (ExpertSlots.tier); Triton
+        # grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
+        slot_table, pool = e.tier()
+        return moe_experts(x, ids, weights, slot_table, pool, e.miss_counter, swiglu_limit=self.spec.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, shared = self.forward_parts(x)

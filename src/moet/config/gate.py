@@ -1,0 +1,76 @@
+"""GateConfig: the FP4 repair tier and the confidence gate (engine/confidence_gate.py). W2 experts
+compute every step; an FP4 copy of the routed experts repairs the steps where the model is unsure,
+by recomputing the sequence's recent positions with FP4 experts (their KV included) and taking the
+token from the repaired logits. `EngineConfig.gate`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moet.config.knobs import Section, knob
+from moet.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GateConfig(Section):
+    title: ClassVar[str] = "FP4 repair tier and confidence gate (W2 size, FP4 answers)"
+    about: ClassVar[str] = ("With W2 experts, an FP4 copy of the routed experts repairs the decode steps whose "
+                            "confidence is low (docs/quality.md has the measured trade-off). From Python: "
+                            "`EngineConfig.gate` (`GateConfig`).")
+
+    fp4_gate: bool = knob(
+        True, "repair unsure W2 steps with FP4 experts", common=True,
+        doc="On (the default) with --expert-format w2 and every expert on the device: an FP4 pool of the routed "
+            "experts is loaded beside the W2 one, and a decode step whose top token probability is below "
+            "--gate-tau is recomputed with FP4 experts over its last --gate-reach positions (their KV "
+            "rewritten), the token taken from the repaired logits. Bare W2 answers fluently and wrongly far "
+            "more often (docs/quality.md). It is off, with one log line saying why, where it does not apply: "
+            "fp4 or bf16 experts (nothing to repair), the expert store (the FP4 tier does not travel through "
+            "the pack file yet), or an FP4 pool that does not fit under --fp4-pool-gb auto. --no-fp4-gate "
+            "serves bare W2.")
+    gate_tau: float = knob(
+        0.99, "repair a step whose top probability is below this", metavar="P",
+        doc="The confidence threshold, in [0, 1]: a step fires when the W2 logits' largest softmax probability "
+            "(at temperature 1, whatever the request samples with) is below it. Higher fires more often and "
+            "repairs more; 0 never fires, 1 always does. docs/quality.md shows accuracy against fire rate.")
+    gate_reach: int = knob(
+        32, "positions a repair recomputes before the fired one", metavar="N",
+        doc="A repair recomputes the fired position and up to N generated positions before it with FP4 experts "
+            "and rewrites their KV: a wrong step comes from KV that drifted over the tokens the model wrote "
+            "itself, so repairing the fired token alone does not recover multi-step answers (arithmetic). The "
+            "prompt's KV stays W2. 0 repairs the fired position only.")
+    fp4_pool_gb: str = knob(
+        "auto", "memory for the FP4 repair pool in GiB (auto, 0 = off)", metavar="GIB",
+        doc="auto: the FP4 copy of every routed expert when it fits in what the weights leave free, keeping "
+            "room for the KV cache; otherwise the gate is off. A number: the pool must hold every routed "
+            "expert's FP4 rows within it (a pool of part of the experts, promoted by heat, is not built yet): "
+            "a smaller size is refused. 0 turns the tier off, like --no-fp4-gate.")
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.gate_tau, (int, float)) or isinstance(self.gate_tau, bool) \
+                or not 0.0 <= self.gate_tau <= 1.0:
+            raise ConfigError(f"gate_tau={self.gate_tau!r} must be a probability in [0, 1] (--gate-tau)")
+        if not isinstance(self.gate_reach, int) or isinstance(self.gate_reach, bool) or self.gate_reach < 0:
+            raise ConfigError(f"gate_reach={self.gate_reach!r} must be an integer >= 0 (--gate-reach)")
+        self.fp4_pool_bytes        # parses fp4_pool_gb
+
+    @property
+    def fp4_pool_bytes(self) -> int | None:
+        """fp4_pool_gb in bytes; None for auto."""
+        text = str(self.fp4_pool_gb).strip().lower()
+        if text == "auto":
+            return None
+        try:
+            gb = float(text)
+        except ValueError:
+            gb = -1.0
+        if not gb >= 0 or gb == float("inf"):
+            raise ConfigError(f"fp4_pool_gb={self.fp4_pool_gb!r} must be auto, 0 (off) or a size in GiB "
+                              "(--fp4-pool-gb)")
+        return int(gb * (1 << 30))
+
+    @property
+    def wants_tier(self) -> bool:
+        """The gate is asked for: on, and a pool size other than 0."""
+        return self.fp4_gate and self.fp4_pool_bytes != 0

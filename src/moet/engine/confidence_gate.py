@@ -1,0 +1,181 @@
+"""The confidence gate: W2 experts compute every step; the steps where the model is unsure are
+recomputed with the FP4 repair tier (EngineConfig.gate, ExpertSlots' repair tier).
+
+After a step's forward with W2 experts, each sampling row's confidence is the largest softmax
+probability of its logits (temperature 1). Rows below `gate_tau` fire. A fired sequence's last
+position q and up to `gate_reach` positions before it (never before the last prompt position, whose
+logits give the first generated token) run again in one eager varlen pass over the paged KV cache
+with the FP4 tier: the pass rewrites those positions' KV and yields repaired logits for q, which
+replace the W2 row before sampling. Every fired sequence of the step shares that one pass.
+
+Why reach back, and why the prompt stays W2 (../shared/notes/gate-feasibility.md, moet-tiny): a
+wrong W2 step comes mostly from KV that drifted over the tokens the model wrote itself, so FP4
+logits over W2 KV recover almost nothing on multi-step answers, while repairing the fired step and
+the ~32 generated positions before it recovers nearly all; a W2 prefill costs nothing measurable.
+Max probability is the signal because it is what the measured curves were made with and needs no
+calibration; a step that fires also pays for the positions it reaches back over, which the rows
+counter reports.
+
+KV blocks: a repair writes only blocks its sequence holds alone. A block shared through the prefix
+cache (ref_count > 1) ends the reach-back at its end; a block of the sequence's own that the prefix
+cache registered is dropped from the cache index when rewritten, so the cache never hands out KV
+other than what a fresh W2 computation of its tokens would write.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from moet.config import EngineConfig
+from moet.errors import ConfigError
+from moet.model.attention_batch import AttentionBatch
+
+log = logging.getLogger("moet.engine")
+
+
+def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype,
+                     store_reason: str | None) -> tuple[bool, str]:
+    """(load the FP4 repair tier?, why, for the log), decided before any weight is read. Explicit
+    requests that cannot be met (a --fp4-pool-gb too small for every expert's FP4 rows, or more
+    than the device has) are a ConfigError naming the flag."""
+    from moet.engine.expert_residency import FIT_FRACTION, estimated_weight_bytes
+    from moet.store.pack_builder import pack_layers
+
+    gate = config.gate
+    if not gate.fp4_gate:
+        return False, "--no-fp4-gate"
+    explicit = gate.fp4_pool_bytes
+    if explicit == 0:
+        return False, "--fp4-pool-gb 0"
+    if not pack_layers(ckpt.spec):
+        return False, "the model has no routed experts"
+    fmt = config.load.expert_format
+    if fmt != "w2":
+        return False, f"expert_format={fmt}: the experts are not W2, nothing to repair"
+    if store_reason is not None:
+        if explicit is not None:
+            raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb}: the FP4 repair tier does not run with the expert "
+                              f"store yet (on because {store_reason}); use --fp4-pool-gb auto or 0")
+        return False, f"the FP4 repair tier does not run with the expert store yet ({store_reason})"
+    dense, w2_bytes = estimated_weight_bytes(ckpt, "w2", dtype)
+    fp4_bytes = estimated_weight_bytes(ckpt, "fp4", dtype)[1]
+    need = f"{fp4_bytes / 2**30:.3g} GiB"
+    if explicit is not None and explicit < fp4_bytes:
+        raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb} is less than the {need} the FP4 copy of every routed "
+                          f"expert needs (a pool of part of the experts is not built yet); raise it to at least "
+                          f"{fp4_bytes / 2**30:.3g}, or set it to 0 / auto")
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.cache.gpu_memory_utilization - (total - free)
+        room = FIT_FRACTION * budget - dense - w2_bytes
+        where = f"the GPU budget ({budget / 2**30:.1f} GiB, {FIT_FRACTION:.0%} of it for weights)"
+    else:
+        from moet.store.host_arena import available_host_bytes
+        room = available_host_bytes() // 2 - dense - w2_bytes
+        where = "half of the host's available memory"
+    if fp4_bytes > room:
+        why = f"the FP4 pool ({need}) does not fit beside the weights in {where}"
+        if explicit is not None:
+            raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb}: {why}; use --fp4-pool-gb 0 or free memory")
+        return False, why
+    return True, f"FP4 pool {need} beside the W2 experts"
+
+
+@dataclass
+class GateCounters:
+    """Totals since the engine started (EngineStats.extra, /metrics)."""
+    rows_checked: int = 0        # sampling rows whose confidence was tested
+    fires: int = 0               # rows below tau
+    repaired: int = 0            # fired rows whose token came from repaired logits
+    recomputed_rows: int = 0     # token rows the repair passes computed with FP4 experts
+    kv_blocks_unregistered: int = 0
+
+
+class ConfidenceGate:
+    def __init__(self, runner, block_manager, tau: float, reach: int):
+        self.runner = runner
+        self.block_manager = block_manager
+        self.tau = float(tau)
+        self.reach = int(reach)
+        self.counters = GateCounters()
+
+    def confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """Largest softmax probability of each row (float32, temperature 1)."""
+        x = logits.float()
+        return torch.exp(x.max(dim=-1).values - torch.logsumexp(x, dim=-1))
+
+    @torch.inference_mode()
+    def apply(self, sampling: list, logits: torch.Tensor) -> torch.Tensor:
+        """sampling: the step's ScheduledSeqs that sample, in `logits` row order (their forward has
+        run and written their KV). -> the logits to sample from: fired rows replaced by repaired
+        ones (a new tensor when any fired, else `logits` itself)."""
+        c = self.counters
+        c.rows_checked += len(sampling)
+        if self.tau <= 0.0 or not sampling:
+            return logits
+        fired = (self.confidence(logits) < self.tau).nonzero().flatten().tolist()
+        if not fired:
+            return logits
+        c.fires += len(fired)
+        plan = []                       # (row, sequence, first position, last position)
+        for row in fired:
+            s = sampling[row]
+            seq = s.seq
+            if seq.is_finished:                        # failed earlier in this step: its blocks are freed
+                continue
+            last = seq.num_tokens - 1                  # a sampling row computed the sequence's last token
+            first = max(seq.num_prompt_tokens - 1, last - self.reach, 0)
+            first = self._writable_from(seq, first, last)
+            if first is not None:
+                plan.append((row, seq, first, last))
+        if not plan:
+            return logits
+        plan.sort(key=lambda p: p[3] - p[2] != 0)      # one-row sequences first (AttentionBatch's decode rows)
+        ids: list[int] = []
+        for _, seq, first, last in plan:
+            ids.extend(seq.token_ids[first:last + 1])
+        batch = AttentionBatch.build(block_tables=[seq.block_table for _, seq, _, _ in plan],
+                                     context_lens=[first for _, _, first, _ in plan],
+                                     query_lens=[last - first + 1 for _, _, first, last in plan],
+                                     block_size=self.block_manager.block_size, device=self.runner.device,
+                                     pad_blocks_to=self.runner.table_width)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.runner.device)
+        hidden = self.runner.repair_forward(input_ids, batch)
+        repaired = self.runner.logits(hidden[batch.logits_indices])
+        out = logits.clone()
+        rows = torch.tensor([row for row, *_ in plan], dtype=torch.long, device=logits.device)
+        out[rows] = repaired.to(out.dtype)
+        c.repaired += len(plan)
+        c.recomputed_rows += len(ids)
+        for _, seq, first, last in plan:
+            c.kv_blocks_unregistered += self.block_manager.unregister_rewritten(seq, first, last)
+        return out
+
+    def _writable_from(self, seq, first: int, last: int) -> int | None:
+        """The first position >= `first` from which the sequence's blocks up to `last` are its own
+        (not shared through the prefix cache); None when `last` itself sits in a shared block."""
+        bs = self.block_manager.block_size
+        ref = self.block_manager.ref_count
+        for i in range(last // bs, first // bs - 1, -1):
+            if ref[seq.block_table[i]] > 1:
+                start = (i + 1) * bs
+                return start if start <= last else None
+        return first
+
+    def stats(self, generated_tokens: int) -> dict[str, float]:
+        c = self.counters
+        return {
+            "fp4_gate_rows_checked": float(c.rows_checked),
+            "fp4_gate_fires": float(c.fires),
+            "fp4_gate_fire_rate": c.fires / c.rows_checked if c.rows_checked else 0.0,
+            "fp4_gate_repaired": float(c.repaired),
+            "fp4_gate_recomputed_rows": float(c.recomputed_rows),
+            "fp4_gate_recomputed_rows_per_token": c.recomputed_rows / generated_tokens if generated_tokens else 0.0,
+            # every routed expert has an FP4 row (no partial pool yet): a repair never falls back to W2
+            "fp4_pool_hit_rate": 1.0 if c.repaired else 0.0,
+            "fp4_gate_kv_blocks_unregistered": float(c.kv_blocks_unregistered),
+            "fp4_gate_tau": self.tau,
+            "fp4_gate_reach": float(self.reach),
+        }
