@@ -11,7 +11,7 @@ from moet.errors import ConfigError
 SCENARIO_CHOICES = ("decode", "prefill", "residency", "serve", "all")
 # this command's own flags: every other dest of its parser is an EngineConfig field
 OWN = {"scenario", "model_flag", "shape", "batch", "tokens", "decode_tokens", "prompt_len", "gpu_budget_gb",
-       "residency_batch", "requests", "concurrency", "peer", "budget_s", "out", "func", "command", "bench_engine"}
+       "residency_batch", "requests", "concurrency", "peer", "budget_s", "out", "func", "command", "bench_engine", "gate_fire"}
 
 
 def add_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -51,6 +51,11 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--requests", type=int, default=64, metavar="N", help="serve: requests per phase (default: 64)")
     g.add_argument("--concurrency", type=int, default=16, metavar="N",
                    help="serve: concurrent streams (default: 16)")
+    g.add_argument("--gate-fire", default=None, metavar="R,R",
+                   help="decode: time the FP4 confidence gate forced to fire on these shares of steps (e.g. "
+                        "0,0.1,0.3,1), beside bare W2 in the same run; with W2 experts. Without it a --shape "
+                        "runs bare W2 (random weights' confidence means nothing) and a checkpoint runs as "
+                        "configured")
     g.add_argument("--peer", choices=("transformers",), default=None,
                    help="also time transformers' generate() on the same shape / weights in this run: the "
                         "peer ratio (moet tok/s / peer tok/s) for decode and prefill")
@@ -72,6 +77,16 @@ def int_list(text: str, flag: str, lo: int = 1) -> list[int]:
         vals = []
     if not vals or any(v < lo for v in vals):
         raise ConfigError(f"{flag} {text!r}: give comma-separated whole numbers >= {lo}, e.g. 1,8,32")
+    return sorted(dict.fromkeys(vals))
+
+
+def fire_list(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
+        raise ConfigError(f"--gate-fire {text!r}: give comma-separated shares in [0, 1], e.g. 0,0.1,0.3,1")
     return sorted(dict.fromkeys(vals))
 
 
@@ -109,13 +124,16 @@ def settings(args):
     defaults = args.bench_parser_defaults
     engine_kw = {d: getattr(args, d) for d in args.bench_engine
                  if d != "device" and getattr(args, d) != defaults.get(d)}
+    gate_fire = fire_list(args.gate_fire) if args.gate_fire is not None else []
+    if gate_fire and (getattr(args, "expert_format", "w2") != "w2" or getattr(args, "fp4_gate", True) is False):
+        raise ConfigError("--gate-fire times the FP4 gate over W2 experts: drop --expert-format / --no-fp4-gate")
     s = Settings(scenarios=scenarios, device=resolve_device(args.device), shape=args.shape,
                  model=args.model_flag or args.model, engine_kw=engine_kw,
                  batches=int_list(args.batch, "--batch"), tokens=int_list(args.tokens, "--tokens", 16),
                  decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, peer=args.peer,
                  budget=Budget(args.budget_s), gpu_budgets=budget_list(args.gpu_budget_gb),
                  residency_batches=int_list(args.residency_batch, "--residency-batch"),
-                 requests=args.requests, concurrency=args.concurrency)
+                 requests=args.requests, concurrency=args.concurrency, gate_fire=gate_fire)
     out = out_dir(args.out)
     s.report = Report(out, s.device, {k: v for k, v in vars(args).items()
                                       if k not in ("func", "bench_engine", "bench_parser_defaults")})

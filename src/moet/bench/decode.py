@@ -133,13 +133,46 @@ def check_correctness(eng, model, device, vocab: int) -> dict:
 
 
 def correctness_first(t: Target, s: Settings, scenario: str) -> bool:
-    """The check above, recorded; False when the engine is not even deterministic (time nothing)."""
-    c = check_correctness(t.engine, t.model, t.device, t.vocab)
+    """The check above, recorded; False when the engine is not even deterministic (time nothing).
+    With the gate timed (--gate-fire) the check runs on bare W2 (the reference loop has no gate),
+    then six greedy runs with the gate forced to fire on 30% of steps must be bit-identical too."""
+    eng = t.engine
+    gate, eng.gate = eng.gate, (None if s.gate_fire else eng.gate)
+    try:
+        c = check_correctness(eng, t.model, t.device, t.vocab)
+    finally:
+        eng.gate = gate
+    if s.gate_fire and gate is not None:
+        c["gate_six_runs_bit_identical"] = gate_determinism(eng, t.vocab, 0.3)
+        c["ok"] = c["ok"] and c["gate_six_runs_bit_identical"]
     s.report.note(scenario, "correctness", c)
     print(f"[{scenario}] correctness: {'ok' if c['ok'] else 'FAILED'} (six runs identical: "
-          f"{c['six_runs_bit_identical']}, reference within noise: {c['reference_agreement_within_noise']})",
-          flush=True)
-    return bool(c["six_runs_bit_identical"])
+          f"{c['six_runs_bit_identical']}, reference within noise: {c['reference_agreement_within_noise']}"
+          + (f", gated six runs identical: {c['gate_six_runs_bit_identical']}" if "gate_six_runs_bit_identical" in c
+             else "") + ")", flush=True)
+    return bool(c["six_runs_bit_identical"]) and c.get("gate_six_runs_bit_identical", True)
+
+
+def gate_determinism(eng, vocab: int, rate: float) -> bool:
+    """Six identical greedy runs with the gate forced to fire on `rate` of the steps: token ids and
+    logprobs bit for bit (repairs in batches of mixed lengths, KV rewritten)."""
+    from moet.sampling_params import SamplingParams
+
+    longest = min(300, eng.max_model_len - 48)
+    ps = [p[:n] for p, n in zip(prompts(4, longest, vocab, 2), (17, 64, 129, longest))]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
+    eng.gate.forced_fire_rate = rate
+    try:
+        runs = []
+        for _ in range(6):
+            done = eng.generate_all([(f"g{i}", p, sp) for i, p in enumerate(ps)])
+            eng.reset_prefix_cache()
+            runs.append([(done[f"g{i}"].outputs[0].token_ids,
+                          [{t: v.logprob for t, v in d.items()} for d in done[f"g{i}"].outputs[0].logprobs])
+                         for i in range(len(ps))])
+    finally:
+        eng.gate.forced_fire_rate = None
+    return all(r == runs[0] for r in runs[1:])
 
 
 def config_text(t: Target, s: Settings, **what) -> str:
@@ -148,34 +181,68 @@ def config_text(t: Target, s: Settings, **what) -> str:
 
 
 def run_decode(t: Target, s: Settings, roof: dict | None) -> None:
-    from moet.bench.roofline import decode_step_bytes
-    from moet.sampling_params import SamplingParams
-
     eng, report = t.engine, s.report
+    gate = eng.gate
+    # (gate setting, forced fire rate): the engine as configured, or with --gate-fire bare W2 (no
+    # gate) and the gate at each forced rate, in one run
+    variants = [("bare", None)] + [("gate", r) for r in s.gate_fire] if s.gate_fire and gate is not None \
+        else [("as configured", None)]
     for b in s.batches:
         if not s.budget.ok(30):
             report.note("decode", f"skipped batch {b}", "time budget (--budget-s) spent")
             print(f"[decode] budget: batch {b} skipped", flush=True)
             continue
-        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        timed_run(eng, [(f"w{b}-{i}", p, warm) for i, p in enumerate(prompts(b, s.prompt_len, t.vocab, 500 + b))],
-                  t.device)
-        eng.reset_prefix_cache()
-        sp = SamplingParams(temperature=0.0, max_tokens=s.decode_tokens, ignore_eos=True)
-        ps = prompts(b, s.prompt_len, t.vocab, 100 + b)
-        res = timed_run(eng, [(f"d{b}-{i}", p, sp) for i, p in enumerate(ps)], t.device, min_running=b)
-        eng.reset_prefix_cache()
-        if b == 1:
-            s.greedy = {"prompt": ps[0], "ids": res["token_ids"]["d1-0"]}
-        tok_s = res["decode_tok_s"]
-        need = decode_step_bytes(t.model, eng.runner.bytes_per_token, s.prompt_len + s.decode_tokens // 2, b)
-        gb_s = need * tok_s / b / 1e9 if need and tok_s else None
-        report.add({"scenario": "decode", "shape": t.label, "system": "moet", "batch": b,
-                    "config": config_text(t, s, batch=b, prompt=s.prompt_len, new=s.decode_tokens),
-                    "tok_s": tok_s, "gb_s": gb_s,
-                    "pct_roofline": 100 * gb_s / roof["GBps"] if gb_s and roof else None,
-                    "notes": f"TTFT {res['ttft_s_mean'] * 1e3:.0f} ms",
-                    "details": {k: v for k, v in res.items() if k != "token_ids"} | {"bytes_per_step": need}})
+        for kind, rate in variants:
+            if kind != "as configured":
+                eng.gate = gate if kind == "gate" else None
+                gate.forced_fire_rate = rate
+            try:
+                _decode_row(t, s, roof, b, kind, rate)
+            finally:
+                eng.gate = gate
+                if gate is not None:
+                    gate.forced_fire_rate = None
+
+
+def _decode_row(t: Target, s: Settings, roof: dict | None, b: int, kind: str, rate: float | None) -> None:
+    from moet.bench.roofline import decode_step_bytes
+    from moet.engine.confidence_gate import GateCounters
+    from moet.sampling_params import SamplingParams
+
+    eng, report = t.engine, s.report
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    timed_run(eng, [(f"w{b}-{i}", p, warm) for i, p in enumerate(prompts(b, s.prompt_len, t.vocab, 500 + b))],
+              t.device)
+    eng.reset_prefix_cache()
+    if eng.gate is not None:
+        eng.gate.counters = GateCounters()
+    sp = SamplingParams(temperature=0.0, max_tokens=s.decode_tokens, ignore_eos=True)
+    ps = prompts(b, s.prompt_len, t.vocab, 100 + b)
+    res = timed_run(eng, [(f"d{b}-{i}", p, sp) for i, p in enumerate(ps)], t.device, min_running=b)
+    eng.reset_prefix_cache()
+    if b == 1 and kind != "gate":
+        s.greedy = {"prompt": ps[0], "ids": res["token_ids"]["d1-0"]}
+    tok_s = res["decode_tok_s"]
+    need = decode_step_bytes(t.model, eng.runner.bytes_per_token, s.prompt_len + s.decode_tokens // 2, b)
+    gb_s = need * tok_s / b / 1e9 if need and tok_s else None
+    what = {"batch": b, "prompt": s.prompt_len, "new": s.decode_tokens}
+    notes = f"TTFT {res['ttft_s_mean'] * 1e3:.0f} ms"
+    details = {k: v for k, v in res.items() if k != "token_ids"} | {"bytes_per_step": need}
+    if eng.gate is not None:
+        c = eng.gate.counters
+        fire = c.fires / c.rows_checked if c.rows_checked else 0.0
+        rows = c.recomputed_rows / max(1, res["generated"])
+        what = {"gate": f"fire {100 * fire:.0f}%" + (" (forced)" if rate is not None else ""), **what}
+        notes += f"; FP4 rows/token {rows:.2f}, reach {eng.gate.reach}"
+        details |= {"gate_fire_rate": fire, "gate_forced_fire_rate": rate, "gate_rows_per_token": rows,
+                    "gate_reach": eng.gate.reach}
+    elif kind == "bare":
+        what = {"gate": "off (bare W2)", **what}
+    report.add({"scenario": "decode", "shape": t.label, "system": "moet", "batch": b,
+                "config": config_text(t, s, **what),
+                "tok_s": tok_s, "gb_s": gb_s,
+                "pct_roofline": 100 * gb_s / roof["GBps"] if gb_s and roof else None,
+                "notes": notes, "details": details})
 
 
 def run_prefill(t: Target, s: Settings) -> None:

@@ -59,9 +59,10 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 @torch.no_grad()
 def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, repair_tier: bool = False):
     """moet's CausalLM of `cfg`'s shape, every tensor made on `device` (no host copy of the
-    weights ever exists), every expert resident in `expert_format`."""
+    weights ever exists), every expert resident in `expert_format`; repair_tier: an FP4 repair
+    tier of every expert beside it (random FP4 rows, not a copy of the W2 ones: the bench times it)."""
     from moet.checkpoint.spec import spec_from_config
     from moet.model.layers.moe import MoE
     from moet.model.loader import allocate_pool
@@ -90,26 +91,32 @@ def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", see
     # weights of rms ~0.02 like the dense ones; the down projection 2^-log2(sqrt(2L)) lower.
     # Codes are random bytes and scales never zero: no kernel can skip work on them.
     shift = round(math.log2(depth))
-    u8 = dict(dtype=torch.uint8, device=device, generator=gen)
     for mod in model.modules():
         if isinstance(mod, MoE):
-            allocate_pool(mod, expert_format, dtype, device)
-            pool = mod.experts.pool
-            for f in pool.__slots__:
-                t = getattr(pool, f, None)
-                if not isinstance(t, torch.Tensor):
-                    continue
-                if t.dtype == torch.uint8 and "scale" not in f:
-                    t.copy_(torch.randint(0, 256, t.shape, **u8))              # codes
-                elif t.dtype == torch.uint8:
-                    lo = 117 - (shift if f.startswith("down") else 0)
-                    t.copy_(torch.randint(lo, lo + 5, t.shape, **u8))
-                elif t.dtype == torch.float8_e4m3fn:                            # NVFP4 block scales
-                    t.copy_(torch.empty(t.shape, device=device).uniform_(0.5, 2.0, generator=gen).to(t.dtype))
-                elif "scale_2" in f:        # NVFP4 global scales: e2m1 values have rms ~3, so rms ~0.02
-                    t.fill_(0.007 / (depth if f.startswith("down") else 1.0))
-                else:
-                    t.normal_(0.0, 0.02 / (depth if f.startswith("down") else 1.0), generator=gen)
+            allocate_pool(mod, expert_format, dtype, device, repair=repair_tier)
+            for pool in (mod.experts.pool, mod.experts.repair_pool):
+                if pool is not None:
+                    _fill_random(pool, gen, shift, depth, device)
             if mod.gate.e_score_correction_bias is not None:
                 mod.gate.e_score_correction_bias.zero_()
     return model.eval()
+
+
+def _fill_random(pool, gen, shift: int, depth: float, device) -> None:
+    """Random bytes / values for every field of a W2, FP4 or dense pool (see random_model)."""
+    u8 = dict(dtype=torch.uint8, device=device, generator=gen)
+    for f in pool.__slots__:
+        t = getattr(pool, f, None)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype == torch.uint8 and "scale" not in f:
+            t.copy_(torch.randint(0, 256, t.shape, **u8))              # codes
+        elif t.dtype == torch.uint8:
+            lo = 117 - (shift if f.startswith("down") else 0)
+            t.copy_(torch.randint(lo, lo + 5, t.shape, **u8))
+        elif t.dtype == torch.float8_e4m3fn:                            # NVFP4 block scales
+            t.copy_(torch.empty(t.shape, device=device).uniform_(0.5, 2.0, generator=gen).to(t.dtype))
+        elif "scale_2" in f:        # NVFP4 global scales: e2m1 values have rms ~3, so rms ~0.02
+            t.fill_(0.007 / (depth if f.startswith("down") else 1.0))
+        else:
+            t.normal_(0.0, 0.02 / (depth if f.startswith("down") else 1.0), generator=gen)

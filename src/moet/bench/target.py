@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ class Settings:
     concurrency: int
     report: object = None             # moet.bench.report.Report
     greedy: dict = field(default_factory=dict)   # moet's batch-1 greedy ids, for the peer's comparison
+    gate_fire: list[float] = field(default_factory=list)   # decode: forced gate fire rates (--gate-fire)
 
 
 @dataclass
@@ -114,8 +115,13 @@ def open_target(s: Settings, max_model_len: int, max_num_seqs: int, max_num_batc
         ec = engine_config(s, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, model=f"random:{cfg['model_type']}")
         dtype = torch.bfloat16 if ec.load.dtype == "auto" else getattr(torch, ec.load.dtype)   # a shape's torch_dtype
+        # the FP4 repair tier only when the gate is timed (--gate-fire): on random weights the
+        # confidence means nothing, so the gate would fire on every step
+        repair = bool(s.gate_fire) and ec.load.expert_format == "w2"
+        if not repair:
+            ec = replace(ec, gate=replace(ec.gate, fp4_gate=False))
         try:
-            model = random_model(cfg, s.device, ec.load.expert_format, dtype=dtype)
+            model = random_model(cfg, s.device, ec.load.expert_format, dtype=dtype, repair_tier=repair)
             sync(s.device)
             eng = LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, s.device, ec.scheduler.max_model_len)
         except torch.cuda.OutOfMemoryError as exc:

@@ -24,6 +24,7 @@ other than what a fresh W2 computation of its tokens would write.
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,13 @@ def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: to
     return True, f"FP4 pool {need} beside the W2 experts"
 
 
+def forced_draw(seq, position: int) -> float:
+    """A fixed number in [0, 1) per (request id, completion index, position), the same in every run
+    and process: CRC-32 of the id, then Knuth's multiplicative hash."""
+    key = zlib.crc32(seq.request_id.encode()) + 7919 * seq.index
+    return ((key * 1_000_003 + position) * 2_654_435_761 % 2**32) / 2**32
+
+
 @dataclass
 class GateCounters:
     """Totals since the engine started (EngineStats.extra, /metrics)."""
@@ -100,6 +108,11 @@ class ConfidenceGate:
         self.tau = float(tau)
         self.reach = int(reach)
         self.counters = GateCounters()
+        # `moet bench decode --gate-fire`: fire this share of rows whatever their confidence (a
+        # fixed pseudo-random choice per sequence and position, the same in every run), to time the
+        # gate at chosen fire rates on weights whose confidence means nothing (random shapes).
+        # None: the confidence decides.
+        self.forced_fire_rate: float | None = None
 
     def confidence(self, logits: torch.Tensor) -> torch.Tensor:
         """Largest softmax probability of each row (float32, temperature 1)."""
@@ -115,7 +128,11 @@ class ConfidenceGate:
         c.rows_checked += len(sampling)
         if self.tau <= 0.0 or not sampling:
             return logits
-        fired = (self.confidence(logits) < self.tau).nonzero().flatten().tolist()
+        if self.forced_fire_rate is not None:
+            fired = [row for row, s in enumerate(sampling) if forced_draw(s.seq, s.seq.num_tokens) <
+                     self.forced_fire_rate]
+        else:
+            fired = (self.confidence(logits) < self.tau).nonzero().flatten().tolist()
         if not fired:
             return logits
         c.fires += len(fired)

@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+# The gate thresholds `--experts w2+gate` runs by default: the measured curve's range
+DEFAULT_TAUS = (0.9, 0.99, 0.999)
+
 
 def add_subcommand(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -21,9 +24,18 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
                     "float32 on CPU, bfloat16 on CUDA.")
     p.add_argument("checkpoint", nargs="?", default=None,
                    help="checkpoint directory or Hugging Face repo id (default: the shipped moet-tiny)")
-    p.add_argument("--experts", action="append", choices=["bf16", "nvfp4", "fp4", "w2", "all"],
-                   help="expert format (fp4 = nvfp4, the engine's name); repeat for several, 'all' for every "
+    p.add_argument("--experts", action="append", choices=["bf16", "nvfp4", "fp4", "w2", "w2+gate", "all"],
+                   help="expert format (fp4 = nvfp4, the engine's name); w2+gate: W2 experts with the FP4 repair "
+                        "tier and the confidence gate, once per --gate-tau; repeat for several, 'all' for every "
                         "one (default: nvfp4)")
+    p.add_argument("--gate-tau", action="append", type=float, metavar="P",
+                   help=f"the gate's thresholds for w2+gate, repeatable (default: {' '.join(map(str, DEFAULT_TAUS))})")
+    p.add_argument("--gate-reach", type=int, default=None, metavar="N",
+                   help="positions a repair recomputes before the fired one (default: the engine's)")
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="also write the quality table (one row per format / tau) as markdown")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also plot arithmetic and facts accuracy against the gate's fire rate (needs matplotlib)")
     p.add_argument("--expert-activations", default="bf16", choices=["bf16", "e4m3"],
                    help="what the routed experts' matmuls read: bf16 = the model's dtype, unquantized "
                         "(default); e4m3 = the PTX W2 kernel's float8 activations (hidden state per "
@@ -61,13 +73,23 @@ def _device(text: str | None) -> str:
     return text
 
 
-def formats(requested: list[str] | None) -> list[str]:
-    """--experts values -> the formats to run, in order, bf16 first when present (the others'
-    code probes compare with it)."""
+def formats(requested: list[str] | None, taus: list[float] | None = None) -> list[str]:
+    """--experts values -> the variants to run, in order, bf16 first when present (the others'
+    code probes compare with it); w2+gate becomes one w2+gate@TAU per tau."""
+    from moet.errors import ConfigError
+    from moet.probe.engine import gate_variant
+
+    taus = taus or list(DEFAULT_TAUS)
+    bad = [t for t in taus if not 0.0 <= t <= 1.0]
+    if bad:
+        raise ConfigError(f"--gate-tau {bad[0]}: a threshold is a probability in [0, 1]")
     fmts = list(dict.fromkeys("nvfp4" if f == "fp4" else f for f in (requested or ["nvfp4"])))
     if "all" in fmts:
-        fmts = ["bf16", "nvfp4", "w2"]
-    return sorted(fmts, key=lambda f: f != "bf16")
+        fmts = ["bf16", "nvfp4", "w2", "w2+gate"]
+    out = []
+    for f in fmts:
+        out += [gate_variant(t) for t in taus] if f == "w2+gate" else [f]
+    return sorted(dict.fromkeys(out), key=lambda f: f != "bf16")
 
 
 def run(args) -> int:
@@ -79,14 +101,22 @@ def run(args) -> int:
     from moet.probe.run import count_tasks, run_all
 
     ckpt = Path(resolve_checkpoint(args.checkpoint)) if args.checkpoint else default_checkpoint()
-    fmts = formats(args.experts)
+    fmts = formats(args.experts, args.gate_tau)
     device = _device(args.device)
-    if args.json_out and not Path(args.json_out).parent.is_dir():
+    for flag, path in (("--json", args.json_out), ("--markdown", args.markdown), ("--plot", args.plot)):
+        if path and not Path(path).absolute().parent.is_dir():
+            from moet.errors import ConfigError
+            raise ConfigError(f"{flag} {path}: its directory does not exist")
+    if args.gate_reach is not None and args.gate_reach < 0:
         from moet.errors import ConfigError
-        raise ConfigError(f"--json {args.json_out}: its directory does not exist")
+        raise ConfigError(f"--gate-reach {args.gate_reach}: must be >= 0")
+    if args.expert_activations != "bf16" and any(f.startswith("w2+gate") for f in fmts):
+        from moet.errors import ConfigError
+        raise ConfigError("--expert-activations e4m3 runs transformers' forward, which has no confidence gate; "
+                          "drop w2+gate or --expert-activations")
     only = tuple(args.only) if args.only else None
     open_model = _transformers_opener(ckpt, device, args.expert_activations) \
-        if args.expert_activations != "bf16" else _engine_opener(ckpt, device)
+        if args.expert_activations != "bf16" else _engine_opener(ckpt, device, args.gate_reach)
     comparison = FormatComparison("bf16")
     results = {"checkpoint": str(ckpt), "expert_activations": args.expert_activations, "formats": {}}
     bar = None
@@ -108,12 +138,19 @@ def run(args) -> int:
             bar.close()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
+    if args.markdown or args.plot:
+        from moet.probe.report import markdown_table, plot_tradeoff
+        if args.markdown:
+            Path(args.markdown).write_text(markdown_table(results))
+        if args.plot:
+            plot_tradeoff(results, args.plot)
     return 0
 
 
-def _engine_opener(ckpt: Path, device: str):
+def _engine_opener(ckpt: Path, device: str, gate_reach: int | None):
     from moet.probe.engine import open_engine
-    return lambda fmt: open_engine(ckpt, fmt, device)
+    extra = {} if gate_reach is None else {"gate_reach": gate_reach}
+    return lambda fmt: open_engine(ckpt, fmt, device, **(extra if fmt.startswith("w2+gate") else {}))
 
 
 def _transformers_opener(ckpt: Path, device: str, activations: str):

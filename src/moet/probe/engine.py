@@ -1,6 +1,6 @@
 """The probes' model: moet's own engine (`moet.LLM`) with the routed experts in one format.
 
-    m = open_engine(ckpt, "w2", "cpu")        # bf16 | nvfp4 (the engine's fp4) | w2
+    m = open_engine(ckpt, "w2", "cpu")        # bf16 | nvfp4 (the engine's fp4) | w2 | w2+gate@0.99
     run_all(m, "quick")
 
 Every probe generates and scores through the engine, on its paged KV cache and scheduler:
@@ -31,6 +31,28 @@ from moet.probe.distributions import CodeScores, concat
 # probe format name -> the engine's expert_format (the probe keeps its names: results, model
 # card and the training recipe's summaries say "nvfp4")
 ENGINE_FORMATS = {"bf16": "bf16", "nvfp4": "fp4", "w2": "w2"}
+# W2 experts with the FP4 repair tier and the confidence gate at one tau: "w2+gate@0.99"
+GATE_PREFIX = "w2+gate@"
+
+
+def gate_variant(tau: float) -> str:
+    return f"{GATE_PREFIX}{tau:g}"
+
+
+def variant_options(experts: str) -> dict:
+    """A probe variant's LLM keywords: the expert format and the gate (off unless the variant names
+    it, so "w2" is bare W2 whatever the engine's default)."""
+    if experts.startswith(GATE_PREFIX):
+        text = experts[len(GATE_PREFIX):]
+        try:
+            tau = float(text)
+        except ValueError:
+            raise ConfigError(f"{experts}: the gate's tau {text!r} is not a number") from None
+        return {"expert_format": "w2", "fp4_gate": True, "gate_tau": tau}
+    if experts not in ENGINE_FORMATS:
+        raise ConfigError(f"unknown expert format {experts!r}; use one of {', '.join(ENGINE_FORMATS)} or "
+                          f"{GATE_PREFIX}TAU")
+    return {"expert_format": ENGINE_FORMATS[experts], "fp4_gate": False}
 
 
 def _no_tick(n: int) -> None:
@@ -41,7 +63,7 @@ def _no_tick(n: int) -> None:
 class EngineModel:
     llm: object                  # moet.LLM
     tokenizer: object
-    experts: str                 # bf16 | nvfp4 | w2
+    experts: str                 # bf16 | nvfp4 | w2 | w2+gate@TAU
     device: torch.device
     dtype: torch.dtype
     activations: str = "bf16"    # the engine's routed experts read the model's activations, unquantized
@@ -49,6 +71,16 @@ class EngineModel:
 
     def close(self) -> None:
         self.llm.close()
+
+    def gate_snapshot(self) -> dict | None:
+        """The confidence gate's counters and the generated tokens so far (None: no gate); the
+        probes report the difference over each probe."""
+        engine = self.llm.engine
+        if getattr(engine, "gate", None) is None:
+            return None
+        c = engine.gate.counters
+        return {"rows_checked": c.rows_checked, "fires": c.fires, "recomputed_rows": c.recomputed_rows,
+                "generated_tokens": engine.stats().generation_tokens_total}
 
     def _chunks(self, n: int, batch: int):
         step = max(1, batch)
@@ -120,15 +152,14 @@ def _from_prompt_logprobs(ids: list[int], plps, k: int) -> CodeScores:
 
 
 def open_engine(ckpt: Path | str, experts: str = "nvfp4", device: str = "cpu", **engine_options) -> EngineModel:
-    """moet.LLM on `ckpt` with the routed experts in `experts` (bf16 | nvfp4 | w2); float32
-    activations on CPU, bfloat16 on CUDA. `engine_options`: further LLM keywords."""
+    """moet.LLM on `ckpt` with the routed experts in `experts` (bf16 | nvfp4 | w2 | w2+gate@TAU);
+    float32 activations on CPU, bfloat16 on CUDA. `engine_options`: further LLM keywords."""
     from moet.llm import LLM
 
-    if experts not in ENGINE_FORMATS:
-        raise ConfigError(f"unknown expert format {experts!r}; use one of {', '.join(ENGINE_FORMATS)}")
+    options = {**variant_options(experts), **engine_options}
     dev = torch.device(device)
     dtype = "float32" if dev.type == "cpu" else "bfloat16"
-    llm = LLM(str(ckpt), expert_format=ENGINE_FORMATS[experts], device=str(dev), dtype=dtype, **engine_options)
+    llm = LLM(str(ckpt), device=str(dev), dtype=dtype, **options)
     if llm.tokenizer is None:
         llm.close()
         raise ConfigError(f"{ckpt}: no tokenizer files; the probes render chat prompts with the checkpoint's tokenizer")

@@ -217,6 +217,21 @@ TASKS = {"code": lambda tok, b: _code_ids(tok, b)[1],
          "tools": lambda tok, b: len(tools.eval_cases(b.tools))}
 
 
+def _gate_snapshot(m: ProbeModel) -> dict | None:
+    snap = getattr(m, "gate_snapshot", None)
+    return snap() if snap is not None else None
+
+
+def gate_rates(before: dict, after: dict) -> dict:
+    """The confidence gate over one probe: the share of sampled steps that fired and the FP4 token
+    rows recomputed per generated token (both 0 for teacher-forced scoring, which samples nothing
+    the gate sees: prompt rows are prefill)."""
+    d = {k: after[k] - before[k] for k in before}
+    return {"gate_fire_rate": round(d["fires"] / d["rows_checked"], 4) if d["rows_checked"] else 0.0,
+            "gate_rows_per_token": round(d["recomputed_rows"] / d["generated_tokens"], 3)
+            if d["generated_tokens"] else 0.0}
+
+
 def count_tasks(tokenizer, budget: str | Budget = "full", only: tuple[str, ...] | None = None) -> int:
     """How many tasks run_all's probes tick off for one model (the total of a progress bar)."""
     b = BUDGETS[budget] if isinstance(budget, str) else budget
@@ -241,8 +256,11 @@ def run_all(m: ProbeModel, budget: str | Budget = "full", only: tuple[str, ...] 
         if progress is not None:
             progress.set_postfix_str(name)
         tick = _no_tick if progress is None else progress.update
+        before = _gate_snapshot(m)
         out[name] = fn(m, b, tick, comparison) if name == "code" else fn(m, b, tick)
         out[name]["seconds"] = round(time.time() - t, 1)
+        if before is not None:
+            out[name].update(gate_rates(before, _gate_snapshot(m)))
         if log:
             log({"probe": name, "experts": m.experts, "expert_activations": m.activations, "backend": m.backend,
                  **{k: v for k, v in out[name].items() if not k.startswith(("examples", "by_length_depth"))}})

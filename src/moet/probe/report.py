@@ -1,0 +1,89 @@
+"""`moet probe`'s results as a markdown table (one row per expert format / gate threshold) and a
+plot of accuracy against the confidence gate's fire rate: the trade-off a user picks --gate-tau
+from. Input: the dict `moet probe --json` writes ({"formats": {variant: run_all's output}})."""
+from __future__ import annotations
+
+import math
+
+from moet.probe.engine import GATE_PREFIX
+
+# (column title, probe, key) of the table, in order
+COLUMNS = (
+    ("facts", "facts", "accuracy"),
+    ("arithmetic", "arithmetic", "accuracy"),
+    ("needle <= 2K", "needle", "pass_rate_upto_2048"),
+    ("right function", "tools", "call_right_function"),
+    ("code top-1 vs bf16", "code", "top1_vs_bf16"),
+    ("code KL vs bf16", "code", "kl_vs_bf16"),
+)
+# probes whose fire rate the table shows (generation probes: teacher-forced scoring never fires)
+FIRE_COLUMNS = ("facts", "arithmetic", "tools")
+
+
+def _cell(value, pct: bool) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{100 * value:.1f}%" if pct else f"{value:.4g}"
+
+
+def _label(variant: str) -> str:
+    return f"W2 + gate, tau {variant[len(GATE_PREFIX):]}" if variant.startswith(GATE_PREFIX) else \
+        {"bf16": "BF16", "nvfp4": "NVFP4 (FP4)", "w2": "W2"}.get(variant, variant)
+
+
+def markdown_table(results: dict) -> str:
+    """One row per variant: each probe's headline number and, for gated rows, the fire rate and
+    FP4 rows recomputed per generated token of the generation probes."""
+    fmts = results.get("formats", {})
+    shown = [c for c in COLUMNS if any(c[2] in (r.get(c[1]) or {}) for r in fmts.values())]
+    fires = [p for p in FIRE_COLUMNS if any("gate_fire_rate" in (r.get(p) or {}) for r in fmts.values())]
+    head = ["experts"] + [c[0] for c in shown] + [f"fire, {p}" for p in fires] + \
+        (["FP4 rows / token, arithmetic"] if "arithmetic" in fires else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, r in fmts.items():
+        row = [_label(variant)]
+        for _, probe, key in shown:
+            row.append(_cell((r.get(probe) or {}).get(key), not key.startswith("kl")))
+        for p in fires:
+            row.append(_cell((r.get(p) or {}).get("gate_fire_rate"), True))
+        if "arithmetic" in fires:
+            row.append(_cell((r.get("arithmetic") or {}).get("gate_rows_per_token"), False))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_tradeoff(results: dict, path: str) -> None:
+    """Accuracy against fire rate, one panel per generation probe that ran: the gated variants as a
+    curve labelled with their tau, bare W2 at fire 0 and NVFP4 at fire 1 as the two ends."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from moet.errors import ConfigError
+        raise ConfigError("--plot needs matplotlib: pip install 'moet[bench]'") from None
+    fmts = results.get("formats", {})
+    panels = [(p, k) for p, k in (("arithmetic", "accuracy"), ("facts", "accuracy"))
+              if any(k in (r.get(p) or {}) for r in fmts.values())]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.5 * max(1, len(panels)), 4), squeeze=False)
+    for ax, (probe, key) in zip(axes[0], panels):
+        pts = sorted((r[probe]["gate_fire_rate"], r[probe][key], v[len(GATE_PREFIX):])
+                     for v, r in fmts.items() if v.startswith(GATE_PREFIX) and key in (r.get(probe) or {}))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="W2 + gate")
+            for x, y, tau in pts:
+                ax.annotate(f"tau {tau}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
+        for v, style in (("w2", "s"), ("nvfp4", "^"), ("bf16", "D")):
+            r = fmts.get(v, {}).get(probe) or {}
+            if key in r:
+                ax.plot([0.0 if v == "w2" else 1.0], [r[key]], style, label=_label(v))
+        ax.set_xlabel("gate fire rate (share of decode steps repaired)")
+        ax.set_ylabel(f"{probe} {key}")
+        ax.set_xlim(-0.03, 1.03)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.set_title(probe)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
