@@ -1,4 +1,4 @@
-"""EngineConfig grouped into sub-configs (load, cache, scheduler, store, kernels) with the flat
+"""EngineConfig grouped into sub-configs (load, cache, scheduler, store, gate, kernels) with the flat
 keywords, reads and CLI flags kept: both ways of building a config give the same value, a flat read
 is the grouped one, an unknown keyword is one ConfigError naming the closest knob, and the config
 survives dataclasses.replace, asdict and pickling (EngineProcess hands it to a spawned child)."""
@@ -15,6 +15,7 @@ from moet.config import (
     SECTIONS,
     CacheConfig,
     EngineConfig,
+    GateConfig,
     KernelConfig,
     LoadConfig,
     SchedulerConfig,
@@ -38,6 +39,7 @@ OTHER = {
                   host_arena_gb=0.0, miss_tolerance=3, expert_demand_fetch=False, expert_decode_mode="auto",
                   expert_prefetch=False, pack_verify="full", rebuild_pack=True, o_direct=True,
                   expert_stats_interval_s=0.0),
+    "gate": dict(fp4_gate=False, gate_tau=0.9, gate_reach=8, fp4_pool_gb="12.5"),
     "kernels": dict(enforce_eager=True, overlap_shared_experts=False, compile_warmup=False,
                     attention_fused_merge=True, small_kernel_pdl=False),
 }
@@ -75,7 +77,8 @@ def test_flat_keywords_and_sub_configs_build_the_same_config():
     by_section = TOGETHER
     grouped = EngineConfig(model="m", load=LoadConfig(**by_section["load"]), cache=CacheConfig(**by_section["cache"]),
                            scheduler=SchedulerConfig(**by_section["scheduler"]),
-                           store=StoreConfig(**by_section["store"]), kernels=KernelConfig(**by_section["kernels"]))
+                           store=StoreConfig(**by_section["store"]), gate=GateConfig(**by_section["gate"]),
+                           kernels=KernelConfig(**by_section["kernels"]))
     assert flat == grouped
     assert EngineConfig(model="m", **by_section) == flat                       # dicts for the sub-configs
     for section, kv in TOGETHER.items():

@@ -126,11 +126,13 @@ def test_every_engine_config_field_is_an_llm_keyword(path, tmp_path):
                   pack_dir=str(tmp_path), expert_cache_slots=None, expert_cache_gb=1.0, expert_cache_policy="lru",
                   host_arena_gb=0.01, miss_tolerance=2, pack_verify="full", rebuild_pack=True, o_direct=False,
                   expert_prefetch=False, expert_demand_fetch=False, expert_decode_mode="graph",
-                  expert_stats_interval_s=0.0)
+                  expert_stats_interval_s=0.0,
+                  # fp4 experts: the gate has nothing to repair (it is off, whatever these say)
+                  fp4_gate=True, gate_tau=0.5, gate_reach=4, fp4_pool_gb="auto")
     assert set(kwargs) == set(fields) - {"model"}  # a new field must be added here too
     llm = LLM(path, **kwargs)
     assert llm.config == EngineConfig(model=path, **kwargs)
-    assert len(llm.model.mtp) == 0 and llm.max_model_len == 64
+    assert len(llm.model.mtp) == 0 and llm.max_model_len == 64 and llm.engine.gate is None
     assert llm.engine.runner.num_blocks == 20 and llm.engine.block_manager.block_size == 8
     res = llm.engine.residency
     assert res.pack.meta.tag == "fp4" and res.pack.built_layers == len(res.pack.meta.layers)   # rebuild_pack

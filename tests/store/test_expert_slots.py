@@ -65,7 +65,7 @@ def test_the_cache_hands_views_of_its_own_tensors(qwen40_pack):
     assert all(b.experts.demand_fetch is None for b in blocks.values())
 
 
-def test_absent_seam_misses_everything_and_a_second_pool_is_refused():
+def test_absent_seam_misses_everything_and_the_repair_tier_is_one_more_pool():
     e = ExpertSlots.absent(4)
     assert e.pool is None and e.compute_pool() is None and e.slot_table.tolist() == [-1] * 4
     pool = DensePool(torch.zeros(2, 4, 3), torch.zeros(2, 3, 2))
@@ -74,9 +74,26 @@ def test_absent_seam_misses_everything_and_a_second_pool_is_refused():
     cpu = DensePool(torch.ones(2, 4, 3), torch.ones(2, 3, 2))
     e.cpu_pool = cpu
     assert e.compute_pool() is cpu and e.pool is pool
-    e.pools["fp4"] = pool                   # a tier: one more pool (the layer's rule for two comes with it)
-    with pytest.raises(RuntimeError, match=r"pools \['bf16', 'fp4'\]"):
-        e.pool
+    assert e.repair_pool is None and e.tier() == (e.slot_table, cpu)
+    e.repairing = True
+    with pytest.raises(RuntimeError, match="without a repair tier"):
+        e.tier()
+    e.repairing = False
+    fp4 = DensePool(torch.full((2, 4, 3), 2.0), torch.full((2, 3, 2), 2.0))
+    with pytest.raises(ValueError, match="every expert"):       # a table with holes: not built yet
+        e.add_repair_tier(fp4, torch.tensor([0, -1], dtype=torch.int32))
+    table = torch.tensor([1, 0], dtype=torch.int32)
+    e.add_repair_tier(fp4, table)
+    assert e.pool is pool and e.repair_pool is fp4 and sorted(e.pools) == ["bf16", "fp4"]
+    assert e.tier() == (e.slot_table, cpu)            # the primary, until a repair pass
+    e.repairing = True
+    assert e.tier() == (table, fp4)
+    with pytest.raises(RuntimeError, match="already has a repair tier"):
+        e.add_repair_tier(fp4, table)
+    shared = ExpertSlots(torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                         pools={"w2": pool, "fp4": fp4})        # two pools and no primary named
+    with pytest.raises(RuntimeError, match="no primary tier"):
+        shared.pool
 
 
 def test_moe_layer_computes_through_the_seam(qwen40_pack):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moet.errors import ConfigError
 from moet.outputs import Logprob
 from moet.probe.distributions import KL_TOP, TOP_K, CodeScores, compare, topk_kl
 
@@ -99,4 +100,7 @@ def test_cli_formats():
     assert formats(None) == ["nvfp4"]
     assert formats(["w2", "fp4", "nvfp4"]) == ["w2", "nvfp4"]
     assert formats(["w2", "bf16"]) == ["bf16", "w2"]                  # bf16 first: the others compare with it
-    assert formats(["all"]) == ["bf16", "nvfp4", "w2"]
+    assert formats(["all"]) == ["bf16", "nvfp4", "w2", "w2+gate@0.9", "w2+gate@0.99", "w2+gate@0.999"]
+    assert formats(["w2+gate", "w2"], [0.5, 0.99]) == ["w2+gate@0.5", "w2+gate@0.99", "w2"]
+    with pytest.raises(ConfigError, match="--gate-tau 1.5"):
+        formats(["w2+gate"], [1.5])

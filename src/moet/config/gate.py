@@ -29,18 +29,18 @@ class GateConfig(Section):
             "the pack file yet), or an FP4 pool that does not fit under --fp4-pool-gb auto. --no-fp4-gate "
             "serves bare W2.")
     gate_tau: float = knob(
-        0.99, "repair a step whose top probability is below this", metavar="P",
+        0.99, "repair steps whose top probability is below P", metavar="P",
         doc="The confidence threshold, in [0, 1]: a step fires when the W2 logits' largest softmax probability "
             "(at temperature 1, whatever the request samples with) is below it. Higher fires more often and "
             "repairs more; 0 never fires, 1 always does. docs/quality.md shows accuracy against fire rate.")
     gate_reach: int = knob(
-        32, "positions a repair recomputes before the fired one", metavar="N",
+        32, "earlier positions a repair recomputes", metavar="N",
         doc="A repair recomputes the fired position and up to N generated positions before it with FP4 experts "
             "and rewrites their KV: a wrong step comes from KV that drifted over the tokens the model wrote "
             "itself, so repairing the fired token alone does not recover multi-step answers (arithmetic). The "
             "prompt's KV stays W2. 0 repairs the fired position only.")
     fp4_pool_gb: str = knob(
-        "auto", "memory for the FP4 repair pool in GiB (auto, 0 = off)", metavar="GIB",
+        "auto", "FP4 repair pool in GiB (0: off)", metavar="GIB",
         doc="auto: the FP4 copy of every routed expert when it fits in what the weights leave free, keeping "
             "room for the KV cache; otherwise the gate is off. A number: the pool must hold every routed "
             "expert's FP4 rows within it (a pool of part of the experts, promoted by heat, is not built yet): "
