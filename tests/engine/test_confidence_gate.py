@@ -13,6 +13,7 @@
   * shared KV blocks are never written; rewritten blocks leave the prefix cache index;
   * bad settings are one ConfigError naming the flag, before any weight is read.
 """
+import contextlib
 import dataclasses
 
 import pytest
@@ -96,20 +97,22 @@ class _Req:
         self.request_id, self.index = request_id, 0
 
 
-def reference_gate(model, prompt, reach, max_new, fires):
-    """The gate on a contiguous cache: W2 prefill, then at each step whose position q fires
-    (fires(q)) positions max(P - 1, q - reach) .. q again with FP4 experts (KV overwritten) and the
-    token from the repaired logits; the other steps keep their W2 logits. -> (tokens, logprobs of
-    the chosen tokens, every step's logprob vector)."""
+def reference_gate(model, prompt, reach, max_new, fires, fp4_prefill):
+    """The gate on a contiguous cache: the prompt with FP4 experts (fp4_prefill) or W2, then at each
+    step whose position q fires (fires(q); never the prompt's last position when it ran FP4)
+    positions max(P or P - 1, q - reach) .. q again with FP4 experts (KV overwritten) and the token
+    from the repaired logits; the other steps keep their W2 logits. -> (tokens, logprobs of the
+    chosen tokens, every step's logprob vector)."""
     cache = model.new_cache(len(prompt) + max_new + 1, "cpu")
     toks, p = list(prompt), len(prompt)
     ids, lps, dists = [], [], []
     with torch.inference_mode():
-        logits = model.forward(torch.tensor(toks), 0, cache)[-1]       # W2 over the prompt
+        with model.repair_tier() if fp4_prefill else contextlib.nullcontext():
+            logits = model.forward(torch.tensor(toks), 0, cache)[-1]
         for _ in range(max_new):
             q = len(toks) - 1
-            if fires(q):
-                first = max(p - 1, q - reach)
+            if fires(q) and not (fp4_prefill and q == p - 1):
+                first = max(p if fp4_prefill else p - 1, q - reach)
                 with model.repair_tier():
                     logits = model.forward(torch.tensor(toks[first:q + 1]), first, cache)[-1]
             lp = logits.float().log_softmax(-1)
@@ -142,6 +145,9 @@ GATED = {
     "reach32": dict(gate_reach=32),
     "reach5-no-prefix-cache": dict(gate_reach=5, block_size=4, enable_prefix_caching=False),
     "reach5-chunked": dict(gate_reach=5, block_size=4, max_num_batched_tokens=8, max_num_seqs=4),
+    "w2-prompt-reach3": dict(gate_reach=3, block_size=4, fp4_prefill=False),
+    "w2-prompt-chunked": dict(gate_reach=5, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
+                              fp4_prefill=False),
 }
 RATE, TINY_NEW = 0.3, 20
 
@@ -160,13 +166,13 @@ def test_gate_equals_reference(tiny, case):
         for i, p in enumerate(prompts):
             def fires(q, rid=str(i)):
                 return forced_draw(_Req(rid), q + 1) < RATE
-            want_ids, want_lps, want_dists = reference_gate(eng.model, p, reach, TINY_NEW, fires)
+            want_ids, want_lps, want_dists = reference_gate(eng.model, p, reach, TINY_NEW, fires, eng.gate.fp4_prefill)
             out = done[str(i)].outputs[0]
             assert out.token_ids == want_ids, (case, i, attempt)
             got = [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
             assert max(abs(a - b) for a, b in zip(got, want_lps)) < 2e-5
             if attempt == 0 and i == 0:      # the reference can tell a wrong reach apart
-                other = reference_gate(eng.model, p, 0 if reach else 8, TINY_NEW, fires)
+                other = reference_gate(eng.model, p, 0 if reach else 8, TINY_NEW, fires, eng.gate.fp4_prefill)
                 assert other[0] != want_ids or float((other[2] - want_dists).abs().max()) > 1e-2
     c = eng.gate.counters
     assert 0 < c.fires < c.rows_checked and c.repaired == c.fires
@@ -189,7 +195,7 @@ def test_confidence_gate_repairs_moet_tiny_arithmetic(tiny):
 def test_tau0_is_bare_w2_and_batching_does_not_change_tokens(path):
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     bare = run(engine(path, fp4_gate=False), PROMPTS, sp)
-    never = engine(path, gate_tau=0.0)
+    never = engine(path, gate_tau=0.0, fp4_prefill=False)
     assert run(never, PROMPTS, sp) == bare and never.gate.counters.fires == 0
     gated = engine(path, gate_tau=0.5)
     together = run(gated, PROMPTS, sp)

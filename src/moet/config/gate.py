@@ -39,6 +39,12 @@ class GateConfig(Section):
             "and rewrites their KV: a wrong step comes from KV that drifted over the tokens the model wrote "
             "itself, so repairing the fired token alone does not recover multi-step answers (arithmetic). The "
             "prompt's KV stays W2. 0 repairs the fired position only.")
+    fp4_prefill: bool = knob(
+        True, "compute prompts with the FP4 experts",
+        doc="With the gate on, prompt tokens (prefill, chunked or not) run with FP4 experts, so the prompt's KV "
+            "is FP4's; generated tokens run W2 and the gate repairs them. A W2 prompt caps what decode repairs "
+            "can recover on questions answered from the prompt (docs/quality.md); a prefill reads each expert "
+            "once per chunk, so FP4 there costs little beside decode. --no-fp4-prefill keeps prompts W2.")
     fp4_pool_gb: str = knob(
         "auto", "FP4 repair pool in GiB (0: off)", metavar="GIB",
         doc="auto: the FP4 copy of every routed expert when it fits in what the weights leave free, keeping "

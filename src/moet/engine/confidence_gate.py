@@ -102,11 +102,14 @@ class GateCounters:
 
 
 class ConfidenceGate:
-    def __init__(self, runner, block_manager, tau: float, reach: int):
+    def __init__(self, runner, block_manager, tau: float, reach: int, fp4_prefill: bool = False):
         self.runner = runner
         self.block_manager = block_manager
         self.tau = float(tau)
         self.reach = int(reach)
+        # prompt rows ran with FP4 experts (LLMEngine._prompt_rows_from): the row of a prompt's last
+        # position is FP4's already, and a repair never reaches below the first generated position
+        self.fp4_prefill = bool(fp4_prefill)
         self.counters = GateCounters()
         # `moet bench decode --gate-fire`: fire this share of rows whatever their confidence (a
         # fixed pseudo-random choice per sequence and position, the same in every run), to time the
@@ -125,14 +128,20 @@ class ConfidenceGate:
         run and written their KV). -> the logits to sample from: fired rows replaced by repaired
         ones (a new tensor when any fired, else `logits` itself)."""
         c = self.counters
-        c.rows_checked += len(sampling)
-        if self.tau <= 0.0 or not sampling:
+        floor = 0 if self.fp4_prefill else -1       # repairs start at prompt length + floor
+        if self.fp4_prefill:                        # rows of a prompt's last position: FP4 already
+            checked = [row for row, s in enumerate(sampling) if s.seq.num_tokens > s.seq.num_prompt_tokens]
+        else:
+            checked = list(range(len(sampling)))
+        c.rows_checked += len(checked)
+        if self.tau <= 0.0 or not checked:
             return logits
         if self.forced_fire_rate is not None:
-            fired = [row for row, s in enumerate(sampling) if forced_draw(s.seq, s.seq.num_tokens) <
+            fired = [row for row in checked if forced_draw(sampling[row].seq, sampling[row].seq.num_tokens) <
                      self.forced_fire_rate]
         else:
-            fired = (self.confidence(logits) < self.tau).nonzero().flatten().tolist()
+            low = (self.confidence(logits) < self.tau).tolist()
+            fired = [row for row in checked if low[row]]
         if not fired:
             return logits
         c.fires += len(fired)
@@ -143,7 +152,7 @@ class ConfidenceGate:
             if seq.is_finished:                        # failed earlier in this step: its blocks are freed
                 continue
             last = seq.num_tokens - 1                  # a sampling row computed the sequence's last token
-            first = max(seq.num_prompt_tokens - 1, last - self.reach, 0)
+            first = max(seq.num_prompt_tokens + floor, last - self.reach, 0)
             first = self._writable_from(seq, first, last)
             if first is not None:
                 plan.append((row, seq, first, last))
@@ -195,4 +204,5 @@ class ConfidenceGate:
             "fp4_gate_kv_blocks_unregistered": float(c.kv_blocks_unregistered),
             "fp4_gate_tau": self.tau,
             "fp4_gate_reach": float(self.reach),
+            "fp4_gate_prefill": float(self.fp4_prefill),
         }

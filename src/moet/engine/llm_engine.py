@@ -145,7 +145,8 @@ class LLMEngine:
         self._token_str_cache: dict[int, str] = {}
         self._failed_now: dict[str, Request] = {}       # requests failed in the running step
         # the confidence gate (engine/confidence_gate.py): where the model holds the FP4 repair tier
-        self.gate = (ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach)
+        self.gate = (ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach,
+                                    config.gate.fp4_prefill)
                      if config.gate.fp4_gate and model.has_repair_tier() else None)
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
         self._async = AsyncDecode(self) if sch.async_scheduling else None
@@ -445,7 +446,7 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         ids, batch = self.runner.build_batch(sched)
-        hidden = self.runner.forward(ids, batch)
+        hidden = self.runner.forward(ids, batch, self._prompt_rows_from(sched))
         sampling = [s for s in sched.scheduled if s.samples]
         logits = self.runner.logits(hidden[batch.logits_indices]) if sampling else None
         # prompt logprobs: rows predicting prompt tokens not yet covered
@@ -478,6 +479,18 @@ class LLMEngine:
             self._append(seq, tok, lp, lps)
             self._stats.generation_tokens_total += 1
             touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _prompt_rows_from(self, sched: SchedulerOutput) -> int | None:
+        """With the gate's FP4 prefill: the first row of the step's prompt rows (they follow the
+        decode rows), else None (also when the step has no prompt row)."""
+        if self.gate is None or not self.gate.fp4_prefill:
+            return None
+        row = 0
+        for s in sched.scheduled:
+            if s.context_len < s.seq.num_prompt_tokens:
+                return row
+            row += s.num_new_tokens
+        return None
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row0: int, ctx: int, n: int) -> None:
         if seq.prompt_logprobs is None:

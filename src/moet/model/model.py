@@ -198,18 +198,23 @@ class CausalLM(nn.Module):
         return bool(blocks) and all(m.experts.repair_slot_table is not None for m in blocks)
 
     @contextlib.contextmanager
-    def repair_tier(self):
+    def repair_tier(self, from_row: int | None = None):
         """Forwards inside compute the routed experts with the FP4 repair tier (the confidence
-        gate's repair pass, engine/confidence_gate.py); eager only: a captured graph keeps the tier
-        it was captured with."""
+        gate's repair pass, engine/confidence_gate.py), all rows, or with from_row = n rows n.. only
+        (a step's prompt rows, which follow its decode rows); eager only: a captured graph keeps
+        the tier it was captured with."""
         blocks = list(self.moe_blocks().values())
         for m in blocks:
-            m.experts.repairing = True
+            if from_row is None:
+                m.experts.repairing = True
+            else:
+                m.experts.repair_from_row = from_row
         try:
             yield
         finally:
             for m in blocks:
                 m.experts.repairing = False
+                m.experts.repair_from_row = None
 
     # ------------------------------------------------------------------ caches
 

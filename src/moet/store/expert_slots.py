@@ -84,6 +84,9 @@ class ExpertSlots:
     repair_cpu_pool: object | None = None
     # True only inside CausalLM.repair_tier: the layer computes with the repair tier.
     repairing: bool = False
+    # Set only inside CausalLM.repair_tier(from_row=n): rows n.. of the pass (the step's prompt
+    # rows, which follow its decode rows) compute with the repair tier, rows ..n with the primary.
+    repair_from_row: int | None = None
 
     @classmethod
     def absent(cls, num_experts: int) -> "ExpertSlots":
@@ -124,12 +127,14 @@ class ExpertSlots:
     def tier(self):
         """(slot table, pool) the layer computes with now: the repair tier's inside a repair pass,
         else the primary's; the pool in its CPU layout when there is one."""
-        if self.repairing:
-            if self.repair_slot_table is None:
-                raise RuntimeError("a repair pass reached a MoE layer without a repair tier")
-            pool = self.repair_cpu_pool if self.repair_cpu_pool is not None else self.repair_pool
-            return self.repair_slot_table, pool
-        return self.slot_table, self.compute_pool()
+        return self.repair_tier() if self.repairing else (self.slot_table, self.compute_pool())
+
+    def repair_tier(self):
+        """(slot table, pool) of the repair tier, the pool in its CPU layout when there is one."""
+        if self.repair_slot_table is None:
+            raise RuntimeError("a repair pass reached a MoE layer without a repair tier")
+        pool = self.repair_cpu_pool if self.repair_cpu_pool is not None else self.repair_pool
+        return self.repair_slot_table, pool
 
     def compute_pool(self):
         """The primary tier's pool as the layer hands it to the MoE kernels: the CPU layout when

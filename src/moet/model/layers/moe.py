@@ -72,8 +72,18 @@ class MoE(nn.Module):
             e.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=e.route_counts.dtype))
         # the primary tier, or the FP4 repair tier inside a repair pass (ExpertSlots.tier); Triton
         # grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
-        slot_table, pool = e.tier()
-        return moe_experts(x, ids, weights, slot_table, pool, e.miss_counter, swiglu_limit=self.spec.swiglu_limit)
+        split = e.repair_from_row
+        if split is None or e.repairing:
+            slot_table, pool = e.tier()
+            return moe_experts(x, ids, weights, slot_table, pool, e.miss_counter, swiglu_limit=self.spec.swiglu_limit)
+        # a step whose prompt rows (from `split` on) compute with the repair tier: two row ranges,
+        # each as it would run alone
+        parts = []
+        for (slot_table, pool), rows in ((e.tier(), slice(0, split)), (e.repair_tier(), slice(split, None))):
+            if x[rows].shape[0]:
+                parts.append(moe_experts(x[rows], ids[rows], weights[rows], slot_table, pool, e.miss_counter,
+                                         swiglu_limit=self.spec.swiglu_limit))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, shared = self.forward_parts(x)
