@@ -203,3 +203,21 @@ def test_engine_logs_residency_stats(caplog, tmp_path):
         with LLM(path, pack_dir=str(tmp_path), expert_cache_slots=8, expert_stats_interval_s=0, **kw) as llm:
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
     assert not [r for r in caplog.records if r.getMessage().startswith("expert store, last")]
+
+
+def test_fp4_repair_tier_in_the_plan(glm_air, capsys):
+    """The FP4 tier fits beside all-resident W2 experts on a 141 GiB card, not on 80 GiB; a repair
+    pass reads more than the dense stack and less than every FP4 row; tok/s falls as the gate fires
+    more; `moet plan` prints it."""
+    big, small = _plan(glm_air, 141), _plan(glm_air, 80)
+    rt, rs = P.repair_tier_plan(big), P.repair_tier_plan(small)
+    assert rt.fits and not rs.fits and big.fit.all_resident
+    assert rt.fp4_bytes == glm_air.rows * glm_air.fp4_row_bytes and glm_air.fp4_row_bytes == 2 * glm_air.row_bytes
+    dense = glm_air.dense_bytes - glm_air.embedding_bytes
+    assert dense < rt.repair_bytes < dense + rt.fp4_bytes + 4096 * glm_air.kv_bytes_per_token
+    tok = rt.tok_s_at_fire
+    assert tok[0.0] == pytest.approx(big.prediction.tok_s) and tok[0.0] > tok[0.1] > tok[0.3]
+    # reach 0 reads the top-k rows of one token: cheaper than reach 32
+    assert P.repair_tier_plan(big, reach=0).repair_bytes < rt.repair_bytes
+    assert moet_main(["plan"]) == 0
+    assert "FP4 tier" in capsys.readouterr().out

@@ -89,6 +89,7 @@ class ModelFacts:
     dense_bytes: int                     # the dense stack on the GPU (model dtype)
     embedding_bytes: int = 0             # input embedding table (read one row per token); 0 if tied
     kv_bytes_per_token: int = 0          # KV cache bytes per token, every decoder attention layer
+    fp4_row_bytes: int = 0               # one (layer, expert) row of the FP4 repair tier; 0: unknown
 
     @property
     def rows(self) -> int:
@@ -213,21 +214,23 @@ def _dtype_bytes(dtype: str, summary) -> int:
 def facts_from_summary(s, *, spec=None, dtype: str = "auto", kv_bytes_per_token: int | None = None,
                        embedding_bytes: int | None = None) -> ModelFacts:
     """ModelFacts from `moet inspect`'s Summary; `spec` (the checkpoint's ModelSpec) adds the exact
-    W2 row, the embedding table and bf16 KV bytes per token (without it: pass them, or 0)."""
+    W2 and FP4 rows, the embedding table and bf16 KV bytes per token (without it: pass them, or 0)."""
     elem = _dtype_bytes(dtype, s)
     rows = max(1, s.moe_layers * s.experts)
     row = s.w2_expert_bytes // rows
+    fp4_row = s.fp4_expert_bytes // rows
     if spec is not None:
         from moet.store.pack_builder import expert_row_bytes
 
         row = expert_row_bytes(spec, "w2")
+        fp4_row = expert_row_bytes(spec, "fp4")
         if embedding_bytes is None:
             embedding_bytes = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size * elem
         if kv_bytes_per_token is None:
             kv_bytes_per_token = kv_bytes_per_token_of(spec)
     return ModelFacts(name=f"{s.family} ({s.path})", moe_layers=s.moe_layers, experts=s.experts, top_k=s.top_k,
                       row_bytes=row, dense_bytes=s.dense_params * elem, embedding_bytes=embedding_bytes or 0,
-                      kv_bytes_per_token=kv_bytes_per_token or 0)
+                      kv_bytes_per_token=kv_bytes_per_token or 0, fp4_row_bytes=fp4_row)
 
 
 def kv_bytes_per_token_of(spec, kv_dtype_bytes: int = 2) -> int:
@@ -389,6 +392,42 @@ def _placed(facts: ModelFacts, gpu: GpuBudget, host_memory_bytes: int, arena: in
     return Plan(facts=facts, gpu=gpu, host_memory_bytes=host_memory_bytes, host_arena_bytes=arena,
                 max_num_seqs=max_num_seqs, miss_tolerance=miss_tolerance, tiers=tiers, fit=fit, bandwidths=bw,
                 prediction=pred, zipf=zipf, hit_rate_override=hit_rate)
+
+
+# ---------------------------------------------------------------- the FP4 repair tier
+
+@dataclass
+class RepairTierPlan:
+    """The FP4 repair tier and the confidence gate (engine/confidence_gate.py) for this budget: the
+    engine loads it when every W2 expert is resident and the FP4 copy of every expert fits in the
+    room left (a partial pool is not built yet). A repair recomputes reach + 1 positions with FP4
+    experts: one eager pass that reads the FP4 rows of the distinct experts those tokens route to."""
+    fp4_bytes: int
+    room_bytes: int            # GPU room left for it after the dense stack, reserves and W2 experts
+    fits: bool
+    reach: int
+    repair_bytes: int          # HBM bytes of one batch-1 repair pass
+    repair_s: float
+    tok_s_at_fire: dict        # fire rate -> predicted batch-1 decode tok/s (0: bare W2)
+
+
+def repair_tier_plan(plan: Plan, reach: int = 32, fire_rates=(0.0, 0.1, 0.3)) -> RepairTierPlan | None:
+    """None when the model's FP4 row size is unknown or the plan does not fit at all."""
+    f, p, bw = plan.facts, plan.prediction, plan.bandwidths
+    if not f.fp4_row_bytes or p is None:
+        return None
+    fp4 = f.rows * f.fp4_row_bytes
+    room = plan.gpu.expert_room_bytes - f.expert_bytes
+    fits = plan.fit.all_resident and fp4 <= room
+    tokens = reach + 1
+    distinct = f.experts * (1 - (1 - min(f.top_k, f.experts) / f.experts) ** tokens)
+    # the pass's attention reads the sequence's context once for its reach + 1 queries
+    repair_bytes = (f.dense_bytes - f.embedding_bytes + f.moe_layers * distinct * f.fp4_row_bytes
+                    + p.context * f.kv_bytes_per_token)
+    repair_s = repair_bytes / (bw.hbm_gbps * 1e9 * bw.kernel_efficiency) + bw.pass_overhead_ms * 1e-3
+    step = p.step_s / p.batch            # per token at the plan's batch
+    return RepairTierPlan(fp4_bytes=fp4, room_bytes=room, fits=fits, reach=reach, repair_bytes=int(repair_bytes),
+                          repair_s=repair_s, tok_s_at_fire={r: 1.0 / (step + r * repair_s) for r in fire_rates})
 
 
 # ---------------------------------------------------------------- prediction vs measurement
