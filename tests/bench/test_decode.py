@@ -46,6 +46,27 @@ def test_decode_with_the_transformers_peer(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == PNG
 
 
+def test_decode_with_the_gate_at_forced_fire_rates(tmp_path):
+    """--gate-fire: bare W2 and the gate at each forced share of steps, per batch, in one run; the
+    gated engine passes six bit-identical runs first; the rows carry the measured fire rate and
+    FP4 rows per token (none at 0%, reach + 1 at most per fired token)."""
+    res = bench(tmp_path, "decode", "--batch", "1,2", "--decode-tokens", "12", "--gate-fire", "0,0.5,1",
+                "--gate-reach", "4")
+    c = res["sections"]["decode"]["correctness"]
+    assert c["ok"] and c["gate_six_runs_bit_identical"] and c["six_runs_bit_identical"]
+    rows = [r for r in res["rows"] if r["scenario"] == "decode"]
+    assert len(rows) == 2 * 4
+    for b in (1, 2):
+        mine = [r for r in rows if r["batch"] == b]
+        assert "gate off (bare W2)" in mine[0]["config"] and "gate_fire_rate" not in mine[0]["details"]
+        fires = [r["details"]["gate_fire_rate"] for r in mine[1:]]
+        per_token = [r["details"]["gate_rows_per_token"] for r in mine[1:]]
+        assert fires[0] == 0 and 0.2 < fires[1] < 0.8 and fires[2] == 1.0
+        assert per_token[0] == 0 < per_token[1] < per_token[2] <= 5
+        assert all(r["tok_s"] > 0 and r["details"]["gate_reach"] == 4 for r in mine[1:])
+        assert all("(forced)" in r["config"] for r in mine[1:])
+
+
 def test_prefill(tmp_path):
     res = bench(tmp_path, "prefill", "--tokens", "64,128")
     assert res["sections"]["prefill"]["correctness"]["ok"]
@@ -60,6 +81,9 @@ def test_prefill(tmp_path):
     (["decode", "--shape", "micro", "--batch", "0"], "--batch '0'"),
     (["residency"], "moet bench residency runs a named shape"),
     (["residency", "--shape", "micro", "--gpu-budget-gb", "32,big"], "--gpu-budget-gb '32,big'"),
+    (["decode", "--shape", "micro", "--gate-fire", "0,1.5"], "--gate-fire '0,1.5': give comma-separated shares"),
+    (["decode", "--shape", "micro", "--gate-fire", "0.3", "--expert-format", "fp4"],
+     "--gate-fire times the FP4 gate over W2 experts"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert main(["bench", *args, "--device", "cpu", "--out", str(tmp_path / "o")]) == 2
