@@ -21,13 +21,13 @@ class GateConfig(Section):
     fp4_gate: bool = knob(
         True, "repair unsure W2 steps with FP4 experts", common=True,
         doc="On (the default) with --expert-format w2 and every expert on the device: an FP4 pool of the routed "
-            "experts is loaded beside the W2 one, and a decode step whose top token probability is below "
-            "--gate-tau is recomputed with FP4 experts over its last --gate-reach positions (their KV "
-            "rewritten), the token taken from the repaired logits. Bare W2 answers fluently and wrongly far "
-            "more often (docs/quality.md). It is off, with one log line saying why, where it does not apply: "
-            "fp4 or bf16 experts (nothing to repair), the expert store (the FP4 tier does not travel through "
-            "the pack file yet), or an FP4 pool that does not fit under --fp4-pool-gb auto. --no-fp4-gate "
-            "serves bare W2.")
+            "experts is loaded beside the W2 one, prompts run with FP4 experts (--fp4-prefill), and a decode "
+            "step whose top token probability is below --gate-tau is recomputed with FP4 experts over its last "
+            "--gate-reach positions (their KV rewritten), the token taken from the repaired logits. Bare W2 "
+            "answers fluently and wrongly far more often (docs/quality.md). It is off, with one log line saying "
+            "why, where it does not apply: fp4 or bf16 experts (nothing to repair), the expert store (the FP4 "
+            "tier does not travel through the pack file yet), or no room for even a top-k of FP4 experts per "
+            "layer. --no-fp4-gate serves bare W2.")
     gate_tau: float = knob(
         0.99, "repair steps whose top probability is below P", metavar="P",
         doc="The confidence threshold, in [0, 1]: a step fires when the W2 logits' largest softmax probability "
@@ -47,10 +47,13 @@ class GateConfig(Section):
             "once per chunk, so FP4 there costs little beside decode. --no-fp4-prefill keeps prompts W2.")
     fp4_pool_gb: str = knob(
         "auto", "FP4 repair pool in GiB (0: off)", metavar="GIB",
-        doc="auto: the FP4 copy of every routed expert when it fits in what the weights leave free, keeping "
-            "room for the KV cache; otherwise the gate is off. A number: the pool must hold every routed "
-            "expert's FP4 rows within it (a pool of part of the experts, promoted by heat, is not built yet): "
-            "a smaller size is refused. 0 turns the tier off, like --no-fp4-gate.")
+        doc="auto: the FP4 copy of every routed expert when it fits in what the weights leave free, else as many "
+            "FP4 slots per MoE layer as fit. A number: that much GPU memory for FP4 slots. With fewer slots than "
+            "experts, every expert's FP4 rows wait in host memory and the experts repairs route to most move in "
+            "(a bounded number per repair), the others repair with their W2 rows; the FP4 pool hit rate in the "
+            "engine stats says how often a repaired pair found its FP4 row. A size that holds fewer experts per "
+            "layer than a token routes to, or more than fits, is refused. 0 turns the tier off, like "
+            "--no-fp4-gate.")
 
     def validate(self) -> None:
         super().validate()

@@ -37,51 +37,68 @@ log = logging.getLogger("moet.engine")
 
 
 def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: torch.dtype,
-                     store_reason: str | None) -> tuple[bool, str]:
-    """(load the FP4 repair tier?, why, for the log), decided before any weight is read. Explicit
-    requests that cannot be met (a --fp4-pool-gb too small for every expert's FP4 rows, or more
-    than the device has) are a ConfigError naming the flag."""
+                     store_reason: str | None) -> tuple[int | None, str]:
+    """(FP4 device slots per MoE layer, or None: no repair tier; why, for the log), decided before
+    any weight is read. Every expert's FP4 rows when they fit (--fp4-pool-gb auto) or the size asks
+    for them all; fewer slots (a partial pool, store/repair_pool.py, every expert's FP4 rows then in
+    host memory) when only that fits or the size says so. Explicit requests that cannot be met are
+    a ConfigError naming the flag."""
     from moet.engine.expert_residency import FIT_FRACTION, estimated_weight_bytes
-    from moet.store.pack_builder import pack_layers
+    from moet.store.host_arena import available_host_bytes
+    from moet.store.pack_builder import expert_row_bytes, pack_layers
 
     gate = config.gate
     if not gate.fp4_gate:
-        return False, "--no-fp4-gate"
+        return None, "--no-fp4-gate"
     explicit = gate.fp4_pool_bytes
     if explicit == 0:
-        return False, "--fp4-pool-gb 0"
-    if not pack_layers(ckpt.spec):
-        return False, "the model has no routed experts"
+        return None, "--fp4-pool-gb 0"
+    spec = ckpt.spec
+    layers = len(pack_layers(spec))
+    if not layers:
+        return None, "the model has no routed experts"
     fmt = config.load.expert_format
     if fmt != "w2":
-        return False, f"expert_format={fmt}: the experts are not W2, nothing to repair"
+        return None, f"expert_format={fmt}: the experts are not W2, nothing to repair"
     if store_reason is not None:
         if explicit is not None:
             raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb}: the FP4 repair tier does not run with the expert "
                               f"store yet (on because {store_reason}); use --fp4-pool-gb auto or 0")
-        return False, f"the FP4 repair tier does not run with the expert store yet ({store_reason})"
+        return None, f"the FP4 repair tier does not run with the expert store yet ({store_reason})"
+    experts, top_k = spec.router.num_experts, spec.router.top_k
     dense, w2_bytes = estimated_weight_bytes(ckpt, "w2", dtype)
-    fp4_bytes = estimated_weight_bytes(ckpt, "fp4", dtype)[1]
-    need = f"{fp4_bytes / 2**30:.3g} GiB"
-    if explicit is not None and explicit < fp4_bytes:
-        raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb} is less than the {need} the FP4 copy of every routed "
-                          f"expert needs (a pool of part of the experts is not built yet); raise it to at least "
-                          f"{fp4_bytes / 2**30:.3g}, or set it to 0 / auto")
+    layer_slot = layers * expert_row_bytes(spec, "fp4")           # one slot in every MoE layer
+    full = experts * layer_slot
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.cache.gpu_memory_utilization - (total - free)
-        room = FIT_FRACTION * budget - dense - w2_bytes
+        room = int(FIT_FRACTION * budget - dense - w2_bytes)
         where = f"the GPU budget ({budget / 2**30:.1f} GiB, {FIT_FRACTION:.0%} of it for weights)"
     else:
-        from moet.store.host_arena import available_host_bytes
         room = available_host_bytes() // 2 - dense - w2_bytes
         where = "half of the host's available memory"
-    if fp4_bytes > room:
-        why = f"the FP4 pool ({need}) does not fit beside the weights in {where}"
+    size = explicit if explicit is not None else max(0, room)
+    slots = min(experts, size // layer_slot)
+    if explicit is not None and explicit > room:
+        raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb} does not fit beside the weights in {where} (room for "
+                          f"{max(0, room) / 2**30:.3g} GiB); lower it or use auto / 0")
+    if slots < top_k:
         if explicit is not None:
-            raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb}: {why}; use --fp4-pool-gb 0 or free memory")
-        return False, why
-    return True, f"FP4 pool {need} beside the W2 experts"
+            raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb} holds {slots} FP4 experts per MoE layer, fewer than "
+                              f"the {top_k} one token routes to; give at least {top_k * layer_slot / 2**30:.3g} GiB "
+                              "(0 turns the tier off)")
+        return None, f"the FP4 pool does not fit beside the weights in {where}"
+    if slots < experts:
+        host_room = available_host_bytes() // 2
+        if full > host_room:
+            msg = (f"a partial FP4 pool keeps every expert's FP4 rows ({full / 2**30:.3g} GiB) in host memory, "
+                   f"more than half of what is available ({2 * host_room / 2**30:.3g} GiB)")
+            if explicit is not None:
+                raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb}: {msg}; use --fp4-pool-gb 0")
+            return None, msg
+        return slots, (f"FP4 pool of {slots} of {experts} experts per MoE layer ({slots * layer_slot / 2**30:.3g} "
+                       "GiB; the rest from host memory as they get hot)")
+    return experts, f"FP4 pool of every expert ({full / 2**30:.3g} GiB) beside the W2 experts"
 
 
 def forced_draw(seq, position: int) -> float:
@@ -102,7 +119,8 @@ class GateCounters:
 
 
 class ConfidenceGate:
-    def __init__(self, runner, block_manager, tau: float, reach: int, fp4_prefill: bool = False):
+    def __init__(self, runner, block_manager, tau: float, reach: int, fp4_prefill: bool = False,
+                 repair_pool=None):
         self.runner = runner
         self.block_manager = block_manager
         self.tau = float(tau)
@@ -110,6 +128,9 @@ class ConfidenceGate:
         # prompt rows ran with FP4 experts (LLMEngine._prompt_rows_from): the row of a prompt's last
         # position is FP4's already, and a repair never reaches below the first generated position
         self.fp4_prefill = bool(fp4_prefill)
+        # store/repair_pool.py when the FP4 pool holds part of the experts (promotes after each
+        # repair pass), else None: every expert has its FP4 row
+        self.repair_pool = repair_pool
         self.counters = GateCounters()
         # `moet bench decode --gate-fire`: fire this share of rows whatever their confidence (a
         # fixed pseudo-random choice per sequence and position, the same in every run), to time the
@@ -170,6 +191,8 @@ class ConfidenceGate:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.runner.device)
         hidden = self.runner.repair_forward(input_ids, batch)
         repaired = self.runner.logits(hidden[batch.logits_indices])
+        if self.repair_pool is not None:
+            self.repair_pool.after_repair()
         out = logits.clone()
         rows = torch.tensor([row for row, *_ in plan], dtype=torch.long, device=logits.device)
         out[rows] = repaired.to(out.dtype)
@@ -199,10 +222,10 @@ class ConfidenceGate:
             "fp4_gate_repaired": float(c.repaired),
             "fp4_gate_recomputed_rows": float(c.recomputed_rows),
             "fp4_gate_recomputed_rows_per_token": c.recomputed_rows / generated_tokens if generated_tokens else 0.0,
-            # every routed expert has an FP4 row (no partial pool yet): a repair never falls back to W2
+            # with every expert's FP4 row on the device a repair never falls back to W2
             "fp4_pool_hit_rate": 1.0 if c.repaired else 0.0,
             "fp4_gate_kv_blocks_unregistered": float(c.kv_blocks_unregistered),
             "fp4_gate_tau": self.tau,
             "fp4_gate_reach": float(self.reach),
             "fp4_gate_prefill": float(self.fp4_prefill),
-        }
+        } | (self.repair_pool.stats() if self.repair_pool is not None else {})

@@ -47,6 +47,7 @@ from moet.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from moet.engine.stats import EngineStats
 from moet.errors import ConfigError, MoetError, RequestError, RequestFailed
 from moet.kernels.jit_watch import install_jit_watch
+from moet.store.repair_pool import RepairPool
 from moet.outputs import CompletionOutput, RequestOutput
 from moet.sampling_params import SamplingParams
 
@@ -145,9 +146,15 @@ class LLMEngine:
         self._token_str_cache: dict[int, str] = {}
         self._failed_now: dict[str, Request] = {}       # requests failed in the running step
         # the confidence gate (engine/confidence_gate.py): where the model holds the FP4 repair tier
-        self.gate = (ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach,
-                                    config.gate.fp4_prefill)
-                     if config.gate.fp4_gate and model.has_repair_tier() else None)
+        self.gate = None
+        if config.gate.fp4_gate and model.has_repair_tier():
+            partial = {n: m for n, m in model.moe_blocks().items() if not m.experts.repair_complete}
+            pool = None
+            if partial:                 # a pool of part of the experts: the hot ones move in as they fire
+                pool = RepairPool(partial, max_rows_per_repair=len(partial) * model.spec.router.top_k)
+                pool.fill()
+            self.gate = ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach,
+                                       config.gate.fp4_prefill, repair_pool=pool)
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
         self._async = AsyncDecode(self) if sch.async_scheduling else None
         # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
@@ -257,12 +264,12 @@ class LLMEngine:
                                               config.scheduler.allow_long_max_model_len, f"{ckpt.path}/config.json")
         check_kv_request(config, ckpt.spec, max_model_len, dtype, device)
         reason = store_reason(config, ckpt, device, dtype)
-        repair, why = repair_tier_plan(config, ckpt, device, dtype, reason)
-        log.info("FP4 repair tier and confidence gate %s: %s", "on" if repair else "off", why)
+        repair_slots, why = repair_tier_plan(config, ckpt, device, dtype, reason)
+        log.info("FP4 repair tier and confidence gate %s: %s", "off" if repair_slots is None else "on", why)
         model = load_model(ckpt, expert_format=config.load.expert_format, dtype=dtype, device=device,
                            zero_mode=config.load.w2_zero_mode, scale_rule=config.load.w2_scale_rule,
                            load_mtp=config.load.load_mtp, progress=True, routed_experts=reason is None,
-                           repair_tier=repair)
+                           repair_tier=repair_slots is not None, repair_slots=repair_slots)
         residency = None
         if reason is not None:
             log.info("routed experts through the expert store: %s", reason)

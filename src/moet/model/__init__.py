@@ -15,11 +15,12 @@ from moet.model.model import CausalLM
 def load_model(ckpt: Checkpoint, *, expert_format: str = "w2", dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", zero_mode: str = "auto", scale_rule: str = "published",
                load_mtp: bool = True, progress: bool = False, routed_experts: bool = True,
-               repair_tier: bool = False) -> CausalLM:
+               repair_tier: bool = False, repair_slots: int | None = None) -> CausalLM:
     with torch.device(device):
         model = CausalLM(ckpt.spec, dtype, load_mtp=load_mtp)
     load_weights(model, ckpt, expert_format=expert_format, zero_mode=zero_mode, scale_rule=scale_rule,
-                 device=device, progress=progress, routed_experts=routed_experts, repair_tier=repair_tier)
+                 device=device, progress=progress, routed_experts=routed_experts, repair_tier=repair_tier,
+                 repair_slots=repair_slots)
     return model.eval()
 
 

@@ -11,6 +11,7 @@ opened.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -37,14 +38,28 @@ def default_weight_loader(param: torch.nn.Parameter, fmt: str, parts: dict[str, 
     param.data.copy_(value)
 
 
-def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device, repair: bool = False) -> None:
+def allocate_pool(moe: MoE, expert_format: str, dtype: torch.dtype, device, repair: bool = False,
+                  repair_slots: int | None = None) -> None:
     """Every expert resident: slot = expert id (the block's ExpertSlots, store/expert_slots.py);
-    repair: an FP4 repair tier of every expert beside it (slot = expert id too)."""
+    repair: an FP4 repair tier beside it, of every expert (slot = expert id too), or with
+    repair_slots < experts a device pool of that many slots, empty (store/repair_pool.py fills it),
+    and every expert's FP4 rows in host memory (pinned on CUDA)."""
     n = moe.spec.router.num_experts
     moe.experts = ExpertSlots.resident(expert_format, new_pool(moe.spec, expert_format, n, dtype, device), device)
-    if repair:
+    if not repair:
+        return
+    slots = n if repair_slots is None else min(n, repair_slots)
+    if slots == n:
         moe.experts.add_repair_tier(new_pool(moe.spec, REPAIR_FORMAT, n, dtype, device),
                                     torch.arange(n, dtype=torch.int32, device=device))
+        return
+    moe.experts.add_repair_tier(new_pool(moe.spec, REPAIR_FORMAT, slots, dtype, device),
+                                torch.full((n,), -1, dtype=torch.int32, device=device))
+    host = new_pool(moe.spec, REPAIR_FORMAT, n, dtype, "cpu")
+    if torch.device(device).type == "cuda":
+        host = replace(host, **{f: getattr(host, f).pin_memory() for f in host.__slots__
+                                if isinstance(getattr(host, f), torch.Tensor)})
+    moe.experts.repair_host_pool = host
 
 
 def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, torch.Tensor],
@@ -56,8 +71,11 @@ def load_expert(moe: MoE, expert: int, proj: str, fmt: str, parts: dict[str, tor
     if not 0 <= expert < spec.router.num_experts:
         raise CheckpointError(f"{where}: expert {expert} is out of range (config says {spec.router.num_experts} experts)")
     convert_into(moe.experts.pool, expert, spec, proj, fmt, parts, w2_opts, where)
-    if moe.experts.repair_pool is not None:
-        convert_into(moe.experts.repair_pool, expert, spec, proj, fmt, parts, w2_opts, where)
+    e = moe.experts
+    if e.repair_host_pool is not None:               # a partial repair pool: the host holds every row
+        convert_into(e.repair_host_pool, expert, spec, proj, fmt, parts, w2_opts, where)
+    elif e.repair_pool is not None:
+        convert_into(e.repair_pool, expert, spec, proj, fmt, parts, w2_opts, where)
 
 
 def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
@@ -70,10 +88,12 @@ def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
 
 def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_mode: str = "auto",
                  scale_rule: str = "published", device: torch.device | str = "cpu", progress: bool = False,
-                 keep_fp8: bool | None = None, routed_experts: bool = True, repair_tier: bool = False) -> None:
+                 keep_fp8: bool | None = None, routed_experts: bool = True, repair_tier: bool = False,
+                 repair_slots: int | None = None) -> None:
     """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr.
     repair_tier: every MoE block also gets the FP4 repair tier (ExpertSlots.add_repair_tier), filled
-    from the same tensors: the checkpoint's NVFP4 bytes unchanged, other formats quantized to NVFP4.
+    from the same tensors: the checkpoint's NVFP4 bytes unchanged, other formats quantized to NVFP4;
+    repair_slots: FP4 device slots per layer when fewer than the experts (allocate_pool).
     keep_fp8: FP8 block-128 dense weights stay e4m3 (model/fp8_dense.py); None = where the
     device can run the FP8 kernel. routed_experts=False skips routed-expert tensors and leaves
     the MoE blocks without a pool: the store (moet.store: pack -> arena -> device cache) provides them."""
@@ -82,7 +102,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
         fp8_dense.use_fp8_linears(model, fp8_dense.fp8_linear_names(ckpt))
     moes = [m for m in model.modules() if isinstance(m, MoE)] if routed_experts else []
     for moe in moes:
-        allocate_pool(moe, expert_format, model.dtype, device, repair=repair_tier)
+        allocate_pool(moe, expert_format, model.dtype, device, repair=repair_tier, repair_slots=repair_slots)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     experts_loaded: dict[int, set[tuple[int, str]]] = {id(m): set() for m in moes}

@@ -173,7 +173,9 @@ class CausalLM(nn.Module):
         exact_bytes = 4 * 3 * self.spec.hidden_size * self.spec.moe_intermediate_size      # per slot
         plan = []       # (ExpertSlots, its attribute to set, the pool, bytes of the CPU layout)
         for e in slots:
-            for attr, pool in (("cpu_pool", e.pool), ("repair_cpu_pool", e.repair_pool)):
+            # (a partial repair pool's slots change as experts are promoted: no fixed CPU copy)
+            repair = e.repair_pool if e.repair_complete else None
+            for attr, pool in (("cpu_pool", e.pool), ("repair_cpu_pool", repair)):
                 if pool is None:
                     continue
                 n = cpu_pool_bytes(pool, self.dtype)

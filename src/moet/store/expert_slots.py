@@ -27,9 +27,9 @@ The FP4 repair tier (EngineConfig.gate, engine/confidence_gate.py) is one more e
 with its own slot table, `repair_slot_table`: a forward computes with the primary tier (`primary`,
 the pool `slot_table` indexes) unless `repairing` is set, which only the confidence gate's repair
 pass does (CausalLM.repair_tier), always eagerly: captured decode graphs read the primary tier.
-Every expert has an FP4 row (model/loader.py fills both pools); a pool of part of the experts, with
-W2 rows standing in for the absent ones, is not built yet, so `add_repair_tier` refuses a table
-with holes.
+The repair pool may hold part of the experts (store/repair_pool.py promotes the hot ones into its
+slots): a pair whose expert has no FP4 row computes with its primary row instead
+(`repair_fallback_table`), so a repair pass is the FP4 pass plus a primary pass over the rest.
 """
 from __future__ import annotations
 
@@ -87,6 +87,17 @@ class ExpertSlots:
     # Set only inside CausalLM.repair_tier(from_row=n): rows n.. of the pass (the step's prompt
     # rows, which follow its decode rows) compute with the repair tier, rows ..n with the primary.
     repair_from_row: int | None = None
+    # With a repair pool of part of the experts (else None): int32 [num_experts], the primary slot
+    # of each expert without an FP4 row and -1 for those with one (rewritten in place with
+    # `repair_slot_table` by `assign_repair_slot`); int64 [1], the repair passes' (token, expert)
+    # pairs that had no FP4 row; int32 [num_experts], pairs routed to each expert in repair
+    # passes (the pool's heat, read and zeroed by store/repair_pool.py).
+    repair_fallback_table: torch.Tensor | None = None
+    repair_miss_counter: torch.Tensor | None = None
+    repair_route_counts: torch.Tensor | None = None
+    # A partial pool's source: every expert's FP4 rows in host memory (slot = expert id; pinned on
+    # CUDA), filled by the loader; store/repair_pool.py copies from it into the device slots.
+    repair_host_pool: object | None = None
 
     @classmethod
     def absent(cls, num_experts: int) -> "ExpertSlots":
@@ -100,15 +111,33 @@ class ExpertSlots:
                    torch.zeros(1, dtype=torch.int64, device=device), pools={fmt: pool}, primary=fmt)
 
     def add_repair_tier(self, pool, slot_table: torch.Tensor) -> None:
-        """The FP4 repair tier: `pool` (an FP4Pool) and each expert's slot in it."""
+        """The FP4 repair tier: `pool` (an FP4Pool) and each expert's slot in it (-1: no FP4 row;
+        such experts compute with their primary rows in a repair pass, which needs every expert in
+        the primary pool)."""
         if self.repair_slot_table is not None:
             raise RuntimeError("this MoE layer already has a repair tier")
         if REPAIR_FORMAT in self.pools:
             raise RuntimeError(f"the repair tier's format {REPAIR_FORMAT} is already this layer's primary format")
-        if bool((slot_table < 0).any()):
-            raise ValueError("a repair tier must hold an FP4 row of every expert (partial pools are not built yet)")
         self.pools[REPAIR_FORMAT] = pool
         self.repair_slot_table = slot_table
+        if pool.num_slots < slot_table.numel() or bool((slot_table < 0).any()):
+            if bool((self.slot_table < 0).any()):
+                raise ValueError("a repair pool of part of the experts needs every expert in the primary pool")
+            dev = slot_table.device
+            self.repair_fallback_table = torch.where(slot_table < 0, self.slot_table, -1).to(torch.int32)
+            self.repair_miss_counter = torch.zeros(1, dtype=torch.int64, device=dev)
+            self.repair_route_counts = torch.zeros(slot_table.numel(), dtype=torch.int32, device=dev)
+
+    @property
+    def repair_complete(self) -> bool:
+        """Every expert has an FP4 row (no fallback to the primary in a repair pass)."""
+        return self.repair_fallback_table is None
+
+    def assign_repair_slot(self, expert: int, slot: int) -> None:
+        """Expert `expert`'s FP4 row is now in repair slot `slot` (-1: it has none); the fallback
+        table follows. In place: a partial pool's tables keep their storage."""
+        self.repair_slot_table[expert] = slot
+        self.repair_fallback_table[expert] = -1 if slot >= 0 else self.slot_table[expert]
 
     @property
     def pool(self):

@@ -73,17 +73,33 @@ class MoE(nn.Module):
         # the primary tier, or the FP4 repair tier inside a repair pass (ExpertSlots.tier); Triton
         # grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
         split = e.repair_from_row
-        if split is None or e.repairing:
-            slot_table, pool = e.tier()
-            return moe_experts(x, ids, weights, slot_table, pool, e.miss_counter, swiglu_limit=self.spec.swiglu_limit)
+        if e.repairing or split == 0:
+            return self._repaired(x, ids, weights)
+        if split is None:
+            return moe_experts(x, ids, weights, e.slot_table, e.compute_pool(), e.miss_counter,
+                               swiglu_limit=self.spec.swiglu_limit)
         # a step whose prompt rows (from `split` on) compute with the repair tier: two row ranges,
         # each as it would run alone
-        parts = []
-        for (slot_table, pool), rows in ((e.tier(), slice(0, split)), (e.repair_tier(), slice(split, None))):
-            if x[rows].shape[0]:
-                parts.append(moe_experts(x[rows], ids[rows], weights[rows], slot_table, pool, e.miss_counter,
-                                         swiglu_limit=self.spec.swiglu_limit))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        head = moe_experts(x[:split], ids[:split], weights[:split], e.slot_table, e.compute_pool(), e.miss_counter,
+                           swiglu_limit=self.spec.swiglu_limit)
+        if split >= x.shape[0]:
+            return head
+        return torch.cat([head, self._repaired(x[split:], ids[split:], weights[split:])])
+
+    def _repaired(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts with the FP4 repair tier: every pair from its FP4 row; with a pool of
+        part of the experts, the pairs without one from their primary rows (a second pass over the
+        same routing whose table holds only those experts), added to the FP4 pass."""
+        e = self.experts
+        table, pool = e.repair_tier()
+        if e.repair_complete:
+            return moe_experts(x, ids, weights, table, pool, e.miss_counter, swiglu_limit=self.spec.swiglu_limit)
+        flat = ids.reshape(-1)
+        e.repair_route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=e.repair_route_counts.dtype))
+        out = moe_experts(x, ids, weights, table, pool, e.repair_miss_counter, swiglu_limit=self.spec.swiglu_limit)
+        scratch = torch.zeros(1, dtype=torch.int64, device=x.device)     # the FP4 pairs, missed on purpose here
+        return out + moe_experts(x, ids, weights, e.repair_fallback_table, e.compute_pool(), scratch,
+                                 swiglu_limit=self.spec.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, shared = self.forward_parts(x)

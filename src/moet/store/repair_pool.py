@@ -1,0 +1,109 @@
+"""RepairPool: an FP4 repair tier of part of the experts (EngineConfig.gate.fp4_pool_gb smaller than
+every expert's FP4 rows): which experts hold its device slots, and their promotion.
+
+Every MoE layer has the same number of FP4 slots on the device (`ExpertSlots.pools["fp4"]`), and
+every expert's FP4 rows wait in host memory (`ExpertSlots.repair_host_pool`, slot = expert id,
+pinned on CUDA), filled by the loader from the checkpoint. A repair pass counts the pairs routed to
+each expert (`repair_route_counts`) and the pairs that found no FP4 row (`repair_miss_counter`:
+those computed with their W2 rows). After each pass `after_repair` folds the counts into a decayed
+heat per (layer, expert) and moves the hottest absent experts in, evicting the coldest present
+ones, at most `max_rows_per_repair` rows a pass: the traffic a repair can add stays bounded. The
+copies go on the current stream, before the next pass that reads the slots; the tables change
+in place (`ExpertSlots.assign_repair_slot`).
+"""
+from __future__ import annotations
+
+import torch
+
+from moet.kernels.pools import pool_nbytes
+
+
+class RepairPool:
+    DECAY = 0.9          # heat kept per repair pass: the last ~10 passes dominate
+
+    def __init__(self, blocks: dict, max_rows_per_repair: int):
+        """blocks: {layer name: MoE block} whose ExpertSlots hold a partial repair tier."""
+        self.names = list(blocks)
+        self.slots = [blocks[n].experts for n in self.names]
+        first = self.slots[0]
+        self.num_experts = first.repair_slot_table.numel()
+        self.num_slots = first.repair_pool.num_slots
+        self.max_rows_per_repair = max(1, int(max_rows_per_repair))
+        self.row_bytes = pool_nbytes(first.repair_pool) // self.num_slots
+        self.heat = torch.zeros(len(self.slots), self.num_experts, dtype=torch.float64)
+        # holder[l][slot] = the expert in that slot, -1 = empty
+        self.holder = [[-1] * self.num_slots for _ in self.slots]
+        self.promotions = 0
+        self.bytes_moved = 0
+        self.routed_pairs = 0
+        self.missed_pairs = 0
+
+    def fill(self, order: list[list[int]] | None = None) -> None:
+        """The first occupants of every layer's slots: `order[l]` (hottest first; e.g. the heat
+        of an earlier run), else experts 0, 1, ...; counted as promotions."""
+        for li in range(len(self.slots)):
+            want = (order[li] if order is not None else list(range(self.num_experts)))[:self.num_slots]
+            for slot, expert in enumerate(want):
+                self._move_in(li, slot, expert)
+
+    def _move_in(self, li: int, slot: int, expert: int) -> None:
+        e = self.slots[li]
+        old = self.holder[li][slot]
+        if old >= 0:
+            e.assign_repair_slot(old, -1)
+        host, dev = e.repair_host_pool, e.repair_pool
+        for f in dev.__slots__:
+            t = getattr(dev, f)
+            if isinstance(t, torch.Tensor):
+                t[slot].copy_(getattr(host, f)[expert], non_blocking=True)
+        e.assign_repair_slot(expert, slot)
+        self.holder[li][slot] = expert
+        self.promotions += 1
+        self.bytes_moved += self.row_bytes
+
+    def after_repair(self) -> int:
+        """Fold one repair pass's routing into the heat and promote; -> rows moved."""
+        counts = torch.stack([e.repair_route_counts for e in self.slots]).to("cpu", torch.float64)
+        missed = sum(int(e.repair_miss_counter.item()) for e in self.slots)
+        for e in self.slots:
+            e.repair_route_counts.zero_()
+            e.repair_miss_counter.zero_()
+        self.routed_pairs += int(counts.sum().item())
+        self.missed_pairs += missed
+        self.heat.mul_(self.DECAY).add_(counts)
+        moves = []                    # (heat gain, layer, slot, expert)
+        for li in range(len(self.slots)):
+            heat = self.heat[li]
+            present = [x for x in self.holder[li] if x >= 0]
+            # the hottest experts (ties: lower id), and those of them not yet in a slot
+            ranked = sorted(range(self.num_experts), key=lambda x: (-float(heat[x]), x))[:self.num_slots]
+            absent = [x for x in ranked if x not in present]
+            if not absent:
+                continue
+            victims = sorted((x for x in present if x not in ranked), key=lambda x: (float(heat[x]), x))
+            free = [s for s, x in enumerate(self.holder[li]) if x < 0]
+            for x in absent:
+                if free:
+                    moves.append((float(heat[x]), li, free.pop(0), x))
+                elif victims:
+                    v = victims.pop(0)
+                    gain = float(heat[x]) - float(heat[v])
+                    if gain > 0:
+                        moves.append((gain, li, self.holder[li].index(v), x))
+        moves.sort(key=lambda m: -m[0])
+        for _, li, slot, x in moves[:self.max_rows_per_repair]:
+            self._move_in(li, slot, x)
+        return min(len(moves), self.max_rows_per_repair)
+
+    def hot_order(self) -> list[list[int]]:
+        """Each layer's experts, hottest first (what `fill` takes back)."""
+        return [sorted(range(self.num_experts), key=lambda x: (-float(h[x]), x)) for h in self.heat]
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "fp4_pool_slots_per_layer": float(self.num_slots),
+            "fp4_pool_experts_per_layer": float(self.num_experts),
+            "fp4_pool_hit_rate": 1.0 - self.missed_pairs / self.routed_pairs if self.routed_pairs else 0.0,
+            "fp4_pool_promotions": float(self.promotions),
+            "fp4_pool_bytes_moved": float(self.bytes_moved),
+        }
