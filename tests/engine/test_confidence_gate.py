@@ -263,5 +263,5 @@ def test_bad_settings_name_the_flag(kw, flag):
 def test_pool_too_small_is_refused_before_loading(path, monkeypatch):
     import moet.model
     monkeypatch.setattr(moet.model, "load_model", lambda *a, **k: pytest.fail("weights were read"))
-    with pytest.raises(ConfigError, match="--fp4-pool-gb 0.000001 is less than"):
+    with pytest.raises(ConfigError, match="--fp4-pool-gb 0.000001 holds 0 FP4 experts per MoE layer"):
         engine(path, fp4_pool_gb="0.000001")

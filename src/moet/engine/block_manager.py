@@ -136,14 +136,17 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.repaired_upto = -1
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's full, computed blocks in the prefix cache (after a step wrote them).
-        A block whose hash is already registered (same tokens computed twice in one step)
+    def commit_full_blocks(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register seq's full, computed blocks in the prefix cache (after a step wrote them), those
+        within its first `upto` tokens only when given (the confidence gate's FP4 prefill: a prompt
+        computes every position with FP4 experts, so only prompt blocks hold what a fresh prompt
+        would). A block whose hash is already registered (same tokens computed twice in one step)
         stays unregistered and is simply freed later."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        full = min(seq.num_computed_tokens, seq.num_tokens, seq.num_tokens if upto is None else upto) // self.block_size
         for i in range(seq.num_committed_blocks, full):
             b = seq.block_table[i]
             if self.block_hash[b] is not None:

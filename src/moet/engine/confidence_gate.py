@@ -173,7 +173,10 @@ class ConfidenceGate:
             if seq.is_finished:                        # failed earlier in this step: its blocks are freed
                 continue
             last = seq.num_tokens - 1                  # a sampling row computed the sequence's last token
-            first = max(seq.num_prompt_tokens + floor, last - self.reach, 0)
+            # positions whose KV FP4 already computed over their present context need no second pass
+            first = max(seq.num_prompt_tokens + floor, last - self.reach, seq.repaired_upto + 1, 0)
+            if first > last:             # (cannot happen: `last` was just computed with W2)
+                continue
             first = self._writable_from(seq, first, last)
             if first is not None:
                 plan.append((row, seq, first, last))
@@ -200,6 +203,7 @@ class ConfidenceGate:
         c.recomputed_rows += len(ids)
         for _, seq, first, last in plan:
             c.kv_blocks_unregistered += self.block_manager.unregister_rewritten(seq, first, last)
+            seq.repaired_upto = last
         return out
 
     def _writable_from(self, seq, first: int, last: int) -> int | None:

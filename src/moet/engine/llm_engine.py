@@ -453,7 +453,7 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         ids, batch = self.runner.build_batch(sched)
-        hidden = self.runner.forward(ids, batch, self._prompt_rows_from(sched))
+        hidden = self.runner.forward(ids, batch, self._fp4_prompt_rows(sched))
         sampling = [s for s in sched.scheduled if s.samples]
         logits = self.runner.logits(hidden[batch.logits_indices]) if sampling else None
         # prompt logprobs: rows predicting prompt tokens not yet covered
@@ -470,7 +470,8 @@ class LLMEngine:
                 continue
             prompt_tokens += max(0, min(seq.num_prompt_tokens, s.context_len + s.num_new_tokens) - s.context_len)
             seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit_full_blocks(seq)
+            fp4_prompt = self.gate is not None and self.gate.fp4_prefill
+            self.block_manager.commit_full_blocks(seq, seq.num_prompt_tokens if fp4_prompt else None)
         self._stats.prompt_tokens_total += prompt_tokens
         if not sampling:
             return
@@ -487,17 +488,21 @@ class LLMEngine:
             self._stats.generation_tokens_total += 1
             touched[seq.request_id] = self.requests[seq.request_id]
 
-    def _prompt_rows_from(self, sched: SchedulerOutput) -> int | None:
-        """With the gate's FP4 prefill: the first row of the step's prompt rows (they follow the
-        decode rows), else None (also when the step has no prompt row)."""
+    def _fp4_prompt_rows(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """With the gate's FP4 prefill: a bool mask over the step's rows, True at prompt positions
+        (they compute with FP4 experts); None when the step has none. Marks those sequences' FP4 KV
+        (Sequence.repaired_upto) for the gate's reach."""
         if self.gate is None or not self.gate.fp4_prefill:
             return None
-        row = 0
+        mask: list[bool] = []
         for s in sched.scheduled:
-            if s.context_len < s.seq.num_prompt_tokens:
-                return row
-            row += s.num_new_tokens
-        return None
+            c, n, p = s.context_len, s.num_new_tokens, s.seq.num_prompt_tokens
+            mask.extend(c + j < p for j in range(n))
+            if c < p:
+                s.seq.repaired_upto = max(s.seq.repaired_upto, min(c + n, p) - 1)
+        if not any(mask):
+            return None
+        return torch.tensor(mask, dtype=torch.bool, device=self.device)
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row0: int, ctx: int, n: int) -> None:
         if seq.prompt_logprobs is None:

@@ -272,14 +272,14 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, repair_from_row: int | None = None
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, repair_rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """Final hidden states [N, H] of every row (writes the rows' K/V into the cache). With the
         expert store the step may run several times (miss replay); nothing may read its output
-        before this returns. repair_from_row = n: rows n.. (the step's prompt rows) compute with
-        the FP4 repair tier (EngineConfig.gate.fp4_prefill), eagerly."""
-        if repair_from_row is not None:
-            with self.model.repair_tier(from_row=repair_from_row):
+        before this returns. repair_rows (bool [N]): those rows (the step's prompt positions)
+        compute with the FP4 repair tier (EngineConfig.gate.fp4_prefill), eagerly."""
+        if repair_rows is not None:
+            with self.model.repair_tier(rows=repair_rows):
                 return self.model.forward_paged(input_ids, batch, self.kv)
         bucket = self._graph_bucket(batch)
         res = self.residency

@@ -51,6 +51,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []         # chained hashes of full blocks, computed lazily
         self.num_committed_blocks = 0               # leading full blocks already offered to the prefix cache
         self.num_cached_tokens = 0                  # prompt tokens served by the prefix cache at admission
+        # positions ..repaired_upto hold KV that FP4 experts computed over the context they have now
+        # (the confidence gate's repairs, an FP4 prefill): a repair need not recompute them again
+        self.repaired_upto = -1
         # outputs (engine / sampler)
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.wants_prompt_logprobs = params.prompt_logprobs is not None and index == 0

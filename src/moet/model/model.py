@@ -200,23 +200,26 @@ class CausalLM(nn.Module):
         return bool(blocks) and all(m.experts.repair_slot_table is not None for m in blocks)
 
     @contextlib.contextmanager
-    def repair_tier(self, from_row: int | None = None):
+    def repair_tier(self, rows: torch.Tensor | None = None):
         """Forwards inside compute the routed experts with the FP4 repair tier (the confidence
-        gate's repair pass, engine/confidence_gate.py), all rows, or with from_row = n rows n.. only
-        (a step's prompt rows, which follow its decode rows); eager only: a captured graph keeps
-        the tier it was captured with."""
+        gate's repair pass, engine/confidence_gate.py): every row, or with `rows` (a bool mask over
+        the pass's rows: a step's prompt positions) those rows only, the others with the primary
+        tier. Eager only: a captured graph keeps the tier it was captured with."""
         blocks = list(self.moe_blocks().values())
+        rep = pri = None
+        if rows is not None:
+            rep, pri = rows.nonzero().flatten(), (~rows).nonzero().flatten()
         for m in blocks:
-            if from_row is None:
+            if rows is None:
                 m.experts.repairing = True
             else:
-                m.experts.repair_from_row = from_row
+                m.experts.repair_rows, m.experts.primary_rows = rep, pri
         try:
             yield
         finally:
             for m in blocks:
                 m.experts.repairing = False
-                m.experts.repair_from_row = None
+                m.experts.repair_rows = m.experts.primary_rows = None
 
     # ------------------------------------------------------------------ caches
 

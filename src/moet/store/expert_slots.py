@@ -84,9 +84,11 @@ class ExpertSlots:
     repair_cpu_pool: object | None = None
     # True only inside CausalLM.repair_tier: the layer computes with the repair tier.
     repairing: bool = False
-    # Set only inside CausalLM.repair_tier(from_row=n): rows n.. of the pass (the step's prompt
-    # rows, which follow its decode rows) compute with the repair tier, rows ..n with the primary.
-    repair_from_row: int | None = None
+    # Set only inside CausalLM.repair_tier(rows=mask): int64 row indices of the pass that compute
+    # with the repair tier (a step's prompt positions, EngineConfig.gate.fp4_prefill) and those
+    # that compute with the primary; None outside.
+    repair_rows: torch.Tensor | None = None
+    primary_rows: torch.Tensor | None = None
     # With a repair pool of part of the experts (else None): int32 [num_experts], the primary slot
     # of each expert without an FP4 row and -1 for those with one (rewritten in place with
     # `repair_slot_table` by `assign_repair_slot`); int64 [1], the repair passes' (token, expert)

@@ -72,19 +72,21 @@ class MoE(nn.Module):
             e.route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=e.route_counts.dtype))
         # the primary tier, or the FP4 repair tier inside a repair pass (ExpertSlots.tier); Triton
         # grouped kernels for W2/FP4 pools on CUDA, the torch reference otherwise
-        split = e.repair_from_row
-        if e.repairing or split == 0:
+        if e.repairing:
             return self._repaired(x, ids, weights)
-        if split is None:
+        if e.repair_rows is None:
             return moe_experts(x, ids, weights, e.slot_table, e.compute_pool(), e.miss_counter,
                                swiglu_limit=self.spec.swiglu_limit)
-        # a step whose prompt rows (from `split` on) compute with the repair tier: two row ranges,
-        # each as it would run alone
-        head = moe_experts(x[:split], ids[:split], weights[:split], e.slot_table, e.compute_pool(), e.miss_counter,
-                           swiglu_limit=self.spec.swiglu_limit)
-        if split >= x.shape[0]:
-            return head
-        return torch.cat([head, self._repaired(x[split:], ids[split:], weights[split:])])
+        # a step whose prompt positions compute with the repair tier: the two row sets apart, each
+        # as it would run alone, put back in row order
+        out = torch.empty_like(x)
+        rep, pri = e.repair_rows, e.primary_rows
+        if pri.numel():
+            out[pri] = moe_experts(x[pri], ids[pri], weights[pri], e.slot_table, e.compute_pool(), e.miss_counter,
+                                   swiglu_limit=self.spec.swiglu_limit).to(x.dtype)
+        if rep.numel():
+            out[rep] = self._repaired(x[rep], ids[rep], weights[rep]).to(x.dtype)
+        return out
 
     def _repaired(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts with the FP4 repair tier: every pair from its FP4 row; with a pool of
