@@ -265,3 +265,17 @@ def test_pool_too_small_is_refused_before_loading(path, monkeypatch):
     monkeypatch.setattr(moet.model, "load_model", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(ConfigError, match="--fp4-pool-gb 0.000001 holds 0 FP4 experts per MoE layer"):
         engine(path, fp4_pool_gb="0.000001")
+
+
+def test_refresh_fires_every_n_generated_positions(path):
+    """--gate-refresh 4 with tau 0: a sequence's KV is FP4's after its prompt, then every 4th
+    generated position fires and recomputes exactly the 4 W2 positions since."""
+    eng = engine(path, gate_tau=0.0, gate_refresh=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    run(eng, PROMPTS, sp)
+    c = eng.gate.counters
+    # rows checked: positions P .. P + 10 (the first token comes from the FP4 prompt)
+    assert c.rows_checked == 11 * len(PROMPTS)
+    assert c.fires == c.repaired == 2 * len(PROMPTS) and c.recomputed_rows == 8 * len(PROMPTS)
+    with pytest.raises(ConfigError, match="--gate-refresh"):
+        EngineConfig(model="x", gate_refresh=-2)

@@ -39,6 +39,12 @@ class GateConfig(Section):
             "and rewrites their KV: a wrong step comes from KV that drifted over the tokens the model wrote "
             "itself, so repairing the fired token alone does not recover multi-step answers (arithmetic). The "
             "prompt's KV stays W2. 0 repairs the fired position only.")
+    gate_refresh: int = knob(
+        0, "also repair after N unrepaired generated tokens", metavar="N",
+        doc="A step also fires when N generated positions have passed since the sequence's KV was last FP4's "
+            "(its prompt with --fp4-prefill, or its last repair), however confident: a repair then recomputes "
+            "those positions, so W2 drift over a long answer (a scratchpad) is bounded even where every step "
+            "looks sure. Short answers never reach it. 0: off.")
     fp4_prefill: bool = knob(
         True, "compute prompts with the FP4 experts",
         doc="With the gate on, prompt tokens (prefill, chunked or not) run with FP4 experts, so the prompt's KV "
@@ -60,8 +66,10 @@ class GateConfig(Section):
         if not isinstance(self.gate_tau, (int, float)) or isinstance(self.gate_tau, bool) \
                 or not 0.0 <= self.gate_tau <= 1.0:
             raise ConfigError(f"gate_tau={self.gate_tau!r} must be a probability in [0, 1] (--gate-tau)")
-        if not isinstance(self.gate_reach, int) or isinstance(self.gate_reach, bool) or self.gate_reach < 0:
-            raise ConfigError(f"gate_reach={self.gate_reach!r} must be an integer >= 0 (--gate-reach)")
+        for name in ("gate_reach", "gate_refresh"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{name}={v!r} must be an integer >= 0 (--{name.replace('_', '-')})")
         self.fp4_pool_bytes        # parses fp4_pool_gb
 
     @property

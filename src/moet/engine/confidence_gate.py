@@ -120,7 +120,7 @@ class GateCounters:
 
 class ConfidenceGate:
     def __init__(self, runner, block_manager, tau: float, reach: int, fp4_prefill: bool = False,
-                 repair_pool=None):
+                 repair_pool=None, refresh: int = 0):
         self.runner = runner
         self.block_manager = block_manager
         self.tau = float(tau)
@@ -128,6 +128,8 @@ class ConfidenceGate:
         # prompt rows ran with FP4 experts (LLMEngine._prompt_rows_from): the row of a prompt's last
         # position is FP4's already, and a repair never reaches below the first generated position
         self.fp4_prefill = bool(fp4_prefill)
+        # fire also once this many generated positions passed since the KV was last FP4's (0: off)
+        self.refresh = int(refresh)
         # store/repair_pool.py when the FP4 pool holds part of the experts (promotes after each
         # repair pass), else None: every expert has its FP4 row
         self.repair_pool = repair_pool
@@ -155,14 +157,14 @@ class ConfidenceGate:
         else:
             checked = list(range(len(sampling)))
         c.rows_checked += len(checked)
-        if self.tau <= 0.0 or not checked:
+        if (self.tau <= 0.0 and not self.refresh) or not checked:
             return logits
         if self.forced_fire_rate is not None:
             fired = [row for row in checked if forced_draw(sampling[row].seq, sampling[row].seq.num_tokens) <
                      self.forced_fire_rate]
         else:
             low = (self.confidence(logits) < self.tau).tolist()
-            fired = [row for row in checked if low[row]]
+            fired = [row for row in checked if low[row] or self._due(sampling[row].seq)]
         if not fired:
             return logits
         c.fires += len(fired)
@@ -206,6 +208,13 @@ class ConfidenceGate:
             seq.repaired_upto = last
         return out
 
+    def _due(self, seq) -> bool:
+        """gate_refresh generated positions since the sequence's KV was last FP4's."""
+        if not self.refresh:
+            return False
+        since = max(seq.repaired_upto, seq.num_prompt_tokens - 1)
+        return seq.num_tokens - 1 - since >= self.refresh
+
     def _writable_from(self, seq, first: int, last: int) -> int | None:
         """The first position >= `first` from which the sequence's blocks up to `last` are its own
         (not shared through the prefix cache); None when `last` itself sits in a shared block."""
@@ -232,4 +241,5 @@ class ConfidenceGate:
             "fp4_gate_tau": self.tau,
             "fp4_gate_reach": float(self.reach),
             "fp4_gate_prefill": float(self.fp4_prefill),
+            "fp4_gate_refresh": float(self.refresh),
         } | (self.repair_pool.stats() if self.repair_pool is not None else {})

@@ -154,7 +154,7 @@ class LLMEngine:
                 pool = RepairPool(partial, max_rows_per_repair=len(partial) * model.spec.router.top_k)
                 pool.fill()
             self.gate = ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach,
-                                       config.gate.fp4_prefill, repair_pool=pool)
+                                       config.gate.fp4_prefill, repair_pool=pool, refresh=config.gate.gate_refresh)
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
         self._async = AsyncDecode(self) if sch.async_scheduling else None
         # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
