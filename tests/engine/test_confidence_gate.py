@@ -195,7 +195,7 @@ def test_confidence_gate_repairs_moet_tiny_arithmetic(tiny):
 def test_tau0_is_bare_w2_and_batching_does_not_change_tokens(path):
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     bare = run(engine(path, fp4_gate=False), PROMPTS, sp)
-    never = engine(path, gate_tau=0.0, fp4_prefill=False)
+    never = engine(path, gate_tau=0.0, gate_refresh=0, fp4_prefill=False)
     assert run(never, PROMPTS, sp) == bare and never.gate.counters.fires == 0
     gated = engine(path, gate_tau=0.5)
     together = run(gated, PROMPTS, sp)

@@ -100,7 +100,8 @@ def test_cli_formats():
     assert formats(None) == ["nvfp4"]
     assert formats(["w2", "fp4", "nvfp4"]) == ["w2", "nvfp4"]
     assert formats(["w2", "bf16"]) == ["bf16", "w2"]                  # bf16 first: the others compare with it
-    assert formats(["all"]) == ["bf16", "nvfp4", "w2", "w2+gate@0.9", "w2+gate@0.99", "w2+gate@0.999"]
+    assert formats(["all"]) == ["bf16", "nvfp4", "w2", "w2+gate@0.95", "w2+gate@0.96", "w2+gate@0.97",
+                                "w2+gate@0.99"]
     assert formats(["w2+gate", "w2"], [0.5, 0.99]) == ["w2+gate@0.5", "w2+gate@0.99", "w2"]
     with pytest.raises(ConfigError, match="--gate-tau 1.5"):
         formats(["w2+gate"], [1.5])
