@@ -121,3 +121,24 @@ def test_engine_with_a_partial_pool(path):
         engine(path, fp4_pool_gb="0.000000001")
     with pytest.raises(ConfigError, match="does not fit beside the weights"):
         engine(path, fp4_pool_gb="100000")
+
+
+def test_heat_outlives_the_engine(path, tmp_path, monkeypatch):
+    """A partial pool's heat is saved at close (beside the packs, by checkpoint identity) and the
+    next engine fills its slots hottest first; a file of another checkpoint is ignored."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    from moet.store.pack_builder import expert_row_bytes, pack_layers
+    spec = open_checkpoint(path).spec
+    gb = f"{6 * len(pack_layers(spec)) * expert_row_bytes(spec, 'fp4') / 2**30:.9f}"
+    eng = engine(path, fp4_pool_gb=gb)
+    eng.generate_all([("a", [(5 * j) % 250 for j in range(9)], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                             ignore_eos=True))])
+    pool = eng.gate.repair_pool
+    want = [sorted(order[:6]) for order in pool.hot_order()]
+    assert pool.heat.sum() > 0
+    eng.close()
+    files = list((tmp_path / ".cache" / "moet" / "packs").glob("fp4-heat-*.json"))
+    assert len(files) == 1
+    again = engine(path, fp4_pool_gb=gb).gate.repair_pool
+    assert [sorted(h) for h in again.holder] == want and torch.equal(again.heat, pool.heat)
+    assert not again.load_heat(str(files[0]), "ckpt-v1-fp-another")

@@ -286,6 +286,15 @@ class LLMEngine:
                 residency.close()
             raise
         engine.checkpoint = ckpt
+        pool = engine.gate.repair_pool if engine.gate is not None else None
+        if pool is not None:                  # a partial FP4 pool: start from the last run's heat
+            from moet.checkpoint.identity import identity
+            from moet.engine.expert_residency import DEFAULT_PACK_DIR
+            ident = identity(ckpt.reader)
+            engine._heat_file = (os.path.join(os.path.expanduser(config.store.pack_dir or DEFAULT_PACK_DIR),
+                                              f"fp4-heat-{ident.rsplit('-', 1)[-1][:24]}.json"), ident)
+            if pool.load_heat(*engine._heat_file):
+                log.info("FP4 repair pool filled from the saved heat %s", engine._heat_file[0])
         return engine
 
     def health(self) -> tuple[str, str]:
@@ -294,8 +303,15 @@ class LLMEngine:
         return self.residency.health() if self.residency is not None else ("ok", "")
 
     def close(self) -> None:
-        """Release the expert store (hot set saved, pack closed); idempotent. The engine cannot
-        step afterwards when it had a store."""
+        """Release the expert store (hot set saved, pack closed) and save a partial FP4 pool's heat;
+        idempotent. The engine cannot step afterwards when it had a store."""
+        heat = getattr(self, "_heat_file", None)
+        if heat is not None and self.gate is not None and self.gate.repair_pool is not None:
+            try:
+                self.gate.repair_pool.save_heat(*heat)
+            except OSError as exc:            # only a hint for the next start: say so, go on closing
+                log.warning("could not save the FP4 pool's heat to %s: %s", heat[0], exc)
+            self._heat_file = None
         if self.residency is not None:
             self.residency.close()
 

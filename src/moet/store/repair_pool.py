@@ -9,9 +9,14 @@ those computed with their W2 rows). After each pass `after_repair` folds the cou
 heat per (layer, expert) and moves the hottest absent experts in, evicting the coldest present
 ones, at most `max_rows_per_repair` rows a pass: the traffic a repair can add stays bounded. The
 copies go on the current stream, before the next pass that reads the slots; the tables change
-in place (`ExpertSlots.assign_repair_slot`).
+in place (`ExpertSlots.assign_repair_slot`). The heat outlives the engine: saved at close beside
+the packs (~/.cache/moet/packs unless --pack-dir), keyed by the checkpoint's identity, and the
+next engine fills its slots hottest first.
 """
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -98,6 +103,34 @@ class RepairPool:
     def hot_order(self) -> list[list[int]]:
         """Each layer's experts, hottest first (what `fill` takes back)."""
         return [sorted(range(self.num_experts), key=lambda x: (-float(h[x]), x)) for h in self.heat]
+
+    def save_heat(self, path: str, checkpoint_identity: str) -> None:
+        """The heat, for the next engine on this checkpoint (`load_heat`); written atomically."""
+        doc = {"checkpoint_identity": checkpoint_identity, "layers": self.names, "num_experts": self.num_experts,
+               "heat": self.heat.tolist()}
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+
+    def load_heat(self, path: str, checkpoint_identity: str) -> bool:
+        """Take a saved heat back and refill the slots hottest first. A file of another checkpoint
+        or layout, or an unreadable one, is ignored (it is only a hint). -> whether it was used."""
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            if (doc["checkpoint_identity"], doc["layers"], doc["num_experts"]) != (
+                    checkpoint_identity, self.names, self.num_experts):
+                return False
+            heat = torch.tensor(doc["heat"], dtype=torch.float64)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if tuple(heat.shape) != tuple(self.heat.shape) or not bool(torch.isfinite(heat).all()):
+            return False
+        self.heat = heat
+        self.fill(self.hot_order())
+        return True
 
     def stats(self) -> dict[str, float]:
         return {
