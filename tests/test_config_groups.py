@@ -39,7 +39,7 @@ OTHER = {
                   host_arena_gb=0.0, miss_tolerance=3, expert_demand_fetch=False, expert_decode_mode="auto",
                   expert_prefetch=False, pack_verify="full", rebuild_pack=True, o_direct=True,
                   expert_stats_interval_s=0.0),
-    "gate": dict(fp4_gate=False, gate_tau=0.9, gate_reach=8, fp4_pool_gb="12.5"),
+    "gate": dict(fp4_gate=False, gate_tau=0.9, gate_reach=8, gate_refresh=0, fp4_prefill=False, fp4_pool_gb="12.5"),
     "kernels": dict(enforce_eager=True, overlap_shared_experts=False, compile_warmup=False,
                     attention_fused_merge=True, small_kernel_pdl=False),
 }

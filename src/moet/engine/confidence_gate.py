@@ -1,25 +1,30 @@
-"""The confidence gate: W2 experts compute every step; the steps where the model is unsure are
-recomputed with the FP4 repair tier (EngineConfig.gate, ExpertSlots' repair tier).
+"""The confidence gate: W2 experts compute every generated token; the steps where the model is
+unsure are recomputed with the FP4 repair tier (EngineConfig.gate, ExpertSlots' repair tier).
 
-After a step's forward with W2 experts, each sampling row's confidence is the largest softmax
-probability of its logits (temperature 1). Rows below `gate_tau` fire. A fired sequence's last
-position q and up to `gate_reach` positions before it (never before the last prompt position, whose
-logits give the first generated token) run again in one eager varlen pass over the paged KV cache
-with the FP4 tier: the pass rewrites those positions' KV and yields repaired logits for q, which
-replace the W2 row before sampling. Every fired sequence of the step shares that one pass.
+With `fp4_prefill` (the default) prompt positions compute with FP4 experts in the step itself
+(LLMEngine._fp4_prompt_rows). After a step's forward, each sampling row of a generated position
+has its confidence: the largest softmax probability of its logits (temperature 1). A row fires
+when that is below `gate_tau`, or when `gate_refresh` generated positions have passed since its
+sequence's KV was last FP4's. A fired sequence's positions from the first whose KV is not FP4's
+over its present context (`Sequence.repaired_upto` + 1, at most `gate_reach` back, never before the
+first generated position, or the prompt's last without fp4_prefill) to the fired one run again in
+one eager varlen pass over the paged KV cache with the FP4 tier: the pass rewrites those
+positions' KV and yields repaired logits, which replace the W2 row before sampling. Every fired
+sequence of the step shares that one pass. Positions up to `repaired_upto` would come out the same
+if recomputed (their context has not changed since FP4 computed them), so skipping them gives the
+result of reaching back every time at a fraction of the rows.
 
-Why reach back, and why the prompt stays W2 (../shared/notes/gate-feasibility.md, moet-tiny): a
-wrong W2 step comes mostly from KV that drifted over the tokens the model wrote itself, so FP4
-logits over W2 KV recover almost nothing on multi-step answers, while repairing the fired step and
-the ~32 generated positions before it recovers nearly all; a W2 prefill costs nothing measurable.
-Max probability is the signal because it is what the measured curves were made with and needs no
-calibration; a step that fires also pays for the positions it reaches back over, which the rows
-counter reports.
+Why (docs/quality.md, moet-tiny): a wrong W2 step comes mostly from KV that drifted over the tokens
+the model wrote itself, so FP4 logits over W2 KV recover almost nothing on multi-step answers, while
+recomputing the recent generated positions recovers nearly all; answers read from the prompt need
+the prompt's KV FP4's too; steps that look sure still sit on drifted KV, which the refresh bounds.
+Max probability is the signal because it needs no calibration and the measured curves are monotone
+in it.
 
 KV blocks: a repair writes only blocks its sequence holds alone. A block shared through the prefix
 cache (ref_count > 1) ends the reach-back at its end; a block of the sequence's own that the prefix
 cache registered is dropped from the cache index when rewritten, so the cache never hands out KV
-other than what a fresh W2 computation of its tokens would write.
+other than what a fresh computation of its tokens would write.
 """
 from __future__ import annotations
 
