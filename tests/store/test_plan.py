@@ -217,6 +217,9 @@ def test_fp4_repair_tier_in_the_plan(glm_air, capsys):
     assert dense < rt.repair_bytes < dense + rt.fp4_bytes + 4096 * glm_air.kv_bytes_per_token
     tok = rt.tok_s_at_fire
     assert tok[0.0] == pytest.approx(big.prediction.tok_s) and tok[0.0] > tok[0.1] > tok[0.3]
+    # a repair recomputes ~1 / fire rate positions, not the full reach each time: cheaper than that
+    step = big.prediction.step_s
+    assert tok[0.3] > 1 / (step + 0.3 * rt.repair_s)
     # reach 0 reads the top-k rows of one token: cheaper than reach 32
     assert P.repair_tier_plan(big, reach=0).repair_bytes < rt.repair_bytes
     assert moet_main(["plan"]) == 0

@@ -399,14 +399,15 @@ def _placed(facts: ModelFacts, gpu: GpuBudget, host_memory_bytes: int, arena: in
 @dataclass
 class RepairTierPlan:
     """The FP4 repair tier and the confidence gate (engine/confidence_gate.py) for this budget: the
-    engine loads it when every W2 expert is resident and the FP4 copy of every expert fits in the
-    room left (a partial pool is not built yet). A repair recomputes reach + 1 positions with FP4
-    experts: one eager pass that reads the FP4 rows of the distinct experts those tokens route to."""
+    engine loads every expert's FP4 rows when every W2 expert is resident and they fit in the room
+    left (else a partial pool of what fits, which this does not model). A repair is one eager pass
+    over the positions written since the last one, at most reach + 1: it re-reads the dense stack
+    and the FP4 rows of the distinct experts those tokens route to."""
     fp4_bytes: int
     room_bytes: int            # GPU room left for it after the dense stack, reserves and W2 experts
     fits: bool
     reach: int
-    repair_bytes: int          # HBM bytes of one batch-1 repair pass
+    repair_bytes: int          # HBM bytes of one batch-1 repair pass over reach + 1 positions
     repair_s: float
     tok_s_at_fire: dict        # fire rate -> predicted batch-1 decode tok/s (0: bare W2)
 
@@ -419,15 +420,25 @@ def repair_tier_plan(plan: Plan, reach: int = 32, fire_rates=(0.0, 0.1, 0.3)) ->
     fp4 = f.rows * f.fp4_row_bytes
     room = plan.gpu.expert_room_bytes - f.expert_bytes
     fits = plan.fit.all_resident and fp4 <= room
-    tokens = reach + 1
-    distinct = f.experts * (1 - (1 - min(f.top_k, f.experts) / f.experts) ** tokens)
-    # the pass's attention reads the sequence's context once for its reach + 1 queries
-    repair_bytes = (f.dense_bytes - f.embedding_bytes + f.moe_layers * distinct * f.fp4_row_bytes
-                    + p.context * f.kv_bytes_per_token)
-    repair_s = repair_bytes / (bw.hbm_gbps * 1e9 * bw.kernel_efficiency) + bw.pass_overhead_ms * 1e-3
+    def pass_bytes(tokens: float) -> float:
+        distinct = f.experts * (1 - (1 - min(f.top_k, f.experts) / f.experts) ** tokens)
+        # the pass's attention reads the sequence's context once for all its queries
+        return (f.dense_bytes - f.embedding_bytes + f.moe_layers * distinct * f.fp4_row_bytes
+                + p.context * f.kv_bytes_per_token)
+
+    def seconds(nbytes: float) -> float:
+        return nbytes / (bw.hbm_gbps * 1e9 * bw.kernel_efficiency) + bw.pass_overhead_ms * 1e-3
+
+    repair_bytes = pass_bytes(reach + 1)
     step = p.step_s / p.batch            # per token at the plan's batch
+    tok_s = {}
+    for r in fire_rates:
+        # a repair recomputes the positions since the last one (engine/confidence_gate.py): about
+        # 1 / fire rate of them, at most reach + 1
+        tokens = min(reach + 1, max(1.0, 1.0 / r)) if r > 0 else 1.0
+        tok_s[r] = 1.0 / (step + r * seconds(pass_bytes(tokens)))
     return RepairTierPlan(fp4_bytes=fp4, room_bytes=room, fits=fits, reach=reach, repair_bytes=int(repair_bytes),
-                          repair_s=repair_s, tok_s_at_fire={r: 1.0 / (step + r * repair_s) for r in fire_rates})
+                          repair_s=seconds(repair_bytes), tok_s_at_fire=tok_s)
 
 
 # ---------------------------------------------------------------- prediction vs measurement

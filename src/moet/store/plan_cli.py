@@ -115,8 +115,8 @@ def render(plan: P.Plan, summary=None, notes: dict | None = None) -> str:
         lines.append(f"FP4 tier     {f.rows} FP4 rows of {_gib(f.fp4_row_bytes)}: {_gib(rt.fp4_bytes)}; room left beside "
                      f"the W2 experts {_gib(max(0, rt.room_bytes))}: "
                      + ("fits, the confidence gate runs" if rt.fits else
-                        "does not fit, the gate is off (a partial pool is not built yet)"))
-        lines.append(f"  repair     reach {rt.reach}: {_gib(rt.repair_bytes)} per repair pass -> {1e3 * rt.repair_s:.2f} ms; "
+                        "does not fit beside every W2 expert: a partial pool of what fits, or none"))
+        lines.append(f"  repair     a full reach of {rt.reach}: {_gib(rt.repair_bytes)} per pass -> {1e3 * rt.repair_s:.2f} ms; "
                      "batch-1 tok/s at fire rate " + ", ".join(f"{100 * r:g}%: {v:.1f}"
                                                                for r, v in rt.tok_s_at_fire.items()))
     lines.append(f"kernels      {100 * bw.kernel_efficiency:g}% of the HBM bandwidth, {bw.pass_overhead_ms:g} ms per pass"
