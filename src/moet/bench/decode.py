@@ -88,13 +88,7 @@ def check_correctness(eng, model, device, vocab: int) -> dict:
     lengths = [min(n, longest) for n in (17, 64, 129, 300)]
     ps = [p[:n] for p, n in zip(prompts(4, longest, vocab, 1), lengths)]
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
-    runs = []
-    for _ in range(6):
-        done = eng.generate_all([(f"c{i}", p, sp) for i, p in enumerate(ps)])
-        eng.reset_prefix_cache()
-        runs.append([(done[f"c{i}"].outputs[0].token_ids,
-                      [{t: v.logprob for t, v in d.items()} for d in done[f"c{i}"].outputs[0].logprobs])
-                     for i in range(len(ps))])
+    runs = six_greedy_runs(eng, ps, sp)
     identical = all(r == runs[0] for r in runs[1:])
     ref = ReferenceLoop(model, None, eng.eos_token_ids, eng.max_model_len)
     sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=20)
@@ -163,16 +157,23 @@ def gate_determinism(eng, vocab: int, rate: float) -> bool:
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
     eng.gate.forced_fire_rate = rate
     try:
-        runs = []
-        for _ in range(6):
-            done = eng.generate_all([(f"g{i}", p, sp) for i, p in enumerate(ps)])
-            eng.reset_prefix_cache()
-            runs.append([(done[f"g{i}"].outputs[0].token_ids,
-                          [{t: v.logprob for t, v in d.items()} for d in done[f"g{i}"].outputs[0].logprobs])
-                         for i in range(len(ps))])
+        runs = six_greedy_runs(eng, ps, sp)
     finally:
         eng.gate.forced_fire_rate = None
     return all(r == runs[0] for r in runs[1:])
+
+
+def six_greedy_runs(eng, ps: list[list[int]], sp) -> list[list[tuple]]:
+    """The same requests six times (prefix cache reset between runs): per run, each request's
+    (token ids, logprob dicts)."""
+    runs = []
+    for _ in range(6):
+        done = eng.generate_all([(f"c{i}", p, sp) for i, p in enumerate(ps)])
+        eng.reset_prefix_cache()
+        runs.append([(done[f"c{i}"].outputs[0].token_ids,
+                      [{t: v.logprob for t, v in d.items()} for d in done[f"c{i}"].outputs[0].logprobs])
+                     for i in range(len(ps))])
+    return runs
 
 
 def config_text(t: Target, s: Settings, **what) -> str:

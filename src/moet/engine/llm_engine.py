@@ -480,13 +480,13 @@ class LLMEngine:
                 except Exception as exc:
                     self._fail_seq(s.seq, exc)
         prompt_tokens = 0
+        fp4_prompt = self.gate is not None and self.gate.fp4_prefill
         for s in sched.scheduled:
             seq = s.seq
             if seq.is_finished:                      # failed above: its blocks are already freed
                 continue
             prompt_tokens += max(0, min(seq.num_prompt_tokens, s.context_len + s.num_new_tokens) - s.context_len)
             seq.num_computed_tokens += s.num_new_tokens
-            fp4_prompt = self.gate is not None and self.gate.fp4_prefill
             self.block_manager.commit_full_blocks(seq, seq.num_prompt_tokens if fp4_prompt else None)
         self._stats.prompt_tokens_total += prompt_tokens
         if not sampling:

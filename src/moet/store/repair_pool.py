@@ -77,24 +77,24 @@ class RepairPool:
         self.missed_pairs += missed
         self.heat.mul_(self.DECAY).add_(counts)
         moves = []                    # (heat gain, layer, slot, expert)
-        for li in range(len(self.slots)):
-            heat = self.heat[li]
-            present = [x for x in self.holder[li] if x >= 0]
+        for li, order in enumerate(self.hot_order()):
+            heat = self.heat[li].tolist()
+            slot_of = {x: slot for slot, x in enumerate(self.holder[li]) if x >= 0}
             # the hottest experts (ties: lower id), and those of them not yet in a slot
-            ranked = sorted(range(self.num_experts), key=lambda x: (-float(heat[x]), x))[:self.num_slots]
-            absent = [x for x in ranked if x not in present]
+            ranked = order[:self.num_slots]
+            absent = [x for x in ranked if x not in slot_of]
             if not absent:
                 continue
-            victims = sorted((x for x in present if x not in ranked), key=lambda x: (float(heat[x]), x))
-            free = [s for s, x in enumerate(self.holder[li]) if x < 0]
+            hot = set(ranked)
+            victims = sorted((x for x in slot_of if x not in hot), key=lambda x: (heat[x], x))
+            free = [slot for slot, x in enumerate(self.holder[li]) if x < 0]
             for x in absent:
                 if free:
-                    moves.append((float(heat[x]), li, free.pop(0), x))
+                    moves.append((heat[x], li, free.pop(0), x))
                 elif victims:
                     v = victims.pop(0)
-                    gain = float(heat[x]) - float(heat[v])
-                    if gain > 0:
-                        moves.append((gain, li, self.holder[li].index(v), x))
+                    if heat[x] - heat[v] > 0:
+                        moves.append((heat[x] - heat[v], li, slot_of[v], x))
         moves.sort(key=lambda m: -m[0])
         for _, li, slot, x in moves[:self.max_rows_per_repair]:
             self._move_in(li, slot, x)
@@ -102,7 +102,7 @@ class RepairPool:
 
     def hot_order(self) -> list[list[int]]:
         """Each layer's experts, hottest first (what `fill` takes back)."""
-        return [sorted(range(self.num_experts), key=lambda x: (-float(h[x]), x)) for h in self.heat]
+        return [sorted(range(self.num_experts), key=lambda x: (-h[x], x)) for h in self.heat.tolist()]
 
     def save_heat(self, path: str, checkpoint_identity: str) -> None:
         """The heat, for the next engine on this checkpoint (`load_heat`); written atomically."""
