@@ -80,16 +80,18 @@ def test_absent_seam_misses_everything_and_the_repair_tier_is_one_more_pool():
         e.tier()
     e.repairing = False
     fp4 = DensePool(torch.full((2, 4, 3), 2.0), torch.full((2, 3, 2), 2.0))
-    holes = ExpertSlots.absent(2)                       # a partial pool needs every expert in the primary
+    holes = ExpertSlots.absent(2)                       # the expert store's primary: slots come and go
     holes.pools["bf16"], holes.primary = pool, "bf16"
-    with pytest.raises(ValueError, match="every expert in the primary pool"):
-        holes.add_repair_tier(fp4, torch.tensor([0, -1], dtype=torch.int32))
+    holes.add_repair_tier(fp4, torch.tensor([0, -1], dtype=torch.int32))
+    assert holes.repair_fallback_table().tolist() == [-1, -1]    # expert 1: neither row (a miss)
+    holes.slot_table[1] = 0
+    assert holes.repair_fallback_table().tolist() == [-1, 0]     # follows the primary's table
     part = ExpertSlots.resident("bf16", pool, "cpu")
     part.add_repair_tier(DensePool(torch.zeros(1, 4, 3), torch.zeros(1, 3, 2)), torch.tensor([-1, 0], dtype=torch.int32))
-    assert not part.repair_complete and part.repair_fallback_table.tolist() == [0, -1]
+    assert not part.repair_complete and part.repair_fallback_table().tolist() == [0, -1]
     part.assign_repair_slot(0, 0)
     part.assign_repair_slot(1, -1)
-    assert part.repair_slot_table.tolist() == [0, -1] and part.repair_fallback_table.tolist() == [-1, 1]
+    assert part.repair_slot_table.tolist() == [0, -1] and part.repair_fallback_table().tolist() == [-1, 1]
     table = torch.tensor([1, 0], dtype=torch.int32)
     e.add_repair_tier(fp4, table)
     assert e.pool is pool and e.repair_pool is fp4 and sorted(e.pools) == ["bf16", "fp4"] and e.repair_complete

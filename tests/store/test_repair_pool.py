@@ -55,7 +55,7 @@ def test_repair_pass_mixes_fp4_and_w2_rows(path):
     pool = RepairPool(model.moe_blocks(), max_rows_per_repair=100)
     pool.fill([[3, 9, 0, 14, 7, 1] + [x for x in range(16) if x not in (3, 9, 0, 14, 7, 1)]] * len(pool.slots))
     assert sorted(x for x in range(16) if int(e.repair_slot_table[x]) >= 0) == [0, 1, 3, 7, 9, 14]
-    assert all(int(e.repair_fallback_table[x]) == (x if int(e.repair_slot_table[x]) < 0 else -1) for x in range(16))
+    assert all(int(e.repair_fallback_table()[x]) == (x if int(e.repair_slot_table[x]) < 0 else -1) for x in range(16))
     x = torch.randn(7, model.spec.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         w2 = block(x)
@@ -83,13 +83,13 @@ def test_promotion_moves_hot_experts_in_bounded(path):
     assert pool.after_repair() == 1                      # the heat stays: the fourth follows
     assert sorted(pool.holder[0]) == [10, 11, 12, 13]
     for slot, x in enumerate(pool.holder[0]):            # the slot holds the host's rows of its expert
-        assert int(e.repair_slot_table[x]) == slot and int(e.repair_fallback_table[x]) == -1
+        assert int(e.repair_slot_table[x]) == slot and int(e.repair_fallback_table()[x]) == -1
         for f in e.repair_pool.__slots__:
             t = getattr(e.repair_pool, f)
             if isinstance(t, torch.Tensor):
                 assert torch.equal(t[slot], getattr(e.repair_host_pool, f)[x]), f
     for x in range(4):
-        assert int(e.repair_slot_table[x]) == -1 and int(e.repair_fallback_table[x]) == x
+        assert int(e.repair_slot_table[x]) == -1 and int(e.repair_fallback_table()[x]) == x
     assert pool.after_repair() == 0                      # nothing hotter waits
     assert pool.stats()["fp4_pool_promotions"] == 4 * len(pool.slots) + 4
 
@@ -141,4 +141,7 @@ def test_heat_outlives_the_engine(path, tmp_path, monkeypatch):
     assert len(files) == 1
     again = engine(path, fp4_pool_gb=gb).gate.repair_pool
     assert [sorted(h) for h in again.holder] == want and torch.equal(again.heat, pool.heat)
+    for e, holder in zip(again.slots, again.holder):    # refilled over a full pool: tables and holders agree
+        assert sorted(x for x in range(again.num_experts) if int(e.repair_slot_table[x]) >= 0) == sorted(holder)
+        assert all(int(e.repair_slot_table[x]) == slot for slot, x in enumerate(holder))
     assert not again.load_heat(str(files[0]), "ckpt-v1-fp-another")

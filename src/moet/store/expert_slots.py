@@ -28,8 +28,10 @@ with its own slot table, `repair_slot_table`: a forward computes with the primar
 the pool `slot_table` indexes) unless `repairing` is set, which only the confidence gate's repair
 pass does (CausalLM.repair_tier), always eagerly: captured decode graphs read the primary tier.
 The repair pool may hold part of the experts (store/repair_pool.py promotes the hot ones into its
-slots): a pair whose expert has no FP4 row computes with its primary row instead
-(`repair_fallback_table`), so a repair pass is the FP4 pass plus a primary pass over the rest.
+slots): a pair whose expert has no FP4 row computes with its primary row instead, so a repair pass
+is the FP4 pass plus a primary pass over the rest (MoE._repaired). The primary rows may come from
+the device expert cache (the expert store): a primary row absent there counts in `miss_counter`
+like any miss, so the store's replay or demand fetch covers repair passes too.
 """
 from __future__ import annotations
 
@@ -89,16 +91,15 @@ class ExpertSlots:
     # that compute with the primary; None outside.
     repair_rows: torch.Tensor | None = None
     primary_rows: torch.Tensor | None = None
-    # With a repair pool of part of the experts (else None): int32 [num_experts], the primary slot
-    # of each expert without an FP4 row and -1 for those with one (rewritten in place with
-    # `repair_slot_table` by `assign_repair_slot`); int64 [1], the repair passes' (token, expert)
-    # pairs that had no FP4 row; int32 [num_experts], pairs routed to each expert in repair
-    # passes (the pool's heat, read and zeroed by store/repair_pool.py).
-    repair_fallback_table: torch.Tensor | None = None
+    # With a repair pool of part of the experts (else None): int64 [1], the repair passes' (token,
+    # expert) pairs that had no FP4 row; int32 [num_experts], pairs routed to each expert in repair
+    # passes (the pool's heat). store/repair_pool.py re-points both at rows of its own [layers, ...]
+    # tensors, reads and zeroes them.
     repair_miss_counter: torch.Tensor | None = None
     repair_route_counts: torch.Tensor | None = None
-    # A partial pool's source: every expert's FP4 rows in host memory (slot = expert id; pinned on
-    # CUDA), filled by the loader; store/repair_pool.py copies from it into the device slots.
+    # A partial pool's source without the expert store: every expert's FP4 rows in host memory
+    # (slot = expert id; pinned on CUDA), filled by the loader; store/repair_pool.py copies from it
+    # into the device slots. With the store the rows come from the FP4 pack instead (None here).
     repair_host_pool: object | None = None
 
     @classmethod
@@ -114,8 +115,7 @@ class ExpertSlots:
 
     def add_repair_tier(self, pool, slot_table: torch.Tensor) -> None:
         """The FP4 repair tier: `pool` (an FP4Pool) and each expert's slot in it (-1: no FP4 row;
-        such experts compute with their primary rows in a repair pass, which needs every expert in
-        the primary pool)."""
+        such experts compute with their primary rows in a repair pass)."""
         if self.repair_slot_table is not None:
             raise RuntimeError("this MoE layer already has a repair tier")
         if REPAIR_FORMAT in self.pools:
@@ -123,23 +123,25 @@ class ExpertSlots:
         self.pools[REPAIR_FORMAT] = pool
         self.repair_slot_table = slot_table
         if pool.num_slots < slot_table.numel() or bool((slot_table < 0).any()):
-            if bool((self.slot_table < 0).any()):
-                raise ValueError("a repair pool of part of the experts needs every expert in the primary pool")
             dev = slot_table.device
-            self.repair_fallback_table = torch.where(slot_table < 0, self.slot_table, -1).to(torch.int32)
             self.repair_miss_counter = torch.zeros(1, dtype=torch.int64, device=dev)
             self.repair_route_counts = torch.zeros(slot_table.numel(), dtype=torch.int32, device=dev)
 
     @property
     def repair_complete(self) -> bool:
         """Every expert has an FP4 row (no fallback to the primary in a repair pass)."""
-        return self.repair_fallback_table is None
+        return self.repair_miss_counter is None
+
+    def repair_fallback_table(self) -> torch.Tensor:
+        """int32 [num_experts]: the primary slot of each expert without an FP4 row, -1 for those
+        with one. Computed per pass: the primary slots move when the expert store fetches and
+        evicts."""
+        return torch.where(self.repair_slot_table < 0, self.slot_table, -1).to(torch.int32)
 
     def assign_repair_slot(self, expert: int, slot: int) -> None:
-        """Expert `expert`'s FP4 row is now in repair slot `slot` (-1: it has none); the fallback
-        table follows. In place: a partial pool's tables keep their storage."""
+        """Expert `expert`'s FP4 row is now in repair slot `slot` (-1: it has none). In place: a
+        partial pool's table keeps its storage."""
         self.repair_slot_table[expert] = slot
-        self.repair_fallback_table[expert] = -1 if slot >= 0 else self.slot_table[expert]
 
     @property
     def pool(self):

@@ -1,17 +1,21 @@
 """RepairPool: an FP4 repair tier of part of the experts (EngineConfig.gate.fp4_pool_gb smaller than
 every expert's FP4 rows): which experts hold its device slots, and their promotion.
 
-Every MoE layer has the same number of FP4 slots on the device (`ExpertSlots.pools["fp4"]`), and
-every expert's FP4 rows wait in host memory (`ExpertSlots.repair_host_pool`, slot = expert id,
-pinned on CUDA), filled by the loader from the checkpoint. A repair pass counts the pairs routed to
-each expert (`repair_route_counts`) and the pairs that found no FP4 row (`repair_miss_counter`:
-those computed with their W2 rows). After each pass `after_repair` folds the counts into a decayed
-heat per (layer, expert) and moves the hottest absent experts in, evicting the coldest present
-ones, at most `max_rows_per_repair` rows a pass: the traffic a repair can add stays bounded. The
-copies go on the current stream, before the next pass that reads the slots; the tables change
-in place (`ExpertSlots.assign_repair_slot`). The heat outlives the engine: saved at close beside
-the packs (~/.cache/moet/packs unless --pack-dir), keyed by the checkpoint's identity, and the
-next engine fills its slots hottest first.
+Every MoE layer has the same number of FP4 slots on the device (`ExpertSlots.pools["fp4"]`). The rows
+to fill them from come from a row source: every expert's FP4 rows in host memory
+(`HostPoolRows`, the loader's `ExpertSlots.repair_host_pool`, slot = expert id, pinned on CUDA), or,
+with the expert store, the FP4 pack through its own host arena (`PackRows`: disk -> host arena ->
+device, like the W2 rows). A repair pass counts the pairs routed to each expert
+(`repair_route_counts`) and the pairs that found no FP4 row (`repair_miss_counter`: those computed
+with their W2 rows); both are views of this pool's [layers, ...] tensors, so one copy reads, saves or
+restores them all (a store step replayed after a W2 miss restores them first: `snapshot`,
+`restore`). After each pass `after_repair` folds the counts into a decayed heat per (layer, expert)
+and moves the hottest absent experts in, evicting the coldest present ones, at most
+`max_rows_per_repair` rows a pass: the traffic a repair can add stays bounded. The copies go on the
+current stream, before the next pass that reads the slots; the tables change in place
+(`ExpertSlots.assign_repair_slot`). The heat outlives the engine: saved at close beside the packs
+(~/.cache/moet/packs unless --pack-dir), keyed by the checkpoint's identity, and the next engine
+fills its slots hottest first.
 """
 from __future__ import annotations
 
@@ -23,11 +27,61 @@ import torch
 from moet.kernels.pools import pool_nbytes
 
 
+class HostPoolRows:
+    """Rows from every expert's FP4 rows in host memory (`ExpertSlots.repair_host_pool`)."""
+
+    def copy(self, slots, moves: list[tuple[int, int, int]]) -> None:
+        """moves: (layer index, device slot, expert) -> the expert's rows into the slot."""
+        for li, slot, expert in moves:
+            e = slots[li]
+            host, dev = e.repair_host_pool, e.repair_pool
+            for f in dev.__slots__:
+                t = getattr(dev, f)
+                if isinstance(t, torch.Tensor):
+                    t[slot].copy_(getattr(host, f)[expert], non_blocking=True)
+
+    def close(self) -> None:
+        pass
+
+
+class PackRows:
+    """Rows from the FP4 pack through a host arena (store/host_arena.py): the rows of one call are
+    read together (disk misses in parallel), then copied into the slots asynchronously. A row
+    stays valid in the arena until its next call, which first waits for the last copies."""
+
+    def __init__(self, arena, layer_of: list[int]):
+        self.arena = arena
+        self.layout = arena.pack.layout
+        self.layer_of = layer_of          # pool layer index -> pack layer
+        self._done = None
+
+    def copy(self, slots, moves: list[tuple[int, int, int]]) -> None:
+        from moet.store.pack_file import copy_row_into_slot
+
+        if not moves:
+            return
+        if self._done is not None:
+            self._done.synchronize()
+        rows = self.arena.rows([self.arena.key(self.layer_of[li], x) for li, _, x in moves])
+        for (li, slot, _), row in zip(moves, rows):
+            copy_row_into_slot(slots[li].repair_pool, self.layout, slot, row, non_blocking=True)
+        dev = slots[0].repair_slot_table.device
+        if dev.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(dev))
+
+    def close(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+
+
 class RepairPool:
     DECAY = 0.9          # heat kept per repair pass: the last ~10 passes dominate
 
-    def __init__(self, blocks: dict, max_rows_per_repair: int):
-        """blocks: {layer name: MoE block} whose ExpertSlots hold a partial repair tier."""
+    def __init__(self, blocks: dict, max_rows_per_repair: int, source=None):
+        """blocks: {layer name: MoE block} whose ExpertSlots hold a partial repair tier; source:
+        where promoted rows come from (HostPoolRows when None)."""
         self.names = list(blocks)
         self.slots = [blocks[n].experts for n in self.names]
         first = self.slots[0]
@@ -35,6 +89,14 @@ class RepairPool:
         self.num_slots = first.repair_pool.num_slots
         self.max_rows_per_repair = max(1, int(max_rows_per_repair))
         self.row_bytes = pool_nbytes(first.repair_pool) // self.num_slots
+        self.source = source if source is not None else HostPoolRows()
+        # every layer's counters in one tensor each; the layers count into views of them
+        dev = first.repair_slot_table.device
+        self.route_counts = torch.zeros(len(self.slots), self.num_experts, dtype=torch.int32, device=dev)
+        self.miss_counts = torch.zeros(len(self.slots), dtype=torch.int64, device=dev)
+        for li, e in enumerate(self.slots):
+            e.repair_route_counts = self.route_counts[li]
+            e.repair_miss_counter = self.miss_counts[li:li + 1]
         self.heat = torch.zeros(len(self.slots), self.num_experts, dtype=torch.float64)
         # holder[l][slot] = the expert in that slot, -1 = empty
         self.holder = [[-1] * self.num_slots for _ in self.slots]
@@ -48,31 +110,37 @@ class RepairPool:
         of an earlier run), else experts 0, 1, ...; counted as promotions."""
         for li in range(len(self.slots)):
             want = (order[li] if order is not None else list(range(self.num_experts)))[:self.num_slots]
-            for slot, expert in enumerate(want):
-                self._move_in(li, slot, expert)
+            keep = set(want) & set(self.holder[li])          # already in a slot: stays there
+            free = [slot for slot, x in enumerate(self.holder[li]) if x not in keep]
+            self._move_in([(li, free.pop(0), x) for x in want if x not in keep])
 
-    def _move_in(self, li: int, slot: int, expert: int) -> None:
-        e = self.slots[li]
-        old = self.holder[li][slot]
-        if old >= 0:
-            e.assign_repair_slot(old, -1)
-        host, dev = e.repair_host_pool, e.repair_pool
-        for f in dev.__slots__:
-            t = getattr(dev, f)
-            if isinstance(t, torch.Tensor):
-                t[slot].copy_(getattr(host, f)[expert], non_blocking=True)
-        e.assign_repair_slot(expert, slot)
-        self.holder[li][slot] = expert
-        self.promotions += 1
-        self.bytes_moved += self.row_bytes
+    def _move_in(self, moves: list[tuple[int, int, int]]) -> None:
+        """(layer index, slot, expert): the tables first (the old occupant leaves), then the rows."""
+        for li, slot, expert in moves:
+            e = self.slots[li]
+            old = self.holder[li][slot]
+            if old >= 0:
+                e.assign_repair_slot(old, -1)
+            e.assign_repair_slot(expert, slot)
+            self.holder[li][slot] = expert
+        self.source.copy(self.slots, moves)
+        self.promotions += len(moves)
+        self.bytes_moved += len(moves) * self.row_bytes
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The counters now (a step that may run again after a miss restores them before each pass)."""
+        return self.route_counts.clone(), self.miss_counts.clone()
+
+    def restore(self, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.route_counts.copy_(snap[0])
+        self.miss_counts.copy_(snap[1])
 
     def after_repair(self) -> int:
         """Fold one repair pass's routing into the heat and promote; -> rows moved."""
-        counts = torch.stack([e.repair_route_counts for e in self.slots]).to("cpu", torch.float64)
-        missed = sum(int(e.repair_miss_counter.item()) for e in self.slots)
-        for e in self.slots:
-            e.repair_route_counts.zero_()
-            e.repair_miss_counter.zero_()
+        counts = self.route_counts.to("cpu", torch.float64)
+        missed = int(self.miss_counts.sum().item())
+        self.route_counts.zero_()
+        self.miss_counts.zero_()
         self.routed_pairs += int(counts.sum().item())
         self.missed_pairs += missed
         self.heat.mul_(self.DECAY).add_(counts)
@@ -96,8 +164,7 @@ class RepairPool:
                     if heat[x] - heat[v] > 0:
                         moves.append((heat[x] - heat[v], li, slot_of[v], x))
         moves.sort(key=lambda m: -m[0])
-        for _, li, slot, x in moves[:self.max_rows_per_repair]:
-            self._move_in(li, slot, x)
+        self._move_in([(li, slot, x) for _, li, slot, x in moves[:self.max_rows_per_repair]])
         return min(len(moves), self.max_rows_per_repair)
 
     def hot_order(self) -> list[list[int]]:

@@ -99,9 +99,13 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         e.repair_route_counts.index_add_(0, flat, torch.ones_like(flat, dtype=e.repair_route_counts.dtype))
         out = moe_experts(x, ids, weights, table, pool, e.repair_miss_counter, swiglu_limit=self.spec.swiglu_limit)
-        scratch = torch.zeros(1, dtype=torch.int64, device=x.device)     # the FP4 pairs, missed on purpose here
-        return out + moe_experts(x, ids, weights, e.repair_fallback_table, e.compute_pool(), scratch,
-                                 swiglu_limit=self.spec.swiglu_limit)
+        # the primary pass misses the FP4 pairs on purpose; what it misses beyond them is a primary
+        # row absent from the expert store's cache, a real miss (replayed like any other)
+        missed = torch.zeros(1, dtype=torch.int64, device=x.device)
+        out = out + moe_experts(x, ids, weights, e.repair_fallback_table(), e.compute_pool(), missed,
+                                swiglu_limit=self.spec.swiglu_limit)
+        e.miss_counter.add_(missed - (table[flat] >= 0).sum())
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, shared = self.forward_parts(x)
