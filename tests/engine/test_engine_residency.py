@@ -18,7 +18,7 @@ from moet.testing.tiny_checkpoint import cached_checkpoint
 
 ROWS = 2 * 40          # 2 MoE layers x 40 experts; top_k 2 -> 4 rows per token per step
 # chunked prefill of 2 tokens per step, 2 sequences at once: 3 prompts interleave prefill and decode
-# fp4_gate off: the store has no FP4 repair tier yet, so resident and stored runs compare bare W2
+# fp4_gate off: resident and stored runs compare bare W2 (the gate with the store: test_gate_through_store.py)
 KW = dict(expert_format="w2", dtype="float32", device="cpu", max_num_seqs=2, max_num_batched_tokens=2,
           num_kv_blocks=64, block_size=4, fp4_gate=False)
 SP = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)

@@ -16,7 +16,7 @@ from moet.llm import LLM
 from moet.sampling_params import SamplingParams
 from moet.testing.tiny_checkpoint import cached_checkpoint
 
-# fp4_gate off: the store has no FP4 repair tier yet, so resident and stored runs compare bare W2
+# fp4_gate off: resident and stored runs compare bare W2 (the gate with the store: test_gate_through_store.py)
 KW = dict(expert_format="w2", dtype="float32", device="cpu", max_num_seqs=2, max_num_batched_tokens=2,
           num_kv_blocks=64, block_size=4, fp4_gate=False)
 SP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -16,7 +16,7 @@ from moet.store.pack_file import PackFile, PackMeta
 from moet.testing.tiny_checkpoint import cached_checkpoint
 
 # every fetch reads the pack (no host arena), 8 device slots (2 layers x top_k 2 x 2 sequences)
-# (fp4_gate off: the store has no FP4 repair tier yet; the resident reference runs bare W2 too)
+# (fp4_gate off: these tests are about W2 pack rows; the gate with the store: test_gate_through_store.py)
 KW = dict(expert_format="w2", dtype="float32", device="cpu", max_num_seqs=2, max_num_batched_tokens=2,
           num_kv_blocks=64, block_size=4, expert_cache_slots=8, host_arena_gb=0, fp4_gate=False)
 SP = SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, ignore_eos=True)

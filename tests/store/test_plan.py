@@ -212,6 +212,14 @@ def test_fp4_repair_tier_in_the_plan(glm_air, capsys):
     big, small = _plan(glm_air, 141), _plan(glm_air, 80)
     rt, rs = P.repair_tier_plan(big), P.repair_tier_plan(small)
     assert rt.fits and not rs.fits and big.fit.all_resident
+    assert rt.slots == glm_air.experts and not rt.from_pack
+    # on 80 GiB: a partial pool of what the W2 experts leave, or with the store a share of the room
+    assert (rs.slots < glm_air.experts) and rs.from_pack == (not small.fit.all_resident)
+    tiny = _plan(glm_air, 32)                 # 32 GiB: the expert store, FP4 rows from their pack
+    rp = P.repair_tier_plan(tiny)
+    assert not tiny.fit.all_resident and rp.from_pack and not rp.fits
+    assert rp.slots == (0 if rp.room_bytes // (glm_air.moe_layers * glm_air.fp4_row_bytes) < glm_air.top_k else
+                        min(glm_air.experts, rp.room_bytes // (glm_air.moe_layers * glm_air.fp4_row_bytes)))
     assert rt.fp4_bytes == glm_air.rows * glm_air.fp4_row_bytes and glm_air.fp4_row_bytes == 2 * glm_air.row_bytes
     dense = glm_air.dense_bytes - glm_air.embedding_bytes
     assert dense < rt.repair_bytes < dense + rt.fp4_bytes + 4096 * glm_air.kv_bytes_per_token

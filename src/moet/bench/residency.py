@@ -76,7 +76,7 @@ def check_tiny(device, work: str, pcts=(10, 25, 50), prefetch: bool = True) -> d
     path = make_checkpoint(os.path.join(work, "tiny"), "qwen3_moe", "bf16", tokenizer=False, num_experts=40)
     kw = dict(expert_format="w2", dtype="float32", device=str(device), max_num_seqs=2, max_num_batched_tokens=2,
               num_kv_blocks=64, block_size=16, max_model_len=64, expert_prefetch=prefetch,
-              fp4_gate=False)   # the store has no FP4 repair tier yet: bare W2 on both sides
+              fp4_gate=False)   # the store's own cost: bare W2 on both sides (the gate is timed by bench decode)
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (5, 7, 3)]
     sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)

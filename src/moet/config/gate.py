@@ -59,9 +59,11 @@ class GateConfig(Section):
             "FP4 slots per MoE layer as fit. A number: that much GPU memory for FP4 slots. With fewer slots than "
             "experts, every expert's FP4 rows wait in host memory and the experts repairs route to most move in "
             "(a bounded number per repair), the others repair with their W2 rows; the FP4 pool hit rate in the "
-            "engine stats says how often a repaired pair found its FP4 row. A size that holds fewer experts per "
-            "layer than a token routes to, or more than fits, is refused. 0 turns the tier off, like "
-            "--no-fp4-gate.")
+            "engine stats says how often a repaired pair found its FP4 row. With the expert store (W2 experts "
+            "paged from their pack) the FP4 rows have a pack of their own beside it and move disk -> host arena "
+            "-> GPU like the W2 rows; auto then gives the FP4 pool a quarter of the room the dense weights leave, "
+            "the W2 cache the rest. A size that holds fewer experts per layer than a token routes to, or more "
+            "than fits, is refused. 0 turns the tier off, like --no-fp4-gate.")
 
     def validate(self) -> None:
         super().validate()

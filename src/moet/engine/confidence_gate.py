@@ -37,6 +37,7 @@ import torch
 from moet.config import EngineConfig
 from moet.errors import ConfigError
 from moet.model.attention_batch import AttentionBatch
+from moet.store.repair_pool import STORE_POOL_SHARE
 
 log = logging.getLogger("moet.engine")
 
@@ -46,8 +47,10 @@ def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: to
     """(FP4 device slots per MoE layer, or None: no repair tier; why, for the log), decided before
     any weight is read. Every expert's FP4 rows when they fit (--fp4-pool-gb auto) or the size asks
     for them all; fewer slots (a partial pool, store/repair_pool.py, every expert's FP4 rows then in
-    host memory) when only that fits or the size says so. Explicit requests that cannot be met are
-    a ConfigError naming the flag."""
+    host memory) when only that fits or the size says so. With the expert store (`store_reason`)
+    the FP4 rows come from their own pack through a host arena, and auto gives the device pool
+    STORE_POOL_SHARE of the room the dense weights leave (the W2 cache takes what remains after
+    it). Explicit requests that cannot be met are a ConfigError naming the flag."""
     from moet.engine.expert_residency import FIT_FRACTION, estimated_weight_bytes
     from moet.store.host_arena import available_host_bytes
     from moet.store.pack_builder import expert_row_bytes, pack_layers
@@ -65,13 +68,10 @@ def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: to
     fmt = config.load.expert_format
     if fmt != "w2":
         return None, f"expert_format={fmt}: the experts are not W2, nothing to repair"
-    if store_reason is not None:
-        if explicit is not None:
-            raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb}: the FP4 repair tier does not run with the expert "
-                              f"store yet (on because {store_reason}); use --fp4-pool-gb auto or 0")
-        return None, f"the FP4 repair tier does not run with the expert store yet ({store_reason})"
     experts, top_k = spec.router.num_experts, spec.router.top_k
     dense, w2_bytes = estimated_weight_bytes(ckpt, "w2", dtype)
+    if store_reason is not None:      # the W2 experts are paged: they take no fixed room here
+        w2_bytes = 0
     layer_slot = layers * expert_row_bytes(spec, "fp4")           # one slot in every MoE layer
     full = experts * layer_slot
     if device.type == "cuda":
@@ -82,7 +82,11 @@ def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: to
     else:
         room = available_host_bytes() // 2 - dense - w2_bytes
         where = "half of the host's available memory"
-    size = explicit if explicit is not None else max(0, room)
+    if store_reason is not None:
+        where += " beside the expert store's W2 cache"
+        size = explicit if explicit is not None else max(0, room) // STORE_POOL_SHARE
+    else:
+        size = explicit if explicit is not None else max(0, room)
     slots = min(experts, size // layer_slot)
     if explicit is not None and explicit > room:
         raise ConfigError(f"--fp4-pool-gb {gate.fp4_pool_gb} does not fit beside the weights in {where} (room for "
@@ -93,6 +97,10 @@ def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: to
                               f"the {top_k} one token routes to; give at least {top_k * layer_slot / 2**30:.3g} GiB "
                               "(0 turns the tier off)")
         return None, f"the FP4 pool does not fit beside the weights in {where}"
+    if store_reason is not None:
+        what = "every expert" if slots == experts else f"{slots} of {experts} experts per MoE layer"
+        return slots, (f"FP4 pool of {what} ({slots * layer_slot / 2**30:.3g} GiB) filled from the FP4 pack "
+                       f"(the expert store is on: {store_reason})")
     if slots < experts:
         host_room = available_host_bytes() // 2
         if full > host_room:

@@ -23,6 +23,13 @@ cache smaller than the pack) each layer guesses the next layer's experts and fet
 A pack row that fails its checksum when read is re-converted from the checkpoint and rewritten
 (store/pack_builder.RowRepairer) and the step goes on; until every such row is whole on disk
 again the engine is degraded (`health()`, `pack_*_rows` in the stats).
+
+With the FP4 repair tier (`repair_slots`, engine/confidence_gate.repair_tier_plan) the FP4 rows
+have a pack of their own (tag fp4, beside the W2 pack) and a host arena of their own; every MoE
+block gets a device FP4 pool of `repair_slots` slots. A pool of every expert is filled from the
+pack at start; a smaller one is a RepairPool (store/repair_pool.py) whose promotions read the FP4
+pack through its arena. Repair passes run under `run` like any step (their W2 fallback rows can
+miss), with the pool's counters restored before each replayed pass.
 """
 from __future__ import annotations
 
@@ -43,6 +50,9 @@ from moet.store.host_arena import arena_slots
 from moet.store.pack_builder import PACK_TAGS, RowRepairer, pack_layers
 from moet.store.pack_file import READ_ONLY_ERRNOS, not_writable
 from moet.store.prefetch import attach_prefetch
+from moet.store.expert_slots import REPAIR_FORMAT
+from moet.store.pack_file import copy_row_into_slot
+from moet.store.repair_pool import PackRows, RepairPool
 
 log = logging.getLogger("moet.engine")
 T = TypeVar("T")
@@ -122,7 +132,7 @@ class ExpertResidency:
 
     @classmethod
     def open(cls, config: EngineConfig, ckpt, model, device: torch.device, *,
-             progress: bool = True) -> "ExpertResidency":
+             progress: bool = True, repair_slots: int | None = None) -> "ExpertResidency":
         store, load = config.store, config.load
         pack_dir = os.path.expanduser(store.pack_dir or DEFAULT_PACK_DIR)
         try:
@@ -135,11 +145,22 @@ class ExpertResidency:
         pack = open_pack(ckpt, pack_dir, tag=load.expert_format, zero_mode=load.w2_zero_mode,
                          scale_rule=load.w2_scale_rule, verify=store.pack_verify, rebuild=store.rebuild_pack,
                          o_direct=store.o_direct, device=device, progress=progress)
+        repair_pack = None
+        if repair_slots is not None:
+            try:
+                repair_pack = open_pack(ckpt, pack_dir, tag=REPAIR_FORMAT, verify=store.pack_verify,
+                                        rebuild=store.rebuild_pack, o_direct=store.o_direct, device=device,
+                                        progress=progress)
+            except BaseException:
+                pack.close()
+                raise
         return cls(config, pack, ckpt.spec, model, device, pack_open_s=time.perf_counter() - t0,
-                   repairer=RowRepairer(ckpt, pack, device))
+                   repairer=RowRepairer(ckpt, pack, device), repair_pack=repair_pack, repair_slots=repair_slots,
+                   repair_repairer=RowRepairer(ckpt, repair_pack, device) if repair_pack is not None else None)
 
     def __init__(self, config: EngineConfig, pack, spec, model, device: torch.device, *, pack_open_s: float = 0.0,
-                 repairer: RowRepairer | None = None):
+                 repairer: RowRepairer | None = None, repair_pack=None, repair_slots: int | None = None,
+                 repair_repairer: RowRepairer | None = None):
         self.config = config
         self.device = device
         self.spec = spec
@@ -173,11 +194,27 @@ class ExpertResidency:
         self._health: tuple[str, str] = ("ok", "")
         self.repair_retry_s = REPAIR_RETRY_S  # rows still damaged are tried again this often (at a step)
         self._retry_t = time.monotonic()
+        # the FP4 repair tier's pack, host arena, device pools (one per MoE block, attached at start)
+        # and, for a pool of part of the experts, its RepairPool
+        self.repair_pack = repair_pack
+        self.repair_repairer = repair_repairer
+        self.repair_arena: HostArena | None = None
+        self.repair_pools: dict[str, object] = {}
+        self.repair_pool: RepairPool | None = None
         try:
             slots = arena_slots(config.store.host_arena_gb, self.pack.stride, self.total_rows)
             self.arena = HostArena(self.pack, slots,
                                    pin=device.type == "cuda", repair=self._repair_row if repairer else None)
             self.preloaded = self.arena.preload_hot_set()
+            if repair_pack is not None:
+                # sized by the W2 arena's rule, after it: unset takes half of what the W2 arena left
+                slots = arena_slots(config.store.host_arena_gb, repair_pack.stride, self.total_rows)
+                self.repair_arena = HostArena(repair_pack, slots, pin=device.type == "cuda",
+                                              repair=self._repair_fp4_row if repair_repairer else None)
+                # before the W2 cache is sized (auto_slots): the pools' bytes are already in use then
+                n = min(int(repair_slots), repair_pack.num_experts)
+                self.repair_pools = {name: repair_pack.layout.new_pool(n, device)
+                                     for name in model.moe_blocks() if name in repair_pack.meta.layers}
         except BaseException:
             self.close()
             raise
@@ -228,10 +265,38 @@ class ExpertResidency:
             self.cache.warm(list(reversed(self.arena.hot_keys())))      # most recent first
         self.warm_bytes = self.cache.bytes_fetched
         self.warm_pack_bytes = self.pack.bytes_read
+        if self.repair_pools:
+            self._attach_repair_tier()
         self._log_t, self._log_last = time.monotonic(), self._counters()
         log.info("expert store: pack %s (%s), %d/%d rows in the device cache, %d host arena slots",
                  self.pack.paths.data, "built" if self.pack.built_layers else "reused", self.cache.num_slots,
                  self.total_rows, self.arena.num_slots if self.arena else 0)
+
+    def _attach_repair_tier(self) -> None:
+        """Every MoE block's FP4 pool into its (new, the cache's) ExpertSlots: every expert's rows
+        read from the FP4 pack now, or a RepairPool that promotes them as repairs need them."""
+        blocks = self.model.moe_blocks()
+        pack, arena = self.repair_pack, self.repair_arena
+        layer_of = {name: pack.meta.layers.index(name) for name in self.repair_pools}
+        full = next(iter(self.repair_pools.values())).num_slots >= pack.num_experts
+        for name, pool in self.repair_pools.items():
+            e = blocks[name].experts
+            n = pack.num_experts
+            if full:
+                for x, row in enumerate(arena.rows([arena.key(layer_of[name], x) for x in range(n)])):
+                    copy_row_into_slot(pool, pack.layout, x, row)
+                table = torch.arange(n, dtype=torch.int32, device=self.device)
+            else:
+                table = torch.full((n,), -1, dtype=torch.int32, device=self.device)
+            e.add_repair_tier(pool, table)
+        if not full:
+            partial = {name: blocks[name] for name in self.repair_pools}
+            self.repair_pool = RepairPool(partial, max_rows_per_repair=len(partial) * self.spec.router.top_k,
+                                          source=PackRows(arena, [layer_of[n] for n in partial]))
+            self.repair_pool.fill()
+        log.info("FP4 repair tier from the pack %s: %d of %d experts per MoE layer on the device, %d host arena "
+                 "slots", pack.paths.data, next(iter(self.repair_pools.values())).num_slots, pack.num_experts,
+                 arena.num_slots)
 
     def step_token_cap(self) -> int | None:
         """Most tokens one step may compute so that its experts always fit the cache (None: no cap).
@@ -254,10 +319,18 @@ class ExpertResidency:
 
     # ------------------------------------------------------------------ one step
 
-    def run(self, step: Callable[[], T], *, scan: bool, num_tokens: int) -> T:
-        """The step, replayed until no expert missed (or at most miss_tolerance pairs did)."""
+    def run(self, step: Callable[[], T], *, scan: bool, num_tokens: int, repairing: bool = False) -> T:
+        """The step, replayed until no expert missed (or at most miss_tolerance pairs did).
+        repairing: the step computes rows with a partial FP4 pool, whose counters each replayed
+        pass must start from where the step found them."""
         if self._damaged and time.monotonic() - self._retry_t >= self.repair_retry_s:
             self._retry_damaged()
+        if repairing and self.repair_pool is not None:
+            pool, snap, inner = self.repair_pool, self.repair_pool.snapshot(), step
+
+            def step():
+                pool.restore(snap)
+                return inner()
         c = self.cache
         c.scan_pass = scan
         rows0, s0 = c.demand_rows, c.demand_seconds
@@ -300,6 +373,25 @@ class ExpertResidency:
             self._damaged[key] = why
             log.error("%s: %s", where, why)
         self._update_health()
+
+    def _repair_fp4_row(self, layer: int, expert: int, out: memoryview) -> None:
+        """The FP4 arena's repair hook: as `_repair_row`, for the FP4 pack (not retried later)."""
+        where = self.repair_pack.where(layer, expert)
+        self.pack_corrupt_rows += 1
+        log.error("%s is damaged on disk (failed its checksum or was cut short): re-converting it from the "
+                  "checkpoint", where)
+        try:
+            why = self.repair_repairer.repair(layer, expert, out)
+        except Exception as exc:
+            raise PackError(f"{where} is damaged on disk and could not be re-converted from the checkpoint "
+                            f"({type(exc).__name__}: {exc}); restart with --pack-verify full (or --rebuild-pack) "
+                            "once the checkpoint is readable") from None
+        self.pack_reconverted_rows += 1
+        if why is None:
+            self.pack_repaired_rows += 1
+            log.warning("%s re-converted from the checkpoint and rewritten: the pack is whole again there", where)
+        else:
+            log.error("%s: %s", where, why)
 
     def _retry_damaged(self) -> None:
         """Try the rows still damaged on disk again (a repair that failed because the checkpoint
@@ -404,6 +496,11 @@ class ExpertResidency:
             "pack_open_seconds": self.pack_open_s,
             "host_arena_slots": float(self.arena.num_slots if self.arena else 0),
         })
+        if self.repair_arena is not None:
+            a = self.repair_arena
+            out.update({"fp4_host_arena_slots": float(a.num_slots),
+                        "fp4_host_arena_hit_rate": a.hits / (a.hits + a.misses) if a.hits + a.misses else 0.0,
+                        "fp4_pack_bytes_read": float(self.repair_pack.bytes_read)})
         return out
 
     def close(self) -> None:
@@ -412,6 +509,10 @@ class ExpertResidency:
             return
         self._closed = True
         try:
+            if self.repair_pool is not None:
+                self.repair_pool.source.close()
+            if self.repair_arena is not None:
+                self.repair_arena.close()
             if self.arena is not None:
                 if self.arena.hot_keys():
                     try:
@@ -421,3 +522,5 @@ class ExpertResidency:
                 self.arena.close()
         finally:
             self.pack.close()
+            if self.repair_pack is not None:
+                self.repair_pack.close()

@@ -149,8 +149,8 @@ class LLMEngine:
         self.gate = None
         if config.gate.fp4_gate and model.has_repair_tier():
             partial = {n: m for n, m in model.moe_blocks().items() if not m.experts.repair_complete}
-            pool = None
-            if partial:                 # a pool of part of the experts: the hot ones move in as they fire
+            pool = residency.repair_pool if residency is not None else None     # the store's (FP4 pack)
+            if partial and pool is None:    # a pool of part of the experts: the hot ones move in as they fire
                 pool = RepairPool(partial, max_rows_per_repair=len(partial) * model.spec.router.top_k)
                 pool.fill()
             self.gate = ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach,
@@ -269,11 +269,11 @@ class LLMEngine:
         model = load_model(ckpt, expert_format=config.load.expert_format, dtype=dtype, device=device,
                            zero_mode=config.load.w2_zero_mode, scale_rule=config.load.w2_scale_rule,
                            load_mtp=config.load.load_mtp, progress=True, routed_experts=reason is None,
-                           repair_tier=repair_slots is not None, repair_slots=repair_slots)
+                           repair_tier=repair_slots is not None and reason is None, repair_slots=repair_slots)
         residency = None
         if reason is not None:
             log.info("routed experts through the expert store: %s", reason)
-            residency = ExpertResidency.open(config, ckpt, model, device)
+            residency = ExpertResidency.open(config, ckpt, model, device, repair_slots=repair_slots)
         try:
             tokenizer = load_tokenizer(config.load.tokenizer or config.model, config.load.trust_remote_code)
             gen = ckpt.reader.generation_config

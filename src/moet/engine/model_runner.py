@@ -278,11 +278,14 @@ class ModelRunner:
         expert store the step may run several times (miss replay); nothing may read its output
         before this returns. repair_rows (bool [N]): those rows (the step's prompt positions)
         compute with the FP4 repair tier (EngineConfig.gate.fp4_prefill), eagerly."""
+        res = self.residency
         if repair_rows is not None:
             with self.model.repair_tier(rows=repair_rows):
-                return self.model.forward_paged(input_ids, batch, self.kv)
+                step = lambda: self.model.forward_paged(input_ids, batch, self.kv)  # noqa: E731
+                if res is None:
+                    return step()
+                return res.run(step, scan=True, num_tokens=int(input_ids.shape[0]), repairing=True)
         bucket = self._graph_bucket(batch)
-        res = self.residency
         # with the expert store a decode step may run eagerly instead (demand fetch, no replay):
         # res.decode_mode decides (engine/decode_mode.py)
         graph = bucket is not None and (res is None or res.decode_mode.use_graph(bucket))
@@ -303,7 +306,11 @@ class ModelRunner:
         """forward with the FP4 repair tier (engine/confidence_gate.py), always eager: the captured
         decode graphs compute with the primary tier."""
         with self.model.repair_tier():
-            return self.model.forward_paged(input_ids, batch, self.kv)
+            step = lambda: self.model.forward_paged(input_ids, batch, self.kv)  # noqa: E731
+            if self.residency is None:
+                return step()
+            # the repaired positions' experts are the decode working set's: not a scan
+            return self.residency.run(step, scan=False, num_tokens=int(input_ids.shape[0]), repairing=True)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

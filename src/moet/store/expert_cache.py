@@ -110,7 +110,8 @@ class ExpertCache:
             # replaces is indexed by its slots, and the cache's slots change) and no demand fetch
             # (attach_demand adds it); the shared experts' stream is the engine's, kept.
             moe.experts = ExpertSlots(self.slot_table[l], self.miss_counters[l:l + 1],
-                                      pools={self.layout.tag: self.pool}, route_counts=self.route_counts[l],
+                                      pools={self.layout.tag: self.pool}, primary=self.layout.tag,
+                                      route_counts=self.route_counts[l],
                                       shared_stream=moe.experts.shared_stream)
 
     def key(self, layer: int, expert: int) -> int:

@@ -41,6 +41,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from moet.store.expert_cache import min_cache_slots
+from moet.store.repair_pool import STORE_POOL_SHARE
 
 GiB = 2**30
 PAGE = 4096
@@ -400,12 +401,16 @@ def _placed(facts: ModelFacts, gpu: GpuBudget, host_memory_bytes: int, arena: in
 class RepairTierPlan:
     """The FP4 repair tier and the confidence gate (engine/confidence_gate.py) for this budget: the
     engine loads every expert's FP4 rows when every W2 expert is resident and they fit in the room
-    left (else a partial pool of what fits, which this does not model). A repair is one eager pass
-    over the positions written since the last one, at most reach + 1: it re-reads the dense stack
-    and the FP4 rows of the distinct experts those tokens route to."""
+    left, else a partial pool of what fits (slots per MoE layer). With the expert store the FP4 rows
+    come from their own pack and the pool gets STORE_POOL_SHARE of the experts' room. A repair is
+    one eager pass over the positions written since the last one, at most reach + 1: it re-reads
+    the dense stack and the FP4 rows of the distinct experts those tokens route to (a partial
+    pool's misses read W2 rows instead: the same bound, roughly)."""
     fp4_bytes: int
     room_bytes: int            # GPU room left for it after the dense stack, reserves and W2 experts
-    fits: bool
+    fits: bool                 # every expert's FP4 rows on the device
+    slots: int                 # FP4 slots per MoE layer (0: the tier is off: fewer than top_k fit)
+    from_pack: bool            # the expert store is on: FP4 rows from the FP4 pack
     reach: int
     repair_bytes: int          # HBM bytes of one batch-1 repair pass over reach + 1 positions
     repair_s: float
@@ -418,8 +423,11 @@ def repair_tier_plan(plan: Plan, reach: int = 32, fire_rates=(0.0, 0.1, 0.3)) ->
     if not f.fp4_row_bytes or p is None:
         return None
     fp4 = f.rows * f.fp4_row_bytes
-    room = plan.gpu.expert_room_bytes - f.expert_bytes
-    fits = plan.fit.all_resident and fp4 <= room
+    from_pack = not plan.fit.all_resident
+    room = plan.gpu.expert_room_bytes // STORE_POOL_SHARE if from_pack else plan.gpu.expert_room_bytes - f.expert_bytes
+    slots = min(f.experts, max(0, room) // (f.moe_layers * f.fp4_row_bytes))
+    slots = slots if slots >= f.top_k else 0
+    fits = slots == f.experts
     def pass_bytes(tokens: float) -> float:
         distinct = f.experts * (1 - (1 - min(f.top_k, f.experts) / f.experts) ** tokens)
         # the pass's attention reads the sequence's context once for all its queries
@@ -437,7 +445,8 @@ def repair_tier_plan(plan: Plan, reach: int = 32, fire_rates=(0.0, 0.1, 0.3)) ->
         # 1 / fire rate of them, at most reach + 1
         tokens = min(reach + 1, max(1.0, 1.0 / r)) if r > 0 else 1.0
         tok_s[r] = 1.0 / (step + r * seconds(pass_bytes(tokens)))
-    return RepairTierPlan(fp4_bytes=fp4, room_bytes=room, fits=fits, reach=reach, repair_bytes=int(repair_bytes),
+    return RepairTierPlan(fp4_bytes=fp4, room_bytes=room, fits=fits, slots=slots, from_pack=from_pack, reach=reach,
+                          repair_bytes=int(repair_bytes),
                           repair_s=seconds(repair_bytes), tok_s_at_fire=tok_s)
 
 

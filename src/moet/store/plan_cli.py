@@ -112,10 +112,14 @@ def render(plan: P.Plan, summary=None, notes: dict | None = None) -> str:
                          f"{p.prefill_chunk_fetch_s:.2f} s per chunk of up to max_num_batched_tokens tokens")
     rt = P.repair_tier_plan(plan)
     if rt is not None:
-        lines.append(f"FP4 tier     {f.rows} FP4 rows of {_gib(f.fp4_row_bytes)}: {_gib(rt.fp4_bytes)}; room left beside "
-                     f"the W2 experts {_gib(max(0, rt.room_bytes))}: "
-                     + ("fits, the confidence gate runs" if rt.fits else
-                        "does not fit beside every W2 expert: a partial pool of what fits, or none"))
+        if rt.from_pack:
+            where = f"the expert store is on: FP4 rows from their own pack, a pool of {_gib(max(0, rt.room_bytes))}"
+        else:
+            where = f"room left beside the W2 experts {_gib(max(0, rt.room_bytes))}"
+        pool = ("every expert's FP4 rows fit, the confidence gate runs" if rt.fits else
+                f"a partial pool of {rt.slots} of {f.experts} experts per MoE layer, the rest repair with W2 rows"
+                if rt.slots else f"fewer FP4 experts than top_k {f.top_k} per layer fit: no gate")
+        lines.append(f"FP4 tier     {f.rows} FP4 rows of {_gib(f.fp4_row_bytes)}: {_gib(rt.fp4_bytes)}; {where}: {pool}")
         lines.append(f"  repair     a full reach of {rt.reach}: {_gib(rt.repair_bytes)} per pass -> {1e3 * rt.repair_s:.2f} ms; "
                      "batch-1 tok/s at fire rate " + ", ".join(f"{100 * r:g}%: {v:.1f}"
                                                                for r, v in rt.tok_s_at_fire.items()))

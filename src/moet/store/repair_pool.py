@@ -27,6 +27,11 @@ import torch
 from moet.kernels.pools import pool_nbytes
 
 
+# With the expert store, --fp4-pool-gb auto gives the FP4 device pool this share of the room the
+# dense weights leave: the W2 cache must keep most of it, or every W2 step would miss.
+STORE_POOL_SHARE = 4
+
+
 class HostPoolRows:
     """Rows from every expert's FP4 rows in host memory (`ExpertSlots.repair_host_pool`)."""
 
