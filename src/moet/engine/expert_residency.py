@@ -151,6 +151,14 @@ class ExpertResidency:
                 repair_pack = open_pack(ckpt, pack_dir, tag=REPAIR_FORMAT, verify=store.pack_verify,
                                         rebuild=store.rebuild_pack, o_direct=store.o_direct, device=device,
                                         progress=progress)
+            except ConfigError as exc:
+                # e.g. a read-only pack directory holding the W2 pack only: serve bare W2 rather than
+                # nothing, unless the FP4 pool was asked for by size
+                if config.gate.fp4_pool_bytes is not None:
+                    pack.close()
+                    raise
+                log.warning("FP4 repair tier and confidence gate off: the FP4 pack cannot be opened (%s)", exc)
+                repair_slots = None
             except BaseException:
                 pack.close()
                 raise

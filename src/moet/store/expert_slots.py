@@ -97,6 +97,9 @@ class ExpertSlots:
     # tensors, reads and zeroes them.
     repair_miss_counter: torch.Tensor | None = None
     repair_route_counts: torch.Tensor | None = None
+    # The CUDA event of the partial pool's last promotion copies (made on their own stream by
+    # store/repair_pool.py): a pass waits for it before it reads the repair tier. None: nothing to wait for.
+    repair_ready: object | None = None
     # A partial pool's source without the expert store: every expert's FP4 rows in host memory
     # (slot = expert id; pinned on CUDA), filled by the loader; store/repair_pool.py copies from it
     # into the device slots. With the store the rows come from the FP4 pack instead (None here).

@@ -12,7 +12,8 @@ restores them all (a store step replayed after a W2 miss restores them first: `s
 `restore`). After each pass `after_repair` folds the counts into a decayed heat per (layer, expert)
 and moves the hottest absent experts in, evicting the coldest present ones, at most
 `max_rows_per_repair` rows a pass: the traffic a repair can add stays bounded. The copies go on the
-current stream, before the next pass that reads the slots; the tables change in place
+stream of their own on CUDA (they overlap the W2 steps that follow; the next pass that reads the
+repair tier waits for them: `ExpertSlots.repair_ready`); the tables change in place
 (`ExpertSlots.assign_repair_slot`). The heat outlives the engine: saved at close beside the packs
 (~/.cache/moet/packs unless --pack-dir), keyed by the checkpoint's identity, and the next engine
 fills its slots hottest first.
@@ -102,6 +103,9 @@ class RepairPool:
         for li, e in enumerate(self.slots):
             e.repair_route_counts = self.route_counts[li]
             e.repair_miss_counter = self.miss_counts[li:li + 1]
+        # promotions copy on a stream of their own: they overlap the W2 steps that follow, and the
+        # next pass that reads the repair tier waits for them (ExpertSlots.repair_ready)
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.heat = torch.zeros(len(self.slots), self.num_experts, dtype=torch.float64)
         # holder[l][slot] = the expert in that slot, -1 = empty
         self.holder = [[-1] * self.num_slots for _ in self.slots]
@@ -128,7 +132,17 @@ class RepairPool:
                 e.assign_repair_slot(old, -1)
             e.assign_repair_slot(expert, slot)
             self.holder[li][slot] = expert
-        self.source.copy(self.slots, moves)
+        if self._stream is None:
+            self.source.copy(self.slots, moves)
+        elif moves:
+            dev = self.route_counts.device
+            self._stream.wait_stream(torch.cuda.current_stream(dev))    # passes still reading the slots
+            with torch.cuda.stream(self._stream):
+                self.source.copy(self.slots, moves)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+            for e in self.slots:
+                e.repair_ready = ready
         self.promotions += len(moves)
         self.bytes_moved += len(moves) * self.row_bytes
 

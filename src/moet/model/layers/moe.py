@@ -94,6 +94,8 @@ class MoE(nn.Module):
         same routing whose table holds only those experts), added to the FP4 pass."""
         e = self.experts
         table, pool = e.repair_tier()
+        if e.repair_ready is not None and x.is_cuda:     # promotion copies still on their stream
+            torch.cuda.current_stream(x.device).wait_event(e.repair_ready)
         if e.repair_complete:
             return moe_experts(x, ids, weights, table, pool, e.miss_counter, swiglu_limit=self.spec.swiglu_limit)
         flat = ids.reshape(-1)
