@@ -20,14 +20,14 @@ class GateConfig(Section):
 
     fp4_gate: bool = knob(
         True, "repair unsure W2 steps with FP4 experts", common=True,
-        doc="On (the default) with --expert-format w2 and every expert on the device: an FP4 pool of the routed "
+        doc="On (the default) with --expert-format w2: an FP4 pool of the routed "
             "experts is loaded beside the W2 one, prompts run with FP4 experts (--fp4-prefill), and a decode "
             "step whose top token probability is below --gate-tau is recomputed with FP4 experts over its last "
             "--gate-reach positions (their KV rewritten), the token taken from the repaired logits. Bare W2 "
             "answers fluently and wrongly far more often (docs/quality.md). It is off, with one log line saying "
-            "why, where it does not apply: fp4 or bf16 experts (nothing to repair), the expert store (the FP4 "
-            "tier does not travel through the pack file yet), or no room for even a top-k of FP4 experts per "
-            "layer. --no-fp4-gate serves bare W2.")
+            "why, where it does not apply: fp4 or bf16 experts (nothing to repair), or no room for even a top-k "
+            "of FP4 experts per layer. With the expert store the FP4 rows come from a pack of their own "
+            "(--fp4-pool-gb). --no-fp4-gate serves bare W2.")
     gate_tau: float = knob(
         0.96, "repair steps whose top probability is below P", metavar="P",
         doc="The confidence threshold, in [0, 1]: a step fires when the W2 logits' largest softmax probability "
