@@ -147,6 +147,8 @@ class ConfidenceGate:
         # repair pass), else None: every expert has its FP4 row
         self.repair_pool = repair_pool
         self.counters = GateCounters()
+        # rows of the last `apply` whose logits were replaced (speculative verification stops there)
+        self.last_repaired_rows: set[int] = set()
         # `moet bench decode --gate-fire`: fire this share of rows whatever their confidence (a
         # fixed pseudo-random choice per sequence and position, the same in every run), to time the
         # gate at chosen fire rates on weights whose confidence means nothing (random shapes).
@@ -164,6 +166,7 @@ class ConfidenceGate:
         run and written their KV). -> the logits to sample from: fired rows replaced by repaired
         ones (a new tensor when any fired, else `logits` itself)."""
         c = self.counters
+        self.last_repaired_rows: set[int] = set()
         floor = 0 if self.fp4_prefill else -1       # repairs start at prompt length + floor
         if self.fp4_prefill:                        # rows of a prompt's last position: FP4 already
             checked = [row for row, s in enumerate(sampling) if s.seq.num_tokens > s.seq.num_prompt_tokens]
@@ -216,6 +219,7 @@ class ConfidenceGate:
         out[rows] = repaired.to(out.dtype)
         c.repaired += len(plan)
         c.recomputed_rows += len(ids)
+        self.last_repaired_rows = {row for row, *_ in plan}
         for _, seq, first, last in plan:
             c.kv_blocks_unregistered += self.block_manager.unregister_rewritten(seq, first, last)
             seq.repaired_upto = last

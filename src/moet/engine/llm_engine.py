@@ -48,6 +48,7 @@ from moet.engine.stats import EngineStats
 from moet.errors import ConfigError, MoetError, RequestError, RequestFailed
 from moet.kernels.jit_watch import install_jit_watch
 from moet.store.repair_pool import RepairPool
+from moet.engine.speculative import MTPDrafter
 from moet.outputs import CompletionOutput, RequestOutput
 from moet.sampling_params import SamplingParams
 
@@ -155,8 +156,16 @@ class LLMEngine:
                 pool.fill()
             self.gate = ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach,
                                        config.gate.fp4_prefill, repair_pool=pool, refresh=config.gate.gate_refresh)
+        # MTP speculative decoding (engine/speculative.py), or None
+        self.drafter = None
+        k = sch.num_speculative_tokens
+        if k:
+            check_speculative(config, model.spec)
+            if not len(model.mtp):
+                raise ConfigError("--speculative-config needs the MTP layers loaded: drop --no-load-mtp")
+            self.drafter = MTPDrafter(self.runner, self.block_manager, k, max_model_len)
         # pure decode steps one step ahead of the host (engine/async_decode.py), or None
-        self._async = AsyncDecode(self) if sch.async_scheduling else None
+        self._async = AsyncDecode(self) if sch.async_scheduling and self.drafter is None else None
         # Triton compiles on first use: watch it (kernels/jit_watch.py), warm the prefill variants
         # up front, and from then on count (and log) every compile a request had to wait for
         self._jit = install_jit_watch() if device.type == "cuda" else None
@@ -263,6 +272,7 @@ class LLMEngine:
         max_model_len = resolve_max_model_len(ckpt.spec, config.scheduler.max_model_len,
                                               config.scheduler.allow_long_max_model_len, f"{ckpt.path}/config.json")
         check_kv_request(config, ckpt.spec, max_model_len, dtype, device)
+        check_speculative(config, ckpt.spec)
         reason = store_reason(config, ckpt, device, dtype)
         repair_slots, why = repair_tier_plan(config, ckpt, device, dtype, reason)
         log.info("FP4 repair tier and confidence gate %s: %s", "off" if repair_slots is None else "on", why)
@@ -470,6 +480,8 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
         ids, batch = self.runner.build_batch(sched)
         hidden = self.runner.forward(ids, batch, self._fp4_prompt_rows(sched))
+        if self.drafter is not None:
+            return self._run_speculative(sched, batch, hidden, touched)
         sampling = [s for s in sched.scheduled if s.samples]
         logits = self.runner.logits(hidden[batch.logits_indices]) if sampling else None
         # prompt logprobs: rows predicting prompt tokens not yet covered
@@ -503,6 +515,69 @@ class LLMEngine:
             self._append(seq, tok, lp, lps)
             self._stats.generation_tokens_total += 1
             touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _run_speculative(self, sched: SchedulerOutput, batch, hidden: torch.Tensor,
+                         touched: dict[str, Request]) -> None:
+        """The rest of a step with MTP speculative decoding (engine/speculative.py): each sampling
+        sequence's positions verified one after another, its kept positions counted as computed,
+        then the MTP layer over every kept position and the next drafts."""
+        drafts = [s.num_drafts for s in sched.scheduled]         # before num_computed_tokens moves
+        starts = batch.cu_seqlens_q_host
+        for b, s in enumerate(sched.scheduled):
+            if s.seq.needs_prompt_logprobs and not s.seq.is_finished:
+                try:
+                    self._prompt_logprobs(s.seq, hidden, starts[b], s.context_len, s.num_new_tokens)
+                except Exception as exc:
+                    self._fail_seq(s.seq, exc)
+        prompt_tokens = 0
+        fp4_prompt = self.gate is not None and self.gate.fp4_prefill
+        first = []                      # (sequence, first position, first hidden row) of each scheduled one
+        for b, s in enumerate(sched.scheduled):
+            seq = s.seq
+            first.append((seq, s.context_len, starts[b]))
+            if seq.is_finished:
+                continue
+            prompt_tokens += max(0, min(seq.num_prompt_tokens, s.context_len + s.num_new_tokens) - s.context_len)
+            seq.num_computed_tokens += s.num_new_tokens - drafts[b]
+            self.block_manager.commit_full_blocks(seq, seq.num_prompt_tokens if fp4_prompt else None)
+        self._stats.prompt_tokens_total += prompt_tokens
+        # verification: (scheduled index, its first verified row) of the sequences that sample
+        alive = [(b, starts[b] + s.num_new_tokens - 1 - drafts[b]) for b, s in enumerate(sched.scheduled)
+                 if s.samples and not s.seq.is_finished]
+        kept = [0] * len(sched.scheduled)
+        j = 0
+        while alive:
+            subset = [sched.scheduled[b] for b, _ in alive]
+            logits = self.runner.logits(hidden[torch.tensor([r + j for _, r in alive], device=hidden.device)])
+            repaired = set()
+            if self.gate is not None:
+                logits = self.gate.apply(subset, logits)
+                repaired = self.gate.last_repaired_rows
+            seqs = [s.seq for s in subset]
+            result = self.sampler(logits, seqs, self._token_str)
+            nxt = []
+            for i, ((b, r), seq, tok, lp, lps) in enumerate(zip(alive, seqs, result.token_ids, result.token_logprobs,
+                                                                 result.logprobs)):
+                if seq.is_finished:
+                    continue
+                draft = seq.spec_token_ids[j] if j < drafts[b] else None
+                self._append(seq, tok, lp, lps)
+                self._stats.generation_tokens_total += 1
+                touched[seq.request_id] = self.requests[seq.request_id]
+                if tok == draft and i not in repaired and not seq.is_finished:
+                    kept[b] += 1
+                    nxt.append((b, r))
+                elif drafts[b]:
+                    self.drafter.record(drafts[b], kept[b], kept[b] + 1)
+            alive, j = nxt, j + 1
+        rows = []
+        for b, (seq, p, h) in enumerate(first):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += kept[b]
+            self.block_manager.commit_full_blocks(seq, seq.num_prompt_tokens if fp4_prompt else None)
+            rows.append((seq, p, h, seq.num_computed_tokens - p))
+        self.drafter.propose(rows, hidden)
 
     def _fp4_prompt_rows(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """With the gate's FP4 prefill: a bool mask over the step's rows, True at prompt positions
@@ -673,6 +748,8 @@ class LLMEngine:
             st.extra.update(self.residency.stats())
         if self.gate is not None:
             st.extra.update(self.gate.stats(st.generation_tokens_total))
+        if self.drafter is not None:
+            st.extra.update(self.drafter.stats())
         return EngineStats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(st).items()})
 
     def generate_all(self, requests: list[tuple[str, Any, SamplingParams]], progress=None) -> dict[str, RequestOutput]:
@@ -687,3 +764,14 @@ class LLMEngine:
                     if progress is not None:
                         progress.update(1)
         return done
+
+
+def check_speculative(config: EngineConfig, spec) -> None:
+    """--speculative-config against the checkpoint, before any weight is read."""
+    if not config.scheduler.num_speculative_tokens:
+        return
+    if not spec.num_mtp_layers:
+        raise ConfigError("--speculative-config asks for MTP drafts but this checkpoint has no MTP layer "
+                          "(num_nextn_predict_layers is 0 or absent in its config.json); drop the flag")
+    if not config.load.load_mtp:
+        raise ConfigError("--speculative-config needs the MTP layers loaded: drop --no-load-mtp")

@@ -260,7 +260,8 @@ class ModelRunner:
         tables, ctx, q, sample = [], [], [], []
         for s in sched.scheduled:
             c, n = s.context_len, s.num_new_tokens
-            ids.extend(s.seq.token_ids[c:c + n])
+            toks = s.seq.token_ids
+            ids.extend(toks[c:c + n] if c + n <= len(toks) else (toks + s.seq.spec_token_ids)[c:c + n])
             tables.append(s.seq.block_table)
             ctx.append(c)
             q.append(n)
@@ -311,6 +312,16 @@ class ModelRunner:
                 return step()
             # the repaired positions' experts are the decode working set's: not a scan
             return self.residency.run(step, scan=False, num_tokens=int(input_ids.shape[0]), repairing=True)
+
+    @torch.inference_mode()
+    def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer 0 over a varlen batch (engine/speculative.py): (output hidden, draft logits)
+        of every row; eager, under the expert store's replay like any step."""
+        step = lambda: self.model.mtp_forward_paged(0, next_ids, hidden, batch, self.kv)  # noqa: E731
+        if self.residency is None:
+            return step()
+        return self.residency.run(step, scan=False, num_tokens=int(next_ids.shape[0]))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

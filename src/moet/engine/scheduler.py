@@ -34,7 +34,12 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """True when this step computes the sequence's last known token: its logits give the next."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        """Speculative drafts this step computes after the last known token (engine/speculative.py)."""
+        return max(0, self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens)
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)                      # recompute: nothing is kept but the tokens
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -97,7 +103,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            # a decoding sequence's drafts ride along (speculative decoding); as many as the budget takes
+            drafts = seq.spec_token_ids if remaining == 1 else []
+            n = min(remaining + len(drafts), budget)
+            if n < remaining + len(drafts):
+                seq.spec_token_ids = drafts[:max(0, n - remaining)]
             need = self.bm.new_blocks_needed(seq, seq.num_computed_tokens + n)
             while need > self.bm.num_free_blocks:
                 victim = self.running.pop()        # the newest: least work lost
@@ -133,4 +144,7 @@ class Scheduler:
                 budget -= n
 
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)   # decodes first, stable
+        for s in out.scheduled:            # drafts the step does not compute are dropped
+            if len(s.seq.spec_token_ids) > s.num_drafts:
+                s.seq.spec_token_ids = s.seq.spec_token_ids[:s.num_drafts]
         return out

@@ -54,6 +54,9 @@ class Sequence:
         # positions ..repaired_upto hold KV that FP4 experts computed over the context they have now
         # (the confidence gate's repairs, an FP4 prefill): a repair need not recompute them again
         self.repaired_upto = -1
+        # speculative decoding (engine/speculative.py): drafts for the positions after the newest
+        # token, which the next step computes and verifies with it; [] when none
+        self.spec_token_ids: list[int] = []
         # outputs (engine / sampler)
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.wants_prompt_logprobs = params.prompt_logprobs is not None and index == 0
