@@ -521,7 +521,9 @@ class LLMEngine:
         """The rest of a step with MTP speculative decoding (engine/speculative.py): each sampling
         sequence's positions verified one after another, its kept positions counted as computed,
         then the MTP layer over every kept position and the next drafts."""
-        drafts = [s.num_drafts for s in sched.scheduled]         # before num_computed_tokens moves
+        # both read num_computed_tokens, which moves below
+        drafts = [s.num_drafts for s in sched.scheduled]
+        samples = [s.samples for s in sched.scheduled]
         starts = batch.cu_seqlens_q_host
         for b, s in enumerate(sched.scheduled):
             if s.seq.needs_prompt_logprobs and not s.seq.is_finished:
@@ -543,7 +545,7 @@ class LLMEngine:
         self._stats.prompt_tokens_total += prompt_tokens
         # verification: (scheduled index, its first verified row) of the sequences that sample
         alive = [(b, starts[b] + s.num_new_tokens - 1 - drafts[b]) for b, s in enumerate(sched.scheduled)
-                 if s.samples and not s.seq.is_finished]
+                 if samples[b] and not s.seq.is_finished]
         kept = [0] * len(sched.scheduled)
         j = 0
         while alive:
