@@ -14,8 +14,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 HEADER = "| device | date | commit | shape | config | tok/s | GB/s | % of roofline | peer ratio | notes |"
 
 
-def bench(tmp_path, *args) -> dict:
-    assert main(["bench", *args, "--shape", "micro", "--device", "cpu", "--prompt-len", "16",
+def bench(tmp_path, *args, shape="micro") -> dict:
+    assert main(["bench", *args, "--shape", shape, "--device", "cpu", "--prompt-len", "16",
                  "--out", str(tmp_path)]) == 0
     return json.loads((tmp_path / "bench.json").read_text())
 
@@ -69,6 +69,24 @@ def test_decode_with_the_gate_at_forced_fire_rates(tmp_path):
         assert all("(forced)" in r["config"] for r in mine[1:])
 
 
+def test_decode_with_mtp_drafts(tmp_path):
+    """--speculative 0,1,2 --accept-all on a shape with an MTP layer: one row per draft count and
+    batch, every draft kept (k + 1 tokens per verifying step); the speculative engine passes six
+    bit-identical runs first."""
+    res = bench(tmp_path, "decode", "--batch", "1,2", "--decode-tokens", "12", "--speculative", "0,1,2",
+                "--accept-all", shape="micro_mtp")
+    c = res["sections"]["decode"]["correctness"]
+    assert c["ok"] and c["spec_six_runs_bit_identical"]
+    rows = [r for r in res["rows"] if r["scenario"] == "decode"]
+    assert len(rows) == 2 * 3
+    for r in rows:
+        k = r["details"].get("spec_drafts", 0)
+        assert f"MTP drafts {k}" in r["config"] and r["tok_s"] > 0
+        if k:
+            assert r["details"]["spec_mean_tokens_per_step"] == pytest.approx(k + 1, abs=0.35)
+            assert r["details"]["spec_acceptance_rate"] == 1.0
+
+
 def test_prefill(tmp_path):
     res = bench(tmp_path, "prefill", "--tokens", "64,128")
     assert res["sections"]["prefill"]["correctness"]["ok"]
@@ -86,6 +104,9 @@ def test_prefill(tmp_path):
     (["decode", "--shape", "micro", "--gate-fire", "0,1.5"], "--gate-fire '0,1.5': give comma-separated shares"),
     (["decode", "--shape", "micro", "--gate-fire", "0.3", "--expert-format", "fp4"],
      "--gate-fire times the FP4 gate over W2 experts"),
+    (["decode", "--shape", "micro", "--speculative", "5"], "drafts per step are 0 to 4"),
+    (["decode", "--shape", "micro", "--accept-all"], "--accept-all keeps MTP drafts"),
+    (["decode", "--shape", "micro", "--speculative", "2"], "has no MTP layer"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert main(["bench", *args, "--device", "cpu", "--out", str(tmp_path / "o")]) == 2

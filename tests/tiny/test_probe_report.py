@@ -41,3 +41,16 @@ def test_gate_rates_over_one_probe():
     after = {"rows_checked": 110, "fires": 27, "recomputed_rows": 120, "generated_tokens": 60}
     assert gate_rates(before, after) == {"gate_fire_rate": 0.25, "gate_rows_per_token": 2.0}
     assert gate_rates(after, after) == {"gate_fire_rate": 0.0, "gate_rows_per_token": 0.0}
+
+
+def test_mtp_columns_and_rates():
+    from moet.probe.run import spec_rates
+    before = {"seq_steps": 10, "emitted": 15, "drafts": 20, "accepted": 5}
+    after = {"seq_steps": 30, "emitted": 59, "drafts": 60, "accepted": 29}
+    assert spec_rates(before, after) == {"mtp_tokens_per_step": 2.2, "mtp_acceptance": 0.6}
+    assert spec_rates(after, after) == {}                 # no verifying step in that probe
+    res = {"formats": {"w2": {"arithmetic": {"accuracy": 0.03, "mtp_tokens_per_step": 2.18}},
+                       "nvfp4": {"arithmetic": {"accuracy": 0.945, "mtp_tokens_per_step": 2.15}}}}
+    lines = markdown_table(res).strip().splitlines()
+    assert lines[0] == "| experts | arithmetic | MTP tokens / step, arithmetic |"
+    assert lines[2] == "| W2 | 3.0% | 2.18 |"

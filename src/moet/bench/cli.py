@@ -11,7 +11,7 @@ from moet.errors import ConfigError
 SCENARIO_CHOICES = ("decode", "prefill", "residency", "serve", "all")
 # this command's own flags: every other dest of its parser is an EngineConfig field
 OWN = {"scenario", "model_flag", "shape", "batch", "tokens", "decode_tokens", "prompt_len", "gpu_budget_gb",
-       "residency_batch", "requests", "concurrency", "peer", "budget_s", "out", "func", "command", "bench_engine", "gate_fire"}
+       "residency_batch", "requests", "concurrency", "peer", "budget_s", "out", "func", "command", "bench_engine", "gate_fire", "speculative", "accept_all"}
 
 
 def add_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -56,6 +56,10 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
                         "0,0.1,0.3,1), beside bare W2 in the same run; with W2 experts. Without it a --shape "
                         "runs bare W2 (random weights' confidence means nothing) and a checkpoint runs as "
                         "configured")
+    g.add_argument("--speculative", default=None, metavar="K,K",
+                   help="decode: time MTP speculative decoding with these drafts per step (0: off), in one run")
+    g.add_argument("--accept-all", action="store_true",
+                   help="decode, with --speculative: keep every draft (random weights accept none): the verify step's cost")
     g.add_argument("--peer", choices=("transformers",), default=None,
                    help="also time transformers' generate() on the same shape / weights in this run: the "
                         "peer ratio (moet tok/s / peer tok/s) for decode and prefill")
@@ -127,13 +131,27 @@ def settings(args):
     gate_fire = fire_list(args.gate_fire) if args.gate_fire is not None else []
     if gate_fire and (getattr(args, "expert_format", "w2") != "w2" or getattr(args, "fp4_gate", True) is False):
         raise ConfigError("--gate-fire times the FP4 gate over W2 experts: drop --expert-format / --no-fp4-gate")
+    speculative = int_list(args.speculative, "--speculative", 0) if args.speculative is not None else []
+    if any(k > 4 for k in speculative):
+        raise ConfigError(f"--speculative {args.speculative}: drafts per step are 0 to 4")
+    if args.accept_all and not any(speculative):
+        raise ConfigError("--accept-all keeps MTP drafts: give --speculative K,K too")
+    if any(speculative) and args.shape is not None:
+        from moet.checkpoint.spec import spec_from_config
+        _, cfg = shape(args.shape)
+        if not spec_from_config(dict(cfg, num_nextn_predict_layers=1), "bench shape").num_mtp_layers:
+            raise ConfigError(f"--speculative: --shape {args.shape} ({cfg['model_type']}) has no MTP layer; use a "
+                              "DeepSeek-V3 or GLM-4.5 shape")
+    if speculative and gate_fire:
+        raise ConfigError("--speculative and --gate-fire time different things: run them apart")
     s = Settings(scenarios=scenarios, device=resolve_device(args.device), shape=args.shape,
                  model=args.model_flag or args.model, engine_kw=engine_kw,
                  batches=int_list(args.batch, "--batch"), tokens=int_list(args.tokens, "--tokens", 16),
                  decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, peer=args.peer,
                  budget=Budget(args.budget_s), gpu_budgets=budget_list(args.gpu_budget_gb),
                  residency_batches=int_list(args.residency_batch, "--residency-batch"),
-                 requests=args.requests, concurrency=args.concurrency, gate_fire=gate_fire)
+                 requests=args.requests, concurrency=args.concurrency, gate_fire=gate_fire,
+                 speculative=speculative, accept_all=args.accept_all)
     out = out_dir(args.out)
     s.report = Report(out, s.device, {k: v for k, v in vars(args).items()
                                       if k not in ("func", "bench_engine", "bench_parser_defaults")})

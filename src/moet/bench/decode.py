@@ -132,19 +132,42 @@ def correctness_first(t: Target, s: Settings, scenario: str) -> bool:
     then six greedy runs with the gate forced to fire on 30% of steps must be bit-identical too."""
     eng = t.engine
     gate, eng.gate = eng.gate, (None if s.gate_fire else eng.gate)
+    drafter, eng.drafter = eng.drafter, None       # the reference loop decodes one token a step
     try:
         c = check_correctness(eng, t.model, t.device, t.vocab)
     finally:
-        eng.gate = gate
+        eng.gate, eng.drafter = gate, drafter
     if s.gate_fire and gate is not None:
         c["gate_six_runs_bit_identical"] = gate_determinism(eng, t.vocab, 0.3)
         c["ok"] = c["ok"] and c["gate_six_runs_bit_identical"]
+    if drafter is not None:                        # speculative steps: deterministic too (drafts kept)
+        c["spec_six_runs_bit_identical"] = spec_determinism(eng, t.vocab)
+        c["ok"] = c["ok"] and c["spec_six_runs_bit_identical"]
     s.report.note(scenario, "correctness", c)
     print(f"[{scenario}] correctness: {'ok' if c['ok'] else 'FAILED'} (six runs identical: "
           f"{c['six_runs_bit_identical']}, reference within noise: {c['reference_agreement_within_noise']}"
           + (f", gated six runs identical: {c['gate_six_runs_bit_identical']}" if "gate_six_runs_bit_identical" in c
-             else "") + ")", flush=True)
-    return bool(c["six_runs_bit_identical"]) and c.get("gate_six_runs_bit_identical", True)
+             else "")
+          + (f", speculative six runs identical: {c['spec_six_runs_bit_identical']}"
+             if "spec_six_runs_bit_identical" in c else "") + ")", flush=True)
+    return (bool(c["six_runs_bit_identical"]) and c.get("gate_six_runs_bit_identical", True)
+            and c.get("spec_six_runs_bit_identical", True))
+
+
+def spec_determinism(eng, vocab: int) -> bool:
+    """Six identical greedy runs with MTP drafts, every draft kept (--accept-all's path: random
+    weights keep none otherwise): token ids and logprobs bit for bit."""
+    from moet.sampling_params import SamplingParams
+
+    longest = min(300, eng.max_model_len - 48)
+    ps = [p[:n] for p, n in zip(prompts(4, longest, vocab, 3), (17, 64, 129, longest))]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
+    keep, eng.drafter.accept_all = eng.drafter.accept_all, True
+    try:
+        runs = six_greedy_runs(eng, ps, sp)
+    finally:
+        eng.drafter.accept_all = keep
+    return all(r == runs[0] for r in runs[1:])
 
 
 def gate_determinism(eng, vocab: int, rate: float) -> bool:
@@ -188,19 +211,27 @@ def run_decode(t: Target, s: Settings, roof: dict | None) -> None:
     # gate) and the gate at each forced rate, in one run
     variants = [("bare", None)] + [("gate", r) for r in s.gate_fire] if s.gate_fire and gate is not None \
         else [("as configured", None)]
+    drafter = eng.drafter
+    if s.speculative and drafter is not None:     # (spec, drafts per step): 0 = no speculation
+        variants = [("spec", k) for k in s.speculative]
+        drafter.accept_all = s.accept_all
     for b in s.batches:
         if not s.budget.ok(30):
             report.note("decode", f"skipped batch {b}", "time budget (--budget-s) spent")
             print(f"[decode] budget: batch {b} skipped", flush=True)
             continue
         for kind, rate in variants:
-            if kind != "as configured":
+            if kind == "spec":
+                eng.drafter = drafter if rate else None
+                if rate:
+                    drafter.set_drafts(rate)
+            elif kind != "as configured":
                 eng.gate = gate if kind == "gate" else None
                 gate.forced_fire_rate = rate
             try:
                 _decode_row(t, s, roof, b, kind, rate)
             finally:
-                eng.gate = gate
+                eng.gate, eng.drafter = gate, drafter
                 if gate is not None:
                     gate.forced_fire_rate = None
 
@@ -217,11 +248,13 @@ def _decode_row(t: Target, s: Settings, roof: dict | None, b: int, kind: str, ra
     eng.reset_prefix_cache()
     if eng.gate is not None:
         eng.gate.counters = GateCounters()
+    if eng.drafter is not None:
+        eng.drafter.set_drafts(eng.drafter.k)
     sp = SamplingParams(temperature=0.0, max_tokens=s.decode_tokens, ignore_eos=True)
     ps = prompts(b, s.prompt_len, t.vocab, 100 + b)
     res = timed_run(eng, [(f"d{b}-{i}", p, sp) for i, p in enumerate(ps)], t.device, min_running=b)
     eng.reset_prefix_cache()
-    if b == 1 and kind != "gate":
+    if b == 1 and kind != "gate" and not (eng.drafter is not None and s.accept_all):
         s.greedy = {"prompt": ps[0], "ids": res["token_ids"]["d1-0"]}
     tok_s = res["decode_tok_s"]
     need = decode_step_bytes(t.model, eng.runner.bytes_per_token, s.prompt_len + s.decode_tokens // 2, b)
@@ -239,6 +272,16 @@ def _decode_row(t: Target, s: Settings, roof: dict | None, b: int, kind: str, ra
                     "gate_reach": eng.gate.reach}
     elif kind == "bare":
         what = {"gate": "off (bare W2)", **what}
+    if kind == "spec":
+        if eng.drafter is not None:
+            st = eng.drafter.counters.stats()
+            what = {"MTP drafts": rate, **what}
+            notes += (f"; {st['spec_mean_tokens_per_step']:.2f} tokens/step, acceptance "
+                      f"{100 * st['spec_acceptance_rate']:.0f}%" + (" (every draft kept: --accept-all)"
+                                                                    if s.accept_all else ""))
+            details |= {"spec_drafts": rate, "spec_accept_all": s.accept_all} | st
+        else:
+            what = {"MTP drafts": 0, **what}
     report.add({"scenario": "decode", "shape": t.label, "system": "moet", "batch": b,
                 "config": config_text(t, s, **what),
                 "tok_s": tok_s, "gb_s": gb_s,

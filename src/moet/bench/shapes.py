@@ -38,10 +38,16 @@ DSV3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", v
 MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
              num_experts_per_tok=2, max_position_embeddings=4096, eos_token_id=257)
+# the same for a GLM-4.5-shaped model with an MTP layer (speculative decoding's bench tests)
+MICRO_MTP = dict(GLM45_AIR, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+                 n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=4096, eos_token_id=257,
+                 num_nextn_predict_layers=1)
 
 SHAPES: dict[str, tuple[str, dict]] = {
     "glm45air": ("GLM-4.5-Air", GLM45_AIR), "qwen3_30b": ("Qwen3-30B-A3B", QWEN3_30B),
-    "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "micro": ("micro (tests)", MICRO)}
+    "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "micro": ("micro (tests)", MICRO),
+    "micro_mtp": ("micro with MTP (tests)", MICRO_MTP)}
 
 
 def shape(name: str) -> tuple[str, dict]:
@@ -59,18 +65,21 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 @torch.no_grad()
 def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, repair_tier: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, repair_tier: bool = False, mtp: bool = False):
     """moet's CausalLM of `cfg`'s shape, every tensor made on `device` (no host copy of the
     weights ever exists), every expert resident in `expert_format`; repair_tier: an FP4 repair
-    tier of every expert beside it (random FP4 rows, not a copy of the W2 ones: the bench times it)."""
+    tier of every expert beside it (random FP4 rows, not a copy of the W2 ones: the bench times it);
+    mtp: the config's MTP layers (at least one), for speculative decoding."""
     from moet.checkpoint.spec import spec_from_config
     from moet.model.layers.moe import MoE
     from moet.model.loader import allocate_pool
     from moet.model.model import CausalLM
 
+    if mtp and not cfg.get("num_nextn_predict_layers"):
+        cfg = dict(cfg, num_nextn_predict_layers=1)
     spec = spec_from_config(cfg, "bench shape")
     with torch.device(device):
-        model = CausalLM(spec, dtype, load_mtp=False)
+        model = CausalLM(spec, dtype, load_mtp=mtp)
     gen = torch.Generator(device=device).manual_seed(seed)
     # Scaled the way trained models are (GPT-2 / Megatron init): weights ~N(0, 0.02), the
     # projections that write into the residual stream (o_proj, down_proj, expert down) smaller

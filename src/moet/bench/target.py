@@ -35,6 +35,8 @@ class Settings:
     report: object = None             # moet.bench.report.Report
     greedy: dict = field(default_factory=dict)   # moet's batch-1 greedy ids, for the peer's comparison
     gate_fire: list[float] = field(default_factory=list)   # decode: forced gate fire rates (--gate-fire)
+    speculative: list[int] = field(default_factory=list)   # decode: MTP drafts per step to time (--speculative)
+    accept_all: bool = False          # decode: every draft kept (--accept-all: the verify step's cost)
 
 
 @dataclass
@@ -120,8 +122,12 @@ def open_target(s: Settings, max_model_len: int, max_num_seqs: int, max_num_batc
         repair = bool(s.gate_fire) and ec.load.expert_format == "w2"
         if not repair:
             ec = replace(ec, gate=replace(ec.gate, fp4_gate=False))
+        if s.speculative:
+            ec = replace(ec, scheduler=replace(ec.scheduler, speculative_config={
+                "method": "mtp", "num_speculative_tokens": max(s.speculative)}))
         try:
-            model = random_model(cfg, s.device, ec.load.expert_format, dtype=dtype, repair_tier=repair)
+            model = random_model(cfg, s.device, ec.load.expert_format, dtype=dtype, repair_tier=repair,
+                                 mtp=bool(s.speculative))
             sync(s.device)
             eng = LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, s.device, ec.scheduler.max_model_len)
         except torch.cuda.OutOfMemoryError as exc:

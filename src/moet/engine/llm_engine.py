@@ -563,6 +563,8 @@ class LLMEngine:
                 if seq.is_finished:
                     continue
                 draft = seq.spec_token_ids[j] if j < drafts[b] else None
+                if draft is not None and self.drafter.accept_all:     # bench only (MTPDrafter.accept_all)
+                    tok = draft
                 self._append(seq, tok, lp, lps)
                 self._stats.generation_tokens_total += 1
                 touched[seq.request_id] = self.requests[seq.request_id]

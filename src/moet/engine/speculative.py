@@ -64,8 +64,15 @@ class MTPDrafter:
         self.runner = runner
         self.model = runner.model
         self.block_manager = block_manager
-        self.k = int(num_drafts)
         self.max_model_len = max_model_len
+        # `moet bench decode --accept-all`: every draft is kept as if the target had picked it (random
+        # weights accept none), to time the verify step at full acceptance. Never set when serving.
+        self.accept_all = False
+        self.set_drafts(num_drafts)
+
+    def set_drafts(self, k: int) -> None:
+        """Drafts per step from now on (a bench times several in one run); the counters start again."""
+        self.k = int(k)
         self.counters = SpecCounters(drafts=[0] * self.k, accepted=[0] * self.k)
 
     def record(self, drafts: int, kept: int, emitted: int) -> None:

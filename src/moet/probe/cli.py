@@ -32,6 +32,9 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
                    help=f"the gate's thresholds for w2+gate, repeatable (default: {' '.join(map(str, DEFAULT_TAUS))})")
     p.add_argument("--gate-reach", type=int, default=None, metavar="N",
                    help="positions a repair recomputes before the fired one (default: the engine's)")
+    p.add_argument("--speculative", type=int, default=None, metavar="K",
+                   help="decode with K MTP drafts per step (--speculative-config); adds tokens per step and "
+                        "draft acceptance to each generation probe")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="also write the quality table (one row per format / tau) as markdown")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -110,13 +113,16 @@ def run(args) -> int:
     if args.gate_reach is not None and args.gate_reach < 0:
         from moet.errors import ConfigError
         raise ConfigError(f"--gate-reach {args.gate_reach}: must be >= 0")
+    if args.speculative is not None and args.expert_activations != "bf16":
+        from moet.errors import ConfigError
+        raise ConfigError("--speculative runs moet's engine; --expert-activations e4m3 runs transformers' forward")
     if args.expert_activations != "bf16" and any(f.startswith("w2+gate") for f in fmts):
         from moet.errors import ConfigError
         raise ConfigError("--expert-activations e4m3 runs transformers' forward, which has no confidence gate; "
                           "drop w2+gate or --expert-activations")
     only = tuple(args.only) if args.only else None
     open_model = _transformers_opener(ckpt, device, args.expert_activations) \
-        if args.expert_activations != "bf16" else _engine_opener(ckpt, device, args.gate_reach)
+        if args.expert_activations != "bf16" else _engine_opener(ckpt, device, args.gate_reach, args.speculative)
     comparison = FormatComparison("bf16")
     results = {"checkpoint": str(ckpt), "expert_activations": args.expert_activations, "formats": {}}
     bar = None
@@ -147,10 +153,12 @@ def run(args) -> int:
     return 0
 
 
-def _engine_opener(ckpt: Path, device: str, gate_reach: int | None):
+def _engine_opener(ckpt: Path, device: str, gate_reach: int | None, speculative: int | None = None):
     from moet.probe.engine import open_engine
     extra = {} if gate_reach is None else {"gate_reach": gate_reach}
-    return lambda fmt: open_engine(ckpt, fmt, device, **(extra if fmt.startswith("w2+gate") else {}))
+    spec = {} if speculative is None else {"speculative_config": {"method": "mtp",
+                                                                  "num_speculative_tokens": speculative}}
+    return lambda fmt: open_engine(ckpt, fmt, device, **spec, **(extra if fmt.startswith("w2+gate") else {}))
 
 
 def _transformers_opener(ckpt: Path, device: str, activations: str):

@@ -82,6 +82,16 @@ class EngineModel:
         return {"rows_checked": c.rows_checked, "fires": c.fires, "recomputed_rows": c.recomputed_rows,
                 "generated_tokens": engine.stats().generation_tokens_total}
 
+    def spec_snapshot(self) -> dict | None:
+        """MTP speculative decoding's counters so far (None: not speculating); the probes report
+        tokens per verifying step and acceptance over each probe."""
+        drafter = getattr(self.llm.engine, "drafter", None)
+        if drafter is None:
+            return None
+        c = drafter.counters
+        return {"seq_steps": c.verify_seq_steps, "emitted": c.emitted, "drafts": sum(c.drafts),
+                "accepted": sum(c.accepted)}
+
     def _chunks(self, n: int, batch: int):
         step = max(1, batch)
         return [(a, min(n, a + step)) for a in range(0, n, step)]

@@ -37,8 +37,10 @@ def markdown_table(results: dict) -> str:
     fmts = results.get("formats", {})
     shown = [c for c in COLUMNS if any(c[2] in (r.get(c[1]) or {}) for r in fmts.values())]
     fires = [p for p in FIRE_COLUMNS if any("gate_fire_rate" in (r.get(p) or {}) for r in fmts.values())]
+    mtp = [p for p in FIRE_COLUMNS if any("mtp_tokens_per_step" in (r.get(p) or {}) for r in fmts.values())]
     head = ["experts"] + [c[0] for c in shown] + [f"fire, {p}" for p in fires] + \
-        (["FP4 rows / token, arithmetic"] if "arithmetic" in fires else [])
+        (["FP4 rows / token, arithmetic"] if "arithmetic" in fires else []) + \
+        [f"MTP tokens / step, {p}" for p in mtp]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, r in fmts.items():
         row = [_label(variant)]
@@ -48,6 +50,8 @@ def markdown_table(results: dict) -> str:
             row.append(_cell((r.get(p) or {}).get("gate_fire_rate"), True))
         if "arithmetic" in fires:
             row.append(_cell((r.get("arithmetic") or {}).get("gate_rows_per_token"), False))
+        for p in mtp:
+            row.append(_cell((r.get(p) or {}).get("mtp_tokens_per_step"), False))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

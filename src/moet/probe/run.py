@@ -232,6 +232,21 @@ def gate_rates(before: dict, after: dict) -> dict:
             if d["generated_tokens"] else 0.0}
 
 
+def _spec_snapshot(m: ProbeModel) -> dict | None:
+    snap = getattr(m, "spec_snapshot", None)
+    return snap() if snap is not None else None
+
+
+def spec_rates(before: dict, after: dict) -> dict:
+    """MTP speculative decoding over one probe: tokens per verifying step of a sequence (kept
+    drafts + its own token) and the share of drafts kept."""
+    d = {k: after[k] - before[k] for k in before}
+    if not d["seq_steps"]:
+        return {}
+    return {"mtp_tokens_per_step": round(d["emitted"] / d["seq_steps"], 3),
+            "mtp_acceptance": round(d["accepted"] / d["drafts"], 4) if d["drafts"] else 0.0}
+
+
 def count_tasks(tokenizer, budget: str | Budget = "full", only: tuple[str, ...] | None = None) -> int:
     """How many tasks run_all's probes tick off for one model (the total of a progress bar)."""
     b = BUDGETS[budget] if isinstance(budget, str) else budget
@@ -256,11 +271,13 @@ def run_all(m: ProbeModel, budget: str | Budget = "full", only: tuple[str, ...] 
         if progress is not None:
             progress.set_postfix_str(name)
         tick = _no_tick if progress is None else progress.update
-        before = _gate_snapshot(m)
+        before, spec_before = _gate_snapshot(m), _spec_snapshot(m)
         out[name] = fn(m, b, tick, comparison) if name == "code" else fn(m, b, tick)
         out[name]["seconds"] = round(time.time() - t, 1)
         if before is not None:
             out[name].update(gate_rates(before, _gate_snapshot(m)))
+        if spec_before is not None:
+            out[name].update(spec_rates(spec_before, _spec_snapshot(m)))
         if log:
             log({"probe": name, "experts": m.experts, "expert_activations": m.activations, "backend": m.backend,
                  **{k: v for k, v in out[name].items() if not k.startswith(("examples", "by_length_depth"))}})
