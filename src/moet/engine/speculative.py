@@ -7,7 +7,9 @@ layout, CausalLM.mtp_forward_paged) runs on every position the step computed and
 the main model's final-normed hidden state at p and the token at p + 1, writes the MTP layer's own
 KV at p and predicts the token at p + 2. Every kept position goes through it, prompts included,
 so the MTP layer's KV is complete wherever the main model's is (the prefix cache can share it).
-The last row's argmax is draft 1; drafts 2..k chain: one more row each, at the next position, fed
+(One caveat, which costs drafts, never outputs: the MTP KV at a shared block's last position was
+computed with the token that followed it in the sequence that wrote it.) The last row's argmax is
+draft 1; drafts 2..k chain: one more row each, at the next position, fed
 the previous row's MTP output and the previous draft (its KV there is overwritten once the true
 token arrives). Drafts are argmaxes: deterministic, so a run repeats exactly.
 
