@@ -50,7 +50,7 @@ class SchedulerConfig(Section):
             "and the expert store, run synchronously. Turn it off for bit-exact comparisons across batch "
             "compositions.")
     speculative_config: str | None = knob(
-        None, "speculative decoding, as JSON: {\"method\": \"mtp\", \"num_speculative_tokens\": K}",
+        None, "MTP drafts per step, e.g. {\"num_speculative_tokens\": 2}",
         metavar="JSON",
         doc="vLLM's spelling. method mtp: the checkpoint's own multi-token-prediction layer drafts K tokens (1 to "
             "4, chained: each draft feeds the next) after every decode step, and the next step verifies them "
