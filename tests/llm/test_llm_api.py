@@ -128,7 +128,9 @@ def test_every_engine_config_field_is_an_llm_keyword(path, tmp_path):
                   expert_prefetch=False, expert_demand_fetch=False, expert_decode_mode="graph",
                   expert_stats_interval_s=0.0,
                   # fp4 experts: the gate has nothing to repair (it is off, whatever these say)
-                  fp4_gate=True, gate_tau=0.5, gate_reach=4, gate_refresh=8, fp4_prefill=False, fp4_pool_gb="auto")
+                  fp4_gate=True, gate_tau=0.5, gate_reach=4, gate_refresh=8, fp4_prefill=False, fp4_pool_gb="auto",
+                  # the MTP layer is not loaded (load_mtp=False), so no speculation
+                  speculative_config=None)
     assert set(kwargs) == set(fields) - {"model"}  # a new field must be added here too
     llm = LLM(path, **kwargs)
     assert llm.config == EngineConfig(model=path, **kwargs)
