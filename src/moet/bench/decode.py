@@ -266,9 +266,10 @@ def _decode_row(t: Target, s: Settings, roof: dict | None, b: int, kind: str, ra
         c = eng.gate.counters
         fire = c.fires / c.rows_checked if c.rows_checked else 0.0
         rows = c.recomputed_rows / max(1, res["generated"])
-        what = {"gate": f"fire {100 * fire:.0f}%" + (" (forced)" if rate is not None else ""), **what}
+        what = {"gate": f"fire {100 * fire:.0f}%" + (" (forced)" if kind == "gate" else ""), **what}
         notes += f"; FP4 rows/token {rows:.2f}, reach {eng.gate.reach}"
-        details |= {"gate_fire_rate": fire, "gate_forced_fire_rate": rate, "gate_rows_per_token": rows,
+        details |= {"gate_fire_rate": fire, "gate_forced_fire_rate": rate if kind == "gate" else None,
+                    "gate_rows_per_token": rows,
                     "gate_reach": eng.gate.reach}
     elif kind == "bare":
         what = {"gate": "off (bare W2)", **what}

@@ -122,12 +122,12 @@ def open_target(s: Settings, max_model_len: int, max_num_seqs: int, max_num_batc
         repair = bool(s.gate_fire) and ec.load.expert_format == "w2"
         if not repair:
             ec = replace(ec, gate=replace(ec.gate, fp4_gate=False))
-        if s.speculative:
+        if any(s.speculative):
             ec = replace(ec, scheduler=replace(ec.scheduler, speculative_config={
                 "method": "mtp", "num_speculative_tokens": max(s.speculative)}))
         try:
             model = random_model(cfg, s.device, ec.load.expert_format, dtype=dtype, repair_tier=repair,
-                                 mtp=bool(s.speculative))
+                                 mtp=any(s.speculative))
             sync(s.device)
             eng = LLMEngine(ec, model, None, {int(cfg["eos_token_id"])}, s.device, ec.scheduler.max_model_len)
         except torch.cuda.OutOfMemoryError as exc:
@@ -137,8 +137,11 @@ def open_target(s: Settings, max_model_len: int, max_num_seqs: int, max_num_batc
         t = Target(name, cfg, model, eng, s.device, ec.load.expert_format)
     else:
         cfg = checkpoint_config(s.model)
+        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": max(s.speculative)}} \
+            if any(s.speculative) else {}
         ec = engine_config(s, max_model_len=min(max_model_len, int(cfg.get("max_position_embeddings", max_model_len))),
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, model=str(s.model))
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, model=str(s.model),
+                           **spec)
         eng = LLMEngine.from_config(ec)
         t = Target(Path(str(s.model)).name, cfg, eng.runner.model, eng, s.device, ec.load.expert_format,
                    checkpoint=str(eng.checkpoint.path))
