@@ -547,10 +547,17 @@ class LLMEngine:
         alive = [(b, starts[b] + s.num_new_tokens - 1 - drafts[b]) for b, s in enumerate(sched.scheduled)
                  if samples[b] and not s.seq.is_finished]
         kept = [0] * len(sched.scheduled)
+        # every verified row's logits in one head pass; position j reads its rows from it
+        where, rows = {}, []
+        for b, r in alive:
+            for j in range(drafts[b] + 1):
+                where[(b, j)] = len(rows)
+                rows.append(r + j)
+        every = self.runner.logits(hidden[torch.tensor(rows, device=hidden.device)]) if rows else None
         j = 0
         while alive:
             subset = [sched.scheduled[b] for b, _ in alive]
-            logits = self.runner.logits(hidden[torch.tensor([r + j for _, r in alive], device=hidden.device)])
+            logits = every[torch.tensor([where[(b, j)] for b, _ in alive], device=every.device)]
             repaired = set()
             if self.gate is not None:
                 logits = self.gate.apply(subset, logits)
