@@ -47,7 +47,7 @@ class HostPoolRows:
                     t[slot].copy_(getattr(host, f)[expert], non_blocking=True)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the host pools belong to the model's ExpertSlots."""
 
 
 class PackRows:
