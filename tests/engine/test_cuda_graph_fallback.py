@@ -17,7 +17,7 @@ PROMPT = list(range(40, 40 + 13))
 def test_capture_error_text_names_the_first_error_and_where():
     """torch.cuda.graph's exit raises again from capture_end while the capture's own error is being
     handled; the text must name the first one (the cause) and the moet frame it was raised in."""
-    from moet.engine.model_runner import capture_error_text
+    from moet.engine.cuda_graphs import capture_error_text
 
     def in_capture():
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore lines")
@@ -37,7 +37,7 @@ def test_capture_error_text_names_the_first_error_and_where():
 
 
 def test_capture_error_text_single_exception():
-    from moet.engine.model_runner import capture_error_text
+    from moet.engine.cuda_graphs import capture_error_text
 
     assert capture_error_text(ValueError("bad")) == "ValueError: bad"
 
@@ -104,7 +104,7 @@ def test_failed_capture_falls_back_and_leaves_the_process_working(monkeypatch, c
     torch.cuda.empty_cache()
     segments = torch.cuda.memory._snapshot()["segments"]
     assert segments and all("segment_pool_id" in s for s in segments)
-    assert tuple(runner.graph_pool) not in {tuple(s["segment_pool_id"]) for s in segments}
+    assert tuple(runner.decode_graphs.pool) not in {tuple(s["segment_pool_id"]) for s in segments}
 
 
 @needs_cuda

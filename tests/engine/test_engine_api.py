@@ -186,7 +186,7 @@ def test_kv_cache_dtypes_size_and_run(path, kv_dtype, ratio):
 
 
 def test_kv_budget_and_graph_buckets(path):
-    from moet.engine.model_runner import graph_buckets
+    from moet.engine.cuda_graphs import graph_buckets
 
     assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64] and graph_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     assert graph_buckets(1) == [1]

@@ -17,6 +17,8 @@ its average being old) so it notices when the hit rate moves.
 """
 from __future__ import annotations
 
+from typing import Hashable
+
 WARMUP_STEPS = 3          # steps per mode before auto compares them (the first may compile / warm)
 EXPLORE_EVERY = 64        # then one step of the slower mode this often
 ALPHA = 0.2               # weight of the newest step in the running average
@@ -29,14 +31,14 @@ class DecodeModeChooser:
             raise ValueError(f"decode mode {mode!r}: graph, eager or auto")
         self.mode = mode
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
-        self._avg: dict[int, dict[bool, float]] = {}      # bucket -> {use_graph: seconds per step}
-        self._count: dict[int, dict[bool, int]] = {}
-        self._steps: dict[int, int] = {}
-        self._last: dict[int, dict[bool, int]] = {}       # bucket -> {use_graph: step of its last sample}
+        self._avg: dict[Hashable, dict[bool, float]] = {}      # bucket -> {use_graph: seconds per step}
+        self._count: dict[Hashable, dict[bool, int]] = {}
+        self._steps: dict[Hashable, int] = {}
+        self._last: dict[Hashable, dict[bool, int]] = {}       # bucket -> {use_graph: step of its last sample}
         self.graph_steps = self.eager_steps = 0
 
-    def use_graph(self, bucket: int) -> bool:
-        """Run this decode step (batch bucket `bucket`) as the captured graph?"""
+    def use_graph(self, bucket: Hashable) -> bool:
+        """Run this step (graph key `bucket`: rows per sequence and batch bucket) as the captured graph?"""
         if self.mode != "auto":
             return self.mode == "graph"
         n = self._count.setdefault(bucket, {True: 0, False: 0})
@@ -50,7 +52,7 @@ class DecodeModeChooser:
             return not fast
         return fast
 
-    def record(self, bucket: int, graph: bool, seconds: float) -> None:
+    def record(self, bucket: Hashable, graph: bool, seconds: float) -> None:
         """The wall time of a decode step that ran as `graph` (replays or demand fetches included)."""
         if graph:
             self.graph_steps += 1

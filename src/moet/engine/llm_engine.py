@@ -748,7 +748,7 @@ class LLMEngine:
         st.num_free_kv_blocks = self.block_manager.num_free_blocks
         st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
         st.num_preemptions = self.scheduler.num_preemptions
-        st.extra["cuda_graphs"] = float(len(self.runner.graphs))
+        st.extra["cuda_graphs"] = float(len(self.runner.graphs) + len(self.runner.verify_graphs))
         if self._jit is not None:
             st.extra.update(self._jit.snapshot())
         st.extra.update(self._gc.snapshot())

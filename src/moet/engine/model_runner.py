@@ -9,11 +9,10 @@
     before the weights load too, check_kv_request).
   * A step: the scheduler's sequences -> one flat varlen AttentionBatch -> model.forward_paged
     -> logits of the rows that sample (and of prompt rows whose logprobs were asked for).
-  * CUDA graphs: pure-decode steps of up to max_num_seqs sequences replay a graph captured for
-    the next bucket (1, 2, 4, 8, ..., max_num_seqs); padding rows write nowhere (slot -1).
-    Everything a graph reads lives in static buffers; block tables are always max_model_len
-    wide on CUDA so eager and graph steps see the same table width (the decode kernels' split
-    count follows it). CPU always runs eager (the torch references).
+  * CUDA graphs (engine/cuda_graphs.py): pure-decode steps of up to max_num_seqs sequences
+    replay a graph captured for the next bucket (1, 2, 4, 8, ..., max_num_seqs); with MTP
+    drafts so do verify steps in which every sequence brings its k drafts (k + 1 rows each).
+    CPU always runs eager (the torch references).
   * Expert store (engine/expert_residency.py, when routed experts are not all resident): the
     device expert cache is sized and allocated before the KV cache (so the KV cache gets what
     is left) and before graph capture (graphs read its pool / slot table / counters, which are
@@ -32,6 +31,7 @@ import time
 import torch
 
 from moet.config import EngineConfig
+from moet.engine.cuda_graphs import GraphSet
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.attention_ops import set_gqa_fused_merge
@@ -142,14 +142,6 @@ def _explicit_blocks(config: EngineConfig, bytes_per_token: int) -> tuple[int, s
     return int(cache.kv_cache_memory_gb * (1 << 30)) // (bytes_per_token * cache.block_size), "kv_cache_memory_gb"
 
 
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    return out + [max_num_seqs]
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model, device: torch.device, max_model_len: int, residency=None):
         self.config = config
@@ -189,10 +181,13 @@ class ModelRunner:
             raise ConfigError(f"the KV cache of {self.num_blocks} blocks ({_gib(self.kv_cache_bytes)}) could not be "
                               f"allocated on {device} ({str(exc).splitlines()[0]}); lower --num-kv-blocks / "
                               "--kv-cache-memory-gb / --gpu-memory-utilization") from None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_error: str | None = None
+        # rows per sequence of a speculative verify step (1 without drafts): a step whose sequences
+        # bring more is a prompt chunk, for the expert store a scan (its rows are evicted first)
+        self.verify_width = config.scheduler.num_speculative_tokens + 1
+        self.decode_graphs: GraphSet | None = None
+        self.spec_graphs: dict[int, GraphSet] = {}       # rows per sequence -> verify graphs
         if device.type == "cuda" and not config.kernels.enforce_eager:
-            self._capture_graphs()
+            self._capture_decode_graphs()
 
     # ------------------------------------------------------------------ sizing
 
@@ -286,20 +281,21 @@ class ModelRunner:
                 if res is None:
                     return step()
                 return res.run(step, scan=True, num_tokens=int(input_ids.shape[0]), repairing=True)
-        bucket = self._graph_bucket(batch)
-        # with the expert store a decode step may run eagerly instead (demand fetch, no replay):
-        # res.decode_mode decides (engine/decode_mode.py)
-        graph = bucket is not None and (res is None or res.decode_mode.use_graph(bucket))
+        found = self._graph_for(batch)
+        key = None if found is None else (found[0].q, found[1])
+        # with the expert store a graph step may run eagerly instead (demand fetch, no replay):
+        # res.decode_mode decides (engine/decode_mode.py), per (rows per sequence, bucket)
+        graph = found is not None and (res is None or res.decode_mode.use_graph(key))
         if not graph:
             step = lambda: self.model.forward_paged(input_ids, batch, self.kv)  # noqa: E731
         else:
-            step = lambda: self._replay(bucket, input_ids, batch)  # noqa: E731
+            step = lambda: found[0].replay(found[1], input_ids, batch)  # noqa: E731
         if res is None:
             return step()
         t0 = time.perf_counter()
-        out = res.run(step, scan=not batch.is_pure_decode, num_tokens=int(input_ids.shape[0]))
-        if bucket is not None:
-            res.decode_mode.record(bucket, graph, time.perf_counter() - t0)
+        out = res.run(step, scan=batch.max_seqlen_q > self.verify_width, num_tokens=int(input_ids.shape[0]))
+        if key is not None:
+            res.decode_mode.record(key, graph, time.perf_counter() - t0)
         return out
 
     @torch.inference_mode()
@@ -327,171 +323,41 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
-    # ------------------------------------------------------------------ CUDA graphs (decode)
+    # ------------------------------------------------------------------ CUDA graphs
 
-    def _graph_bucket(self, batch: AttentionBatch) -> int | None:
-        if not self.graphs or not batch.is_pure_decode:
-            return None
-        b = batch.num_seqs
-        return next((k for k in sorted(self.graphs) if k >= b), None)
+    @property
+    def graphs(self) -> dict[int, "torch.cuda.CUDAGraph"]:
+        """The captured decode graphs by bucket (the verify graphs: verify_graphs)."""
+        return self.decode_graphs.graphs if self.decode_graphs is not None else {}
 
-    def _static_batch(self, bs: int) -> AttentionBatch:
-        st = self._static
-        return AttentionBatch(
-            positions=st["positions"][:bs], slot_mapping=st["slot_mapping"][:bs], block_tables=st["block_tables"][:bs],
-            seq_lens=st["seq_lens"][:bs], cu_seqlens_q=st["cu_seqlens_q"][:bs + 1], max_seqlen_q=1,
-            num_decode_seqs=bs, logits_indices=st["logits_indices"][:bs],
-            # host copies at their worst case: a captured kernel may size its grid from them,
-            # never its math (the graph replays whatever was captured)
-            seq_lens_host=[self.max_model_len] * bs, cu_seqlens_q_host=list(range(bs + 1)))
+    @property
+    def verify_graphs(self) -> dict[tuple[int, int], "torch.cuda.CUDAGraph"]:
+        """The captured verify graphs by (rows per sequence, bucket)."""
+        return {(q, b): g for q, gs in self.spec_graphs.items() for b, g in gs.graphs.items()}
 
-    @torch.inference_mode()
-    def _capture_graphs(self) -> None:
-        dev, mx = self.device, self.config.scheduler.max_num_seqs
-        self._static = {
-            "input_ids": torch.zeros(mx, dtype=torch.long, device=dev),
-            "positions": torch.zeros(mx, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((mx,), -1, dtype=torch.long, device=dev),
-            "block_tables": torch.zeros(mx, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "seq_lens": torch.ones(mx, dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(mx + 1, dtype=torch.int32, device=dev),
-            "logits_indices": torch.arange(mx, dtype=torch.long, device=dev),
-        }
-        self._graph_out: dict[int, torch.Tensor] = {}
-        with torch.cuda.device(dev):
-            # one pool for every bucket (largest first: the smaller graphs reuse its blocks), and our
-            # own capture stream: both by handle, so that a failed capture can be undone (below)
-            self.graph_pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
-            caller = torch.cuda.current_stream(dev)
-            g = None
-            try:
-                for bs in reversed(graph_buckets(mx)):
-                    batch = self._static_batch(bs)
-                    ids = self._static["input_ids"][:bs]
-                    # warm-up (compiles kernels) on the capture stream: what a stream gets on its first
-                    # use (cuBLAS's workspace) is then made here, not inside the capture, where it
-                    # would come from the graph pool and hold it for the life of the process
-                    stream.wait_stream(caller)
-                    with torch.cuda.stream(stream):
-                        self.model.forward_paged(ids, batch, self.kv)
-                    torch.cuda.synchronize(dev)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, self.graph_pool, stream=stream):
-                        out = self.model.forward_paged(ids, batch, self.kv)
-                    self.graphs[bs] = g
-                    self._graph_out[bs] = out
-                torch.cuda.synchronize(dev)
-            except Exception as exc:     # e.g. a kernel path that syncs the host: run eager, say so once
-                # only the text is kept: the exception's frames hold the capture's tensors (pool blocks)
-                self.graph_error = capture_error_text(exc)
-            if self.graph_error is not None:
-                failed = g if g is not None and not _capture_ended(g) else None
-                g = out = None
-                self.graphs.clear()
-                self._graph_out.clear()
-                left = abandon_capture(failed, stream, caller, self.graph_pool)
-                log.warning("CUDA graph capture failed, decode runs eager: %s%s", self.graph_error,
-                            f" (not undone: {'; '.join(left)})" if left else "")
+    @property
+    def graph_error(self) -> str | None:
+        return self.decode_graphs.error if self.decode_graphs is not None else None
 
-    def _replay(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        st, b = self._static, batch.num_seqs
-        st["input_ids"][:b].copy_(input_ids)
-        st["positions"][:b].copy_(batch.positions)
-        st["slot_mapping"][:b].copy_(batch.slot_mapping)
-        st["slot_mapping"][b:bucket].fill_(-1)
-        w = batch.block_tables.shape[1]
-        st["block_tables"][:b, :w].copy_(batch.block_tables)
-        st["seq_lens"][:b].copy_(batch.seq_lens)
-        st["seq_lens"][b:bucket].fill_(1)
-        self.graphs[bucket].replay()
-        return self._graph_out[bucket][:b]
+    def _graph_for(self, batch: AttentionBatch) -> tuple[GraphSet, int] | None:
+        gs = self.decode_graphs if batch.max_seqlen_q == 1 else self.spec_graphs.get(batch.max_seqlen_q)
+        bucket = gs.bucket_for(batch) if gs is not None else None
+        return None if bucket is None else (gs, bucket)
 
+    def _forward_for_capture(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        return self.model.forward_paged(ids, batch, self.kv)
 
-# ---------------------------------------------------------------------------- a failed capture
+    def _capture_decode_graphs(self) -> None:
+        self.decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len,
+                                      self.device, "decode")
+        self.decode_graphs.capture(self._forward_for_capture, self.device)
 
-def capture_error_text(exc: BaseException) -> str:
-    """What made a capture fail, in one line: the first exception of the chain (a host sync inside
-    the capture raises there; torch.cuda.graph's exit then raises again from capture_end, "operation
-    failed due to a previous error during capture", which names nothing), where it was raised in
-    moet (the innermost moet frame), and the last exception if it is another one."""
-    chain = [exc]
-    while chain[-1].__context__ is not None and chain[-1].__context__ not in chain:
-        chain.append(chain[-1].__context__)
-    first, where, tb = chain[-1], None, chain[-1].__traceback__
-    while tb is not None:
-        name = tb.tb_frame.f_code.co_filename.replace("\\", "/")
-        if "/moet/" in name:
-            where = f"{name[name.rindex('/moet/') + 1:]}:{tb.tb_lineno}"
-        tb = tb.tb_next
-
-    def line(e: BaseException) -> str:
-        text = str(e).strip()
-        return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-    return line(first) + (f" (at {where})" if where else "") + (f"; then {line(exc)}" if first is not exc else "")
-
-
-def abandon_capture(graph, stream: torch.cuda.Stream, caller: torch.cuda.Stream, pool) -> list[str]:
-    """Puts the process back the way a failed torch.cuda.graph capture found it, so that later
-    models, graphs and random draws in this process work. When capture_end raises (the capture was
-    invalidated), torch leaves behind:
-      * a capture still open on the stream, if the error came before cudaStreamEndCapture;
-      * the capture stream as the current stream (torch.cuda.graph restores the caller's only
-        after capture_end returns);
-      * the caching allocator still routing the capture's allocations to `pool` (the routing
-        entry is dropped after cudaStreamEndCapture succeeds; while any entry is left, the
-        allocator defers freeing blocks used on several streams), and the failed graph's
-        reference on the pool, so its blocks are never freed;
-      * the device's default CUDA generator in capture mode (capture_begin's prologue set it,
-        capture_end's epilogue never ran): every later random op outside a capture, and every
-        replay of another graph, fails with "Offset increment outside graph capture".
-    `graph`: the graph whose capture failed (None when the failure came outside a capture). Call
-    inside torch.cuda.device(the capture's device), with no other reference to the pool's graphs
-    or their tensors left; returns what could not be undone (for the caller's one warning)."""
-    left: list[str] = []
-    with torch.cuda.stream(stream):
-        if graph is not None and torch.cuda.is_current_stream_capturing():
-            try:
-                graph.capture_end()         # ends the (invalid) capture; its error is expected
-            except RuntimeError:
-                pass
-        if torch.cuda.is_current_stream_capturing():
-            left.append("the capture stream still captures")
-    torch.cuda.set_stream(caller)
-    if graph is not None and not _capture_ended(graph):
-        index = torch.cuda.current_device()
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        release = getattr(torch._C, "_cuda_releasePool", None)
-        if end is None or release is None:
-            left.append("the graph pool (this torch has no _cuda_endAllocateToPool / _cuda_releasePool)")
-        else:
-            try:
-                end(index, pool)
-            except RuntimeError:
-                pass                        # capture_end got as far as handing the pool back
-            try:
-                release(index, pool)
-            except RuntimeError as exc:
-                left.append(f"the graph pool ({exc})")
-    try:
-        # the one way to run the generator's capture epilogue: a capture that ends. capture_begin
-        # registers the default generator of the current device and restarts its capture state;
-        # capture_end closes it. Under torch's per-capture generator states it is a no-op.
-        scratch, x = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
-        with torch.cuda.graph(scratch, stream=stream):
-            x.add_(1)
-        del scratch
-    except RuntimeError as exc:
-        left.append(f"the CUDA generator ({exc})")
-        torch.cuda.set_stream(caller)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return left
-
-
-def _capture_ended(graph) -> bool:
-    try:
-        graph.pool()                        # refused until capture_end has run to its end
-        return True
-    except RuntimeError:
-        return False
+    def ensure_verify_graphs(self, q: int) -> None:
+        """Captures the graphs of MTP verify steps with q rows per sequence (k drafts + 1) once, on
+        CUDA with decode graphs (a process whose decode graphs failed runs verify steps eager too)."""
+        if q in self.spec_graphs or self.decode_graphs is None or self.decode_graphs.error is not None:
+            return
+        gs = GraphSet(q, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len, self.device,
+                      f"MTP verify ({q - 1} drafts)")
+        gs.capture(self._forward_for_capture, self.device)
+        self.spec_graphs[q] = gs

@@ -76,6 +76,8 @@ class MTPDrafter:
         """Drafts per step from now on (a bench times several in one run); the counters start again."""
         self.k = int(k)
         self.counters = SpecCounters(drafts=[0] * self.k, accepted=[0] * self.k)
+        if self.k:
+            self.runner.ensure_verify_graphs(self.k + 1)
 
     def record(self, drafts: int, kept: int, emitted: int) -> None:
         """One sequence's verification: `drafts` drafts checked, the first `kept` of them kept."""
