@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 from moet.errors import CheckpointError, ConfigError, FormatError, MoetError
 
 __all__ = ["__version__", "MoetError", "FormatError", "CheckpointError", "ConfigError",
-           "LLM", "SamplingParams", "EngineConfig"]
+           "LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig"]
 
 
 def __getattr__(name: str):
@@ -22,6 +22,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from moet.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from moet.sampling_params import StructuredOutputsParams
+        return StructuredOutputsParams
     if name == "EngineConfig":
         from moet.config import EngineConfig
         return EngineConfig

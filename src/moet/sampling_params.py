@@ -23,6 +23,45 @@ def _integer(name: str, v) -> int:
     return int(v)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's StructuredOutputsParams; engine/structured_output.py): exactly
+    one of the constraints. The tokens a sequence may sample next are those its grammar allows
+    (xgrammar); once the grammar is complete, only its end-of-sequence tokens.
+      json         a JSON schema (dict or JSON text): the output is one JSON value that matches it
+      json_object  True: any JSON object
+      regex        the output matches the regular expression (whole)
+      choice       the output is exactly one of these strings
+      grammar      an EBNF grammar (GBNF-style, as xgrammar reads it; the start rule is `root`)
+    """
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError("structured outputs take exactly one of json, json_object, regex, choice, grammar"
+                               + (f" (got {', '.join(given)})" if given else ""), param="structured_outputs")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise RequestError("choice must be a non-empty list of strings", param="structured_outputs.choice")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise RequestError(f"{k} must be a non-empty string", param=f"structured_outputs.{k}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise RequestError("json must be a JSON schema (an object or its JSON text)", param="structured_outputs.json")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1                      # completions per prompt (share the prompt's KV through the prefix cache)
@@ -43,6 +82,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt position: the actual token + the top-k
     seed: int | None = None         # same seed -> same output, whatever else is in the batch
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # constrained decoding (grammar, schema, ...)
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +141,8 @@ class SamplingParams:
                                param="seed")
         if any(not s for s in self.stop_list):
             raise RequestError("stop strings must be non-empty", param="stop")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RequestError("structured_outputs must be a StructuredOutputsParams", param="structured_outputs")
 
     @property
     def greedy(self) -> bool:
