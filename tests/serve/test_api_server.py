@@ -29,13 +29,20 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 def script(prompt: str) -> str:
     if "<tool_response>" in prompt:
         return "<think></think>\nIt is 21 degrees in Paris."
-    if prompt.endswith("<tool_call>get_weather\n"):  # forced call: the model continues the opener
-        return "<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>"
+    if prompt.endswith("<think></think>\n") and "<tools>" in prompt:   # forced call (thinking off)
+        return "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>"
     if "<tools>" in prompt:
         return CALL
     if "12+30" in prompt:
         return "<think>2+0=2, 1+3=4</think>\n42"
     return "<think></think>\nHello there, friend."
+
+
+def _matcher(grammar: str):
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(FakeAsyncEngine().tokenizer)
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar))
 
 
 def make_app(engine, **cfg):
@@ -141,7 +148,11 @@ def test_tool_choice_none_and_named(engine, client):
     assert "<tools>" not in engine.prompts_seen[-1] and not r.choices[0].message.tool_calls
     r = client.chat.completions.create(model="moet-tiny", messages=msgs, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert engine.prompts_seen[-1].endswith("<think></think>\n<tool_call>get_weather\n")
+    assert engine.prompts_seen[-1].endswith("<|assistant|>\n<think></think>\n")
+    grammar = engine.params_seen[-1].structured_outputs.grammar     # the reply is a call under a grammar
+    matcher = _matcher(grammar)
+    assert matcher.accept_string(script(engine.prompts_seen[-1])) and matcher.is_completed()
+    assert not _matcher(grammar).accept_string("<tool_call>get_time\n")       # only the named function
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
     chunks = list(client.chat.completions.create(model="moet-tiny", messages=msgs, tools=[WEATHER], stream=True,
@@ -215,8 +226,21 @@ BAD = [  # (body or raw bytes, status, substring of the message)
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]}, 400, "name"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
       "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
-     "constrained decoding"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format.json_schema.schema: Unsupported type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
+                                                                           "json_schema": {"name": "x"}}}, 400,
+     "needs json_schema.schema"),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "[a-"}, 400, "guided_regex: Regex parsing"),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_grammar": 'root ::= "a" root'}, 400,
+     "guided_grammar: the grammar admits no string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_grammar": "root ::= x"}, 400,
+     'Rule "x" is not defined'),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_choice": []}, 400, "non-empty list"),
+    ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["x"]}, 400, "one output constraint"),
+    ({"prompt": "hi", "structured_outputs": {"jsonn": {}}}, 400, "unknown key 'jsonn'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, 400, "cannot also follow response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
       "function": {"name": "f", "arguments": "{oops"}}]}]}, 400, "not valid JSON"),
@@ -226,7 +250,8 @@ BAD = [  # (body or raw bytes, status, substring of the message)
 @pytest.mark.parametrize("body,status,needle", BAD)
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, needle):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, **kw)
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    r = httpx.post(server.url + path, timeout=30, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] and "code" in err

@@ -22,8 +22,9 @@ after it). Prefix-cache hashes are taken after the resolve, so a block is never 
 placeholder in it. Before anything else happens -- a request waiting or admitted, n > 1 siblings
 to release, a possible preemption, the set of running sequences changed -- the pending step is
 resolved synchronously and the step runs as before, so scheduling decisions never see a
-placeholder. Not pipelined: steps with prefill rows, sequences with penalties (they need the
-previous token on the host), prompt logprobs, and engines with the expert store (its replays).
+placeholder. Not pipelined: steps with prefill rows, sequences with penalties or a structured-
+output grammar (they need the previous token on the host), prompt logprobs, and engines with
+the expert store (its replays).
 Tokens, logprobs and sampling draws are those of the synchronous engine, step for step: the
 device runs the same work in the same order; what differs is the extra row a sequence that
 stopped on a stop token or string adds to the step after it, so batch-variant kernels may move
@@ -55,7 +56,7 @@ class PendingStep:
 
 
 def eligible_seq(seq: Sequence) -> bool:
-    return not seq.params.has_penalties and not seq.needs_prompt_logprobs
+    return not seq.params.has_penalties and not seq.needs_prompt_logprobs and seq.grammar is None
 
 
 class AsyncDecode:

@@ -45,6 +45,7 @@ from moet.engine.sampler import Sampler, new_generator, position_logprobs
 from moet.engine.scheduler import Scheduler, SchedulerOutput
 from moet.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from moet.engine.stats import EngineStats
+from moet.engine.structured_output import DEAD_END, GrammarBackend
 from moet.errors import ConfigError, MoetError, RequestError, RequestFailed
 from moet.kernels.jit_watch import install_jit_watch
 from moet.store.repair_pool import RepairPool
@@ -142,6 +143,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seed_stream = random.Random(sch.seed)    # seeds of requests that bring none
+        self._grammars: GrammarBackend | None = None   # structured outputs, made on first use
         self._next_seq_id = 0
         self._stats = EngineStats(num_kv_blocks=self.runner.num_blocks, block_size=config.cache.block_size)
         self._token_str_cache: dict[int, str] = {}
@@ -328,6 +330,15 @@ class LLMEngine:
     def set_eos_token_ids(self, ids: set[int]) -> None:
         self.eos_token_ids = set(ids)
         self.sampler.eos_token_ids = set(ids)
+        self._grammars = None                    # its matchers end on the old ids
+
+    def grammar_backend(self) -> GrammarBackend:
+        """Structured outputs' compiler and matchers for this tokenizer (made on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need a tokenizer; pass tokenizer=DIR", param="structured_outputs")
+            self._grammars = GrammarBackend(self.tokenizer, self.model.spec.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     # ------------------------------------------------------------------ requests
 
@@ -350,6 +361,8 @@ class LLMEngine:
             raise ConfigError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len}; "
                               "raise --max-model-len or shorten the prompt")
         self._check_params(params)
+        so = params.structured_outputs
+        compiled = self.grammar_backend().compile(so, params.stop_token_ids) if so is not None else None
         budget = self.max_model_len - len(ids)
         max_new = min(params.max_tokens, budget) if params.max_tokens is not None else budget
         # (it always fits the KV cache: the runner refuses a cache smaller than max_model_len,
@@ -363,6 +376,8 @@ class LLMEngine:
                 seq.generator = new_generator(seed, self.device)
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, seq)
+            if compiled is not None:
+                seq.grammar = self._grammars.new_sequence(compiled, params.stop_token_ids)
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs)
         # siblings share the prompt: let the first prefill it, the rest hit the prefix cache
@@ -630,6 +645,14 @@ class LLMEngine:
         if seq.error is not None:
             seq.token_ids.pop()                      # the failed row's token is no token
             self._fail_seq(seq, seq.error)
+            return
+        g = seq.grammar
+        if g is not None and (g.dead_end or not g.accept(tok)):
+            seq.token_ids.pop()                      # its grammar allowed no token: nothing was sampled
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            seq.finish_reason = DEAD_END
+            if seq.detok is not None:
+                seq.detok.finish()
             return
         try:
             self._check_token(seq, tok, lp, lps)

@@ -9,8 +9,8 @@ Deterministic by construction:
     trick in disguise) whose noise depends on nothing else in the batch, so the same seed gives
     the same tokens alone or among 63 other requests.
 Order (vLLM's): min_tokens blocks EOS / stop ids -> penalties (repetition over prompt + output,
-frequency and presence over the output) -> argmax | temperature -> top_k -> top_p -> min_p ->
-draw. Logprobs are of the raw model distribution (log_softmax of the unprocessed logits),
+frequency and presence over the output) -> the structured-output grammar's mask (engine/
+structured_output.py) -> argmax | temperature -> top_k -> top_p -> min_p -> draw. Logprobs are of the raw model distribution (log_softmax of the unprocessed logits),
 vLLM's default; rank = 1 + number of tokens strictly more likely.
 
 One row's failure is that row's alone: every per-row step (blocked ids, penalties, filters and
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moet.engine.sequence import Sequence
+from moet.engine.structured_output import apply_bitmask, fill_bitmask
 from moet.outputs import Logprob, PositionLogprobs
 
 
@@ -175,10 +176,22 @@ class Sampler:
                     self._penalize(proc[b], seq)
             except Exception as exc:                        # this row only (module doc)
                 failed[b] = exc
+        constrained = [b for b, seq in enumerate(seqs) if seq.grammar is not None and b not in failed]
+        if constrained:
+            if not edited:
+                proc, edited = logits.clone(), True
+            try:
+                mask, dead = fill_bitmask([seqs[b].grammar for b in constrained], seqs[constrained[0]].grammar.words)
+                apply_bitmask(proc, constrained, mask)
+            except Exception as exc:                        # the rows with a grammar only
+                failed.update((b, exc) for b in constrained)
+            else:
+                for i in dead:                              # the engine finishes them (DEAD_END)
+                    seqs[constrained[i]].grammar.dead_end = True
         tok = torch.argmax(proc, dim=-1)                    # greedy rows keep this
         for b, seq in enumerate(seqs):
             sp = seq.params
-            if sp.temperature == 0 or b in failed:
+            if sp.temperature == 0 or b in failed or (seq.grammar is not None and seq.grammar.dead_end):
                 continue
             try:
                 probs = self._filter(proc[b] / sp.temperature, sp.top_k, sp.top_p, sp.min_p)

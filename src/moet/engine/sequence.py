@@ -68,6 +68,7 @@ class Sequence:
         # (engine/async_decode.py); it counts in num_tokens for the scheduler, not in the outputs
         self.pending_token = False
         self.generator: Any = None                  # the sampler's per-sequence torch.Generator
+        self.grammar: Any = None                    # structured outputs: engine/structured_output.SequenceGrammar
         self.detok: Any = None                      # the detokenizer's incremental state
         # set by the sampler when this sequence's row failed: the engine fails the request when
         # it reads the row's token (LLMEngine._after_token), the other rows are unaffected

@@ -1,14 +1,14 @@
 """POST /v1/chat/completions: messages -> prompt (chat template) -> engine -> reasoning /
 content / tool calls, as one JSON response or as server-sent events.
 
-tool_choice (no constrained decoding in moet yet, so forcing works by writing the start of the
-call into the prompt and letting the model continue it):
+tool_choice:
   none      tools are left out of the prompt and nothing is parsed as a call;
   auto      (default with tools) calls the model writes are parsed into tool_calls;
-  required  the reply is started with the parser's call opener, the model picks the function;
-  named     the reply is started with the opener and the function's name.
-Forced replies are rendered with enable_thinking=False (the think block is skipped) and the
-arguments are whatever the model writes.
+  required  the reply is one or more calls (one with parallel_tool_calls false), under a
+            grammar in the parser's syntax whose arguments follow each tool's parameters schema
+            (serve/structured.py), so they always parse; the model picks the functions;
+  named     the same, to the named function only.
+Forced replies are rendered with enable_thinking=False (the think block is skipped).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from moet.serve.protocol import (
     ResponseFunctionCall, ResponseToolCall)
 from moet.serve.sampling import check_sequences, check_unsupported, sampling_params
 from moet.serve.server_state import ServerState
+from moet.serve.structured import request_structured_outputs, tool_reply_constraint
 from moet.serve.sse import SSE_DONE, EventStream, clamp_logprob, sse_event
 
 
@@ -59,9 +60,15 @@ class ChatPlan:
             raise BadRequest("chat_template must be a string (a Jinja template)", param="chat_template")
         tool_parser = parser_cls([t.model_dump() for t in req.tools]) if self.parse_tools else None
         self.prefix = ""
+        structured = None
         if self.parse_tools and (forced_name or choice == "required"):
             template_kwargs.setdefault("enable_thinking", False)
-            self.prefix = tool_parser.call_prefix(forced_name)
+            other = request_structured_outputs(req)
+            if other is not None:
+                raise BadRequest(f"tool_choice {'required' if forced_name is None else 'naming a function'} makes the "
+                                 f"reply tool calls; it cannot also follow {other[1]}", param="tool_choice")
+            structured = tool_reply_constraint(tool_parser, [t.model_dump() for t in req.tools], forced_name,
+                                               req.parallel_tool_calls is not False)
         prompt_text = render_chat(functools.partial(state.render_template, request_template), req.messages,
                                   req.tools if self.parse_tools else None,
                                   add_generation_prompt=req.add_generation_prompt,
@@ -71,7 +78,8 @@ class ChatPlan:
         self.prompt_ids = list(tok.encode(prompt_text, add_special_tokens=False))
         self.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.params = sampling_params(req, prompt_len=len(self.prompt_ids), max_model_len=state.engine.max_model_len,
-                                      defaults=state.sampling_defaults, logprobs=self.logprobs)
+                                      defaults=state.sampling_defaults, logprobs=self.logprobs,
+                                      structured=structured)
         self.keep_special = bool(tool_parser is not None and tool_parser.needs_special_tokens)
         if self.keep_special:
             self.params.skip_special_tokens = False

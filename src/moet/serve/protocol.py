@@ -170,6 +170,13 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM extensions: constrained decoding (serve/structured.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None       # accepted; moet's backend is xgrammar
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from moet.errors import ConfigError
-from moet.sampling_params import SamplingParams
+from moet.sampling_params import SamplingParams, StructuredOutputsParams
 from moet.serve.errors import BadRequest, TooLarge
 from moet.serve.protocol import ChatCompletionRequest, CompletionRequest
+from moet.serve.structured import request_structured_outputs
 
 def generation_defaults(generation_config: dict[str, Any] | None) -> dict[str, Any]:
     """The sampling defaults a checkpoint's generation_config.json asks for."""
@@ -35,10 +36,6 @@ def generation_defaults(generation_config: dict[str, Any] | None) -> dict[str, A
 def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported by moet yet", param="logit_bias")
-    rf = getattr(req, "response_format", None)
-    if rf is not None and rf.type != "text":
-        raise BadRequest(f"response_format {rf.type} needs constrained decoding, which moet does not have yet; "
-                         "ask for JSON in the prompt and validate it client-side", param="response_format")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise BadRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
@@ -56,8 +53,14 @@ def check_sequences(state, prompts: int, n: int) -> None:
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, prompt_len: int, max_model_len: int,
-                    defaults: dict[str, Any], logprobs: int | None) -> SamplingParams:
-    """One engine request's parameters (n is set per engine request by Generation)."""
+                    defaults: dict[str, Any], logprobs: int | None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """One engine request's parameters (n is set per engine request by Generation). structured:
+    the reply's constraint when the caller made it (chat's forced tool calls), else the request's
+    own (serve/structured.py), checked here."""
+    if structured is None:
+        found = request_structured_outputs(req)
+        structured = found[0] if found is not None else None
     if prompt_len >= max_model_len:
         raise TooLarge(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{prompt_len} tokens, which leaves no room to generate. Shorten the prompt.",
@@ -80,7 +83,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, prompt_le
         repetition_penalty=req.repetition_penalty, max_tokens=budget, min_tokens=req.min_tokens,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs, seed=req.seed,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured)
     if req.min_tokens > budget:
         raise BadRequest(f"min_tokens={req.min_tokens} exceeds max_tokens={budget}", param="min_tokens")
     try:

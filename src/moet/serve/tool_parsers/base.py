@@ -76,6 +76,19 @@ class ToolParser(ABC):
         """`buf` is text inside a region (after `region_start`). Cut every complete call off its
         front; None when not even one call (or the region's end) is complete yet."""
 
+    # A reply made only of calls (tool_choice required / named, under a grammar; serve/
+    # structured.py): reply_open, then calls separated by call_separator, then reply_close.
+    reply_open: ClassVar[str] = ""
+    reply_close: ClassVar[str] = ""
+    call_separator: ClassVar[str] = "\n"
+
+    @abstractmethod
+    def call_pieces(self, name: str, parameters: dict[str, Any], index: int) -> list:
+        """One call to `name` (the reply's `index`-th) as grammar pieces, in order: a str is literal
+        text, ("json", schema) a JSON value matching the schema, ("text", stop) free text without
+        `stop` in it, ("choice", [str]) one of the strings, ("optional", [pieces]) pieces that may
+        be left out."""
+
     @abstractmethod
     def call_prefix(self, name: str | None) -> str:
         """Text that opens a call (to `name`, or to a function the model picks when None), put

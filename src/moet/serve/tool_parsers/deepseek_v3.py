@@ -47,5 +47,10 @@ class DeepSeekV3ToolParser(ToolParser):
             raise InvalidToolCall("a call needs a name and a JSON object of arguments")
         return ParsedToolCall(name, self.arguments_json(args))
 
+    reply_open, reply_close, call_separator = SECTION_START, SECTION_END, ""
+
+    def call_pieces(self, name: str, parameters: dict, index: int) -> list:
+        return [CALL_START + "function" + SEP + name + "\n```json\n", ("json", parameters), "\n```" + CALL_END]
+
     def call_prefix(self, name: str | None) -> str:
         return SECTION_START + CALL_START + "function" + SEP + (f"{name}\n```json\n" if name else "")

@@ -38,5 +38,9 @@ class HermesToolParser(ToolParser):
             raise InvalidToolCall("arguments must be a JSON object")
         return ParsedToolCall(obj["name"], self.arguments_json(args))
 
+    def call_pieces(self, name: str, parameters: dict, index: int) -> list:
+        return [CALL_START + '\n{"name": ' + json.dumps(name) + ', "arguments": ', ("json", parameters),
+                "}\n" + CALL_END]
+
     def call_prefix(self, name: str | None) -> str:
         return CALL_START + "\n" + ('{"name": ' + json.dumps(name) + ', "arguments": ' if name else "")

@@ -40,6 +40,11 @@ class KimiK2ToolParser(ToolParser):
             raise InvalidToolCall("arguments must be a JSON object")
         return ParsedToolCall(m["name"], self.arguments_json(args), id=ident.strip())
 
+    reply_open, reply_close, call_separator = SECTION_START, SECTION_END, ""
+
+    def call_pieces(self, name: str, parameters: dict, index: int) -> list:
+        return [CALL_START + f"functions.{name}:{index}" + ARGS, ("json", parameters), CALL_END]
+
     def call_prefix(self, name: str | None) -> str:
         # the index is the call's position in the reply; a forced call is the first
         return SECTION_START + CALL_START + (f"functions.{name}:0" + ARGS if name else "functions.")
