@@ -4,6 +4,8 @@
     GET  /v1/models            the served model (one card per served name)
     POST /v1/chat/completions  chat (JSON or server-sent events)
     POST /v1/completions       raw prompts (JSON or server-sent events)
+    POST /v1/responses         OpenAI's Responses API over the chat machinery (responses.py)
+    GET, DELETE /v1/responses/{id}  a stored response
     POST /tokenize, /detokenize  vLLM's tokenizer endpoints
     GET  /health               200 while the engine answers stats() and is whole, else 503
     GET  /metrics              Prometheus text format (moet.serve.metrics)
@@ -21,6 +23,7 @@ path, status, prompt / completion tokens, seconds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -41,6 +44,8 @@ from moet.serve.metrics import CONTENT_TYPE, ServerMetrics
 from moet.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, VersionResponse, random_id)
 from moet.serve.request_body import parse_request, read_body
+from moet.serve.responses import ResponsesPlan, ResponsesStream, ResponseStore, responses_response
+from moet.serve.responses_protocol import ResponseDeleted, ResponsesRequest
 from moet.serve.reasoning import ReasoningParser
 from moet.serve.sampling import generation_defaults
 from moet.serve.serve_config import ServeConfig
@@ -269,7 +274,8 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
             if result is None:
                 request.state.status_note = "client disconnected"
                 return Response(status_code=499)
-            return JSONResponse(result.model_dump(exclude_none=True))
+            # a dict is dumped already: the Responses API sends its unset fields as null
+            return JSONResponse(result if isinstance(result, dict) else result.model_dump(exclude_none=True))
 
         stream = stream_cls(plan, request_id)
         deltas = stream.gen.stream()
@@ -300,6 +306,28 @@ def build_app(engine, config: ServeConfig | None = None, *, tool_parser: type[To
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await serve(request, ChatCompletionRequest, ChatPlan, chat_response, ChatStream, "chatcmpl")
+
+    responses_store = ResponseStore()
+    app.state.responses = responses_store
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await serve(request, ResponsesRequest, functools.partial(ResponsesPlan, store=responses_store),
+                           responses_response, ResponsesStream, "resp")
+
+    def unknown_response(response_id: str) -> JSONResponse:
+        return error_response(NotFound(f"Response with id '{response_id}' not found.", param="response_id"))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        body = responses_store.response(response_id)
+        return JSONResponse(body) if body is not None else unknown_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not responses_store.delete(response_id):
+            return unknown_response(response_id)
+        return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
