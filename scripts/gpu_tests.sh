@@ -56,6 +56,12 @@ run() {
     fi
     export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1   # workers x torch threads: one core each
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+    # lm-eval and what it pulls in (datasets, pyarrow, pandas, scikit-learn, ...) are far beyond the
+    # wheels this script carries: where it is missing, its module is left out, and said so (CPU CI runs it)
+    if ! python3 -c "import lm_eval" >/dev/null 2>&1; then
+        echo "lm_eval not installed: tests/serve/test_harness_clients.py left out"
+        args+=(--ignore=tests/serve/test_harness_clients.py)
+    fi
     local cache=/tmp/moet-gpu-pytest-cache
     rm -rf "$cache"
     timeout -s INT -k 30 "$budget" python3 -m pytest -q -n "$workers" --timeout 240 -o cache_dir="$cache" \

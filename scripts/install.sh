@@ -4,8 +4,8 @@
 # otherwise the CPU wheel torch==2.13.0 is installed first, so pip never pulls a
 # multi-GB CUDA build for a CPU machine.
 #   scripts/install.sh          runtime only
-#   scripts/install.sh --test   plus the test extras (pytest, hypothesis) and triton for the
-#                               interpreted kernel tests
+#   scripts/install.sh --test   plus the test extra (pytest, hypothesis, openai, lm-eval[api], ...:
+#                               pyproject.toml) and triton for the interpreted kernel tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

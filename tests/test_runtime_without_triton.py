@@ -2,38 +2,88 @@
 --help`, `moet generate` on the shipped moet-tiny and the server app answering a chat completion
 must all work there. Each runs in a subprocess whose import system refuses `triton` and
 `triton.*` (a meta-path finder that raises ImportError), and a CPU run must import no *_triton
-kernel module either."""
+kernel module either.
+
+Nor has it what only the `test` extra installs (pytest, openai, lm-eval and everything they pull
+in: requests, aiohttp, pandas, datasets, ...): the same finder refuses every module that the test
+extra's dependency closure brings and the runtime dependencies' closure does not (pyproject.toml
+read here, the installed packages' metadata followed), so a runtime path that came to need one
+fails here although the test environment has it."""
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import subprocess
 import sys
 import textwrap
+import tomllib
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 pytestmark = pytest.mark.slow
 
-NO_TRITON = textwrap.dedent('''
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """The installed distributions these requirements reach (canonical names), each one's
+    requested extras followed; a requirement whose marker is false here, or one that is not
+    installed, ends its branch."""
+    extras: dict[str, frozenset[str]] = {}
+    todo = [r for r in map(Requirement, requirements) if r.marker is None or r.marker.evaluate({"extra": ""})]
+    while todo:
+        req = todo.pop()
+        name, wanted = canonicalize_name(req.name), frozenset(req.extras)
+        if name in extras and wanted <= extras[name]:
+            continue
+        extras[name] = extras.get(name, frozenset()) | wanted
+        try:
+            requires = importlib.metadata.distribution(req.name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for r in map(Requirement, requires):
+            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in ("", *extras[name])):
+                todo.append(r)
+    return set(extras)
+
+
+def _test_extra_only_modules() -> set[str]:
+    """Top-level modules whose every providing distribution only the test extra brings."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    only = _closure(project["dependencies"] + project["optional-dependencies"]["test"]) - \
+        _closure(project["dependencies"])
+    return {m for m, dists in importlib.metadata.packages_distributions().items()
+            if dists and all(canonicalize_name(d) in only for d in dists)}
+
+
+REFUSED = sorted(_test_extra_only_modules() | {"triton"})
+
+RUNTIME_INSTALL = textwrap.dedent('''
     import sys
 
-    class _NoTriton:
-        """As on a machine where triton is not installed."""
+    REFUSED = frozenset(__REFUSED__)
+
+    class _RuntimeInstall:
+        """As on a machine where triton and the test extra's packages are not installed."""
         def find_spec(self, name, path=None, target=None):
-            if name == "triton" or name.startswith("triton."):
-                raise ImportError(f"No module named {name!r} (refused by the test)")
+            if name.split(".")[0] in REFUSED:
+                raise ModuleNotFoundError(f"No module named {name!r} (refused by the test)", name=name)
             return None
 
-    sys.meta_path.insert(0, _NoTriton())
+    sys.meta_path.insert(0, _RuntimeInstall())
 
     def imported_triton():
         return sorted(m for m in sys.modules if m == "triton" or m.startswith("triton.")
                       or (m.startswith("moet.kernels.") and m.endswith("_triton")))
-''')
+''').replace("__REFUSED__", repr(REFUSED))
 
 
 def _python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", NO_TRITON + textwrap.dedent(code)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", RUNTIME_INSTALL + textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -44,6 +94,16 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
 
 def test_the_finder_refuses_triton():
     proc = _python("import triton")
+    assert proc.returncode != 0 and "refused by the test" in proc.stderr
+
+
+def test_the_finder_refuses_what_only_the_test_extra_installs():
+    test_only = {"pytest", "hypothesis", "openai"}
+    if importlib.util.find_spec("lm_eval") is not None:    # the GPU run goes without it (docs/testing.md)
+        test_only |= {"lm_eval", "aiohttp", "datasets"}
+    assert test_only <= set(REFUSED)
+    assert not {"torch", "transformers", "fastapi", "uvicorn", "pydantic", "numpy", "moet"} & set(REFUSED)
+    proc = _python("import " + ", ".join(sorted(test_only)))
     assert proc.returncode != 0 and "refused by the test" in proc.stderr
 
 
