@@ -24,7 +24,7 @@ wheels() {
     for p in fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
              opentelemetry-api openai httpx2 httpcore2 truststore distro jiter sniffio anyio idna \
              typing_extensions httpx httpcore h11 \
-             import-linter grimp click rich markdown-it-py mdurl pygments; do
+             import-linter grimp click rich markdown-it-py mdurl pygments xgrammar apache-tvm-ffi; do
         v=$(python3 -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')
         [ -n "$v" ] && pkgs+=("$p==$v")
     done
