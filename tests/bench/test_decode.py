@@ -121,3 +121,15 @@ def test_an_unwritable_out_is_one_line(tmp_path, capsys):
     assert main(["bench", "decode", "--shape", "micro", "--device", "cpu", "--out", str(blocker / "sub")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moet: error: --out ") and "not a writable directory" in err and "\n" not in err
+
+
+def test_decode_under_a_grammar(tmp_path):
+    """--structured: per batch a free row and one under the bench's JSON-like grammar (a random-
+    weight shape gets a synthetic vocabulary of its size); every constrained output is accepted
+    by the grammar, token by token."""
+    res = bench(tmp_path, "decode", "--batch", "1,2", "--decode-tokens", "12", "--structured")
+    rows = [r for r in res["rows"] if r["scenario"] == "decode"]
+    assert len(rows) == 2 * 2 and all(r["tok_s"] > 0 for r in rows)
+    constrained = [r for r in rows if "JSON-like grammar" in r["config"]]
+    assert len(constrained) == 2 and all(r["details"]["grammar_accepts_outputs"] for r in constrained)
+    assert sum("output free" in r["config"] for r in rows) == 2

@@ -11,7 +11,7 @@ from moet.errors import ConfigError
 SCENARIO_CHOICES = ("decode", "prefill", "residency", "serve", "all")
 # this command's own flags: every other dest of its parser is an EngineConfig field
 OWN = {"scenario", "model_flag", "shape", "batch", "tokens", "decode_tokens", "prompt_len", "gpu_budget_gb",
-       "residency_batch", "requests", "concurrency", "peer", "budget_s", "out", "func", "command", "bench_engine", "gate_fire", "speculative", "accept_all"}
+       "residency_batch", "requests", "concurrency", "peer", "budget_s", "out", "func", "command", "bench_engine", "gate_fire", "speculative", "accept_all", "structured"}
 
 
 def add_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -60,6 +60,8 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
                    help="decode: time MTP speculative decoding with these drafts per step (0: off), in one run")
     g.add_argument("--accept-all", action="store_true",
                    help="decode, with --speculative: keep every draft (random weights accept none): the verify step's cost")
+    g.add_argument("--structured", action="store_true",
+                   help="decode: also under a JSON-like grammar (structured outputs): the mask's cost")
     g.add_argument("--peer", choices=("transformers",), default=None,
                    help="also time transformers' generate() on the same shape / weights in this run: the "
                         "peer ratio (moet tok/s / peer tok/s) for decode and prefill")
@@ -142,8 +144,8 @@ def settings(args):
         if not spec_from_config(dict(cfg, num_nextn_predict_layers=1), "bench shape").num_mtp_layers:
             raise ConfigError(f"--speculative: --shape {args.shape} ({cfg['model_type']}) has no MTP layer; use a "
                               "DeepSeek-V3 or GLM-4.5 shape")
-    if speculative and gate_fire:
-        raise ConfigError("--speculative and --gate-fire time different things: run them apart")
+    if sum(map(bool, (speculative, gate_fire, args.structured))) > 1:
+        raise ConfigError("--speculative, --gate-fire and --structured time different things: run them apart")
     s = Settings(scenarios=scenarios, device=resolve_device(args.device), shape=args.shape,
                  model=args.model_flag or args.model, engine_kw=engine_kw,
                  batches=int_list(args.batch, "--batch"), tokens=int_list(args.tokens, "--tokens", 16),
@@ -151,7 +153,7 @@ def settings(args):
                  budget=Budget(args.budget_s), gpu_budgets=budget_list(args.gpu_budget_gb),
                  residency_batches=int_list(args.residency_batch, "--residency-batch"),
                  requests=args.requests, concurrency=args.concurrency, gate_fire=gate_fire,
-                 speculative=speculative, accept_all=args.accept_all)
+                 speculative=speculative, accept_all=args.accept_all, structured=args.structured)
     out = out_dir(args.out)
     s.report = Report(out, s.device, {k: v for k, v in vars(args).items()
                                       if k not in ("func", "bench_engine", "bench_parser_defaults")})

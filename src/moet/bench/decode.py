@@ -199,6 +199,18 @@ def six_greedy_runs(eng, ps: list[list[int]], sp) -> list[list[tuple]]:
     return runs
 
 
+# --structured's constraint: JSON-shaped and never complete (no closing bracket at the top), so a
+# random-weight model with EOS ignored decodes every token under it without a dead end
+BENCH_GRAMMAR = r"""root ::= "[" value ("," value)*
+value ::= string | number | "{" string ":" value "}" | "[" value "]"
+string ::= "\"" [a-zA-Z0-9 _-]* "\""
+number ::= "-"? [0-9]+ ("." [0-9]+)?"""
+
+
+def _accepts(grammar, ids: list[int]) -> bool:
+    return all(grammar.accept(t) for t in ids)
+
+
 def config_text(t: Target, s: Settings, **what) -> str:
     extra = ", ".join(f"{k} {v}" for k, v in what.items())
     return f"moet {t.expert_format}" + (f", {extra}" if extra else "")
@@ -215,6 +227,11 @@ def run_decode(t: Target, s: Settings, roof: dict | None) -> None:
     if s.speculative and drafter is not None:     # (spec, drafts per step): 0 = no speculation
         variants = [("spec", k) for k in s.speculative]
         drafter.accept_all = s.accept_all
+    if s.structured:                              # free decoding, then under BENCH_GRAMMAR
+        variants = [("free", None), ("structured", None)]
+        if eng.tokenizer is None:                 # a random-weight shape: a vocabulary of its size
+            from moet.engine.structured_output import GrammarBackend
+            eng.set_grammar_backend(GrammarBackend.synthetic(t.vocab, eng.eos_token_ids))
     for b in s.batches:
         if not s.budget.ok(30):
             report.note("decode", f"skipped batch {b}", "time budget (--budget-s) spent")
@@ -225,7 +242,7 @@ def run_decode(t: Target, s: Settings, roof: dict | None) -> None:
                 eng.drafter = drafter if rate else None
                 if rate:
                     drafter.set_drafts(rate)
-            elif kind != "as configured":
+            elif kind in ("bare", "gate"):
                 eng.gate = gate if kind == "gate" else None
                 gate.forced_fire_rate = rate
             try:
@@ -242,7 +259,10 @@ def _decode_row(t: Target, s: Settings, roof: dict | None, b: int, kind: str, ra
     from moet.sampling_params import SamplingParams
 
     eng, report = t.engine, s.report
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    from moet.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(grammar=BENCH_GRAMMAR) if kind == "structured" else None
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, structured_outputs=so)
     timed_run(eng, [(f"w{b}-{i}", p, warm) for i, p in enumerate(prompts(b, s.prompt_len, t.vocab, 500 + b))],
               t.device)
     eng.reset_prefix_cache()
@@ -250,7 +270,7 @@ def _decode_row(t: Target, s: Settings, roof: dict | None, b: int, kind: str, ra
         eng.gate.counters = GateCounters()
     if eng.drafter is not None:
         eng.drafter.set_drafts(eng.drafter.k)
-    sp = SamplingParams(temperature=0.0, max_tokens=s.decode_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=s.decode_tokens, ignore_eos=True, structured_outputs=so)
     ps = prompts(b, s.prompt_len, t.vocab, 100 + b)
     res = timed_run(eng, [(f"d{b}-{i}", p, sp) for i, p in enumerate(ps)], t.device, min_running=b)
     eng.reset_prefix_cache()
@@ -273,6 +293,13 @@ def _decode_row(t: Target, s: Settings, roof: dict | None, b: int, kind: str, ra
                     "gate_reach": eng.gate.reach}
     elif kind == "bare":
         what = {"gate": "off (bare W2)", **what}
+    if kind in ("free", "structured"):
+        what = {"output": "JSON-like grammar (xgrammar mask)" if so is not None else "free", **what}
+        if so is not None:     # every output must be a prefix the grammar accepts
+            backend = eng.grammar_backend()
+            compiled = backend.compile(so, None)
+            details["grammar_accepts_outputs"] = all(_accepts(backend.new_sequence(compiled, None), ids)
+                                                     for ids in res["token_ids"].values())
     if kind == "spec":
         if eng.drafter is not None:
             st = eng.drafter.counters.stats()

@@ -37,6 +37,7 @@ class Settings:
     gate_fire: list[float] = field(default_factory=list)   # decode: forced gate fire rates (--gate-fire)
     speculative: list[int] = field(default_factory=list)   # decode: MTP drafts per step to time (--speculative)
     accept_all: bool = False          # decode: every draft kept (--accept-all: the verify step's cost)
+    structured: bool = False          # decode: free and grammar-constrained decoding, in one run
 
 
 @dataclass

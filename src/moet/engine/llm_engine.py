@@ -332,6 +332,10 @@ class LLMEngine:
         self.sampler.eos_token_ids = set(ids)
         self._grammars = None                    # its matchers end on the old ids
 
+    def set_grammar_backend(self, backend: GrammarBackend) -> None:
+        """Structured outputs over this vocabulary (a model without a tokenizer: `moet bench`)."""
+        self._grammars = backend
+
     def grammar_backend(self) -> GrammarBackend:
         """Structured outputs' compiler and matchers for this tokenizer (made on first use)."""
         if self._grammars is None:

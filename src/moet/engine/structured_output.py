@@ -202,15 +202,32 @@ class GrammarBackend:
     """The engine's side of structured outputs: this tokenizer's vocabulary for xgrammar, compiled
     grammars (cached by request), matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], info=None):
         xgr = _xgrammar()
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=self.stop_token_ids or None)
+        self.info = info or xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                               stop_token_ids=self.stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=True)
         self._compiled: dict[tuple, object] = {}
         self.words = xgr.get_bitmask_shape(1, vocab_size)[1]
+
+    @classmethod
+    def synthetic(cls, vocab_size: int, stop_token_ids: set[int], seed: int = 0) -> "GrammarBackend":
+        """For models without a tokenizer (`moet bench`'s random-weight shapes): the 256 bytes,
+        then ASCII words of 2-8 characters, so that a grammar's mask costs what it costs over a
+        real vocabulary of that size."""
+        import random
+
+        xgr = _xgrammar()
+        rng = random.Random(seed)
+        alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.,:;\"{}[]"
+        vocab = [bytes([b]) for b in range(256)]
+        vocab += [("".join(rng.choice(alphabet) for _ in range(rng.randint(2, 8)))).encode()
+                  for _ in range(vocab_size - 256)]
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=sorted(stop_token_ids) or None)
+        return cls(None, vocab_size, stop_token_ids, info=info)
 
     def compile(self, so: StructuredOutputsParams, stop_token_ids: list[int] | None):
         """A compiled grammar for `so`; RequestError when it does not compile, admits no string, or

@@ -96,15 +96,18 @@ class EngineModel:
         step = max(1, batch)
         return [(a, min(n, a + step)) for a in range(0, n, step)]
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, batch: int, tick=_no_tick) -> list[str]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, batch: int, tick=_no_tick,
+                 structured: list | None = None) -> list[str]:
         """Greedy completions of token-id prompts, decoded with special tokens kept; tick(k)
-        after each group of k prompts (the engine batches up to its max_num_seqs at once)."""
+        after each group of k prompts (the engine batches up to its max_num_seqs at once).
+        structured: per prompt a StructuredOutputsParams (or None) constraining its output."""
         from moet.sampling_params import SamplingParams
 
-        sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, skip_special_tokens=False)
+        sps = [SamplingParams(temperature=0.0, max_tokens=max_new_tokens, skip_special_tokens=False,
+                              structured_outputs=so) for so in (structured or [None] * len(prompts))]
         out: list[str] = []
         for a, b in self._chunks(len(prompts), batch):
-            res = self.llm.generate([{"prompt_token_ids": p} for p in prompts[a:b]], sp, use_tqdm=False)
+            res = self.llm.generate([{"prompt_token_ids": p} for p in prompts[a:b]], sps[a:b], use_tqdm=False)
             for r in res:
                 if r.error is not None:
                     raise r.error

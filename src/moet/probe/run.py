@@ -196,14 +196,38 @@ def tools_probe(m: ProbeModel, budget: Budget, tick=_no_tick) -> dict:
         kinds.setdefault(c.meta["kind"], []).append(sc)
     calls = kinds.get("call", [])
     bad = [(c.meta, o[:200]) for c, o, sc in zip(cases, outs, scores) if not sc["correct"]]
+    forced = constrained_calls(m, [c for c in cases if c.meta["kind"] == "call"], budget) \
+        if getattr(m, "backend", None) == "moet" else {}
     return {"n": len(cases),
             "call_valid": _rate([s["valid"] for s in calls]),
             "call_right_function": _rate([s["name"] for s in calls]),
             "call_right_arguments": _rate([s["args"] for s in calls]),
+            **forced,
             "declines_when_no_tool_fits": _rate([s["correct"] for s in kinds.get("none", [])]),
             "answers_from_result": _rate([s["correct"] for s in kinds.get("result", [])]),
             "overall": _rate([s["correct"] for s in scores]),
             "examples_wrong": bad[:4]}
+
+
+def constrained_calls(m: ProbeModel, cases: list[chat_format.Conversation], budget: Budget) -> dict:
+    """The call cases again as a server runs tool_choice "required": thinking off and the reply
+    under the tool-call grammar (serve/structured.py; arguments follow the schemas), so every
+    reply should parse; what is left to the model is the function and the values."""
+    from dataclasses import replace
+
+    from moet.serve.structured import tool_reply_constraint
+    from moet.serve.tool_parsers import get_tool_parser
+
+    if not cases:
+        return {}
+    convs = [replace(c, enable_thinking=False) for c in cases]
+    parser = get_tool_parser("glm45")
+    grammars = [tool_reply_constraint(parser(c.tools), c.tools, None, parallel=False) for c in convs]
+    outs = m.generate([_prompt_ids(m.tokenizer, c) for c in convs], 96, budget.batch, structured=grammars)
+    scores = [tools.score(chat_format.parse_reply(o), c.meta) for c, o in zip(convs, outs)]
+    return {"constrained_call_valid": _rate([s["valid"] for s in scores]),
+            "constrained_call_right_function": _rate([s["name"] for s in scores]),
+            "constrained_call_right_arguments": _rate([s["args"] for s in scores])}
 
 
 PROBES = {"code": code_probe, "facts": facts_probe, "arithmetic": arithmetic_probe,
