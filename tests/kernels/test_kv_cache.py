@@ -122,8 +122,10 @@ def test_bytes_per_token_match_spec_and_the_buffers():
 
 
 def test_bad_formats_raise_config_errors():
-    with pytest.raises(ConfigError, match="nvfp4"):
-        KVFormat("nvfp4")
+    with pytest.raises(ConfigError, match="int4"):
+        KVFormat("int4")
+    with pytest.raises(ConfigError, match="multiple"):
+        new_gqa_layer(2, 8, 1, 24, 24, KVFormat("nvfp4"))
     with pytest.raises(ConfigError, match="scale"):
         KVFormat("fp8_e4m3", "page")
     with pytest.raises(ConfigError, match="multiple"):

@@ -8,7 +8,7 @@ from typing import ClassVar
 from moet.config.knobs import Section, knob
 from moet.errors import ConfigError
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,14 @@ class CacheConfig(Section):
         doc="The KV cache's page size, a power of two; prefix caching shares whole blocks. Change it only to "
             "experiment with the attention kernels.")
     kv_cache_dtype: str = knob(
-        "auto", "bf16 or fp8; auto: the model dtype", KV_CACHE_DTYPES,
+        "auto", "bf16, fp8 or nvfp4; auto: the model dtype", KV_CACHE_DTYPES,
         common=True, metavar="DTYPE",
         doc="auto: the model dtype. bf16: bfloat16. fp8: e4m3 with one dynamic scale per token and 128-element "
             "group, half of bf16's bytes, so twice the tokens fit, at a small change of the attention outputs. "
-            "Use fp8 when the KV cache, not the weights, limits the batch size or the context.")
+            "nvfp4: 4-bit e2m1 values with one e4m3 scale per token and 16 elements (MLA: the rope part in e4m3), "
+            "so 3.3x (MLA) to 3.6x (GQA) the tokens of bf16 fit, at a larger change of the attention outputs "
+            "than fp8 (docs/kv-cache.md). Use fp8 or nvfp4 when the KV cache, not the weights, "
+            "limits the batch size or the context.")
     gpu_memory_utilization: float = knob(
         0.9, "share of the GPU's memory moet may use", common=True, metavar="FRACTION",
         doc="Weights, activations and the KV cache together stay under this share of the GPU's memory; the KV "

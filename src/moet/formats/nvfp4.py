@@ -72,16 +72,36 @@ def quantize(w: torch.Tensor, *, weight_scale_2: float | None = None, name: str 
     require_2d_divisible(w, BLOCK, name)
     require_finite(w, name)
     w = w.float()
-    n, k = w.shape
     if weight_scale_2 is None:
         amax = float(w.abs().max()) if w.numel() else 0.0
         weight_scale_2 = amax / (e2m1.MAX * E4M3_MAX) if amax > 0 else 1.0
     s2 = torch.tensor(weight_scale_2, dtype=torch.float32, device=w.device)
-    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    packed, scale = quantize_blocks(w, s2)
+    return NVFP4Tensor(packed, scale, s2)
+
+
+def quantize_blocks(x: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., K] (K % 16 == 0) with a given fp32 scale_2 (one element) -> (codes uint8
+    [..., K/2], e4m3 scales [..., K/16]), quantize's arithmetic along the last dim: scale =
+    e4m3(amax_block / (6 * scale_2)) (nearest even, saturating at 448), codes = e2m1(x / (scale *
+    scale_2)) (nearest even, saturating at 6); a block whose scale is 0 keeps only its signs.
+    float32, no checks and no host sync (the paged KV cache quantizes every token with it)."""
+    x = x.float()
+    k = x.shape[-1]
+    s2 = scale_2.reshape(()).float()
+    blocks = x.unflatten(-1, (k // BLOCK, BLOCK))
     block_amax = blocks.abs().amax(dim=-1)
-    scale = to_e4m3(block_amax / (e2m1.MAX * s2))                            # [N, K/16] e4m3
+    scale = to_e4m3(block_amax / (e2m1.MAX * s2))                            # [..., K/16] e4m3
     denom = (scale.float() * s2).unsqueeze(-1)
     scaled = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, torch.ones_like(denom)),
                          blocks * 0.0)  # a zero scale keeps only the signs of the block
-    codes = e2m1.encode(scaled.reshape(n, k), "nearest_even")
-    return NVFP4Tensor(e2m1.pack_nibbles(codes), scale, s2)
+    codes = e2m1.encode(scaled.flatten(-2), "nearest_even")
+    return e2m1.pack_nibbles(codes), scale
+
+
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """quantize_blocks' inverse: codes uint8 [..., K/2], e4m3 scales [..., K/16], scale_2 -> [..., K]
+    in `dtype` (exact in float64; in float32 e2m1 x e4m3 is exact and x scale_2 rounds once)."""
+    q = e2m1.decode(e2m1.unpack_nibbles(codes), dtype)
+    return q * scale.to(dtype).repeat_interleave(BLOCK, dim=-1) * scale_2.reshape(()).to(dtype)

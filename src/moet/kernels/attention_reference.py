@@ -62,7 +62,7 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       sliding_window: int | None = None) -> torch.Tensor:
     """Causal varlen prefill/extend. q [Tq, Hq, D] (rotated) -> [Tq, Hq, Dv] in q.dtype."""
-    out = torch.empty(q.shape[0], q.shape[1], cache.v.shape[-1], dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape[0], q.shape[1], cache.v_head_dim, dtype=torch.float32, device=q.device)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b, n in enumerate(lens):
         lo, hi = cu[b], cu[b + 1]

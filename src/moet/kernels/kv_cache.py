@@ -15,9 +15,12 @@ Formats (`KVFormat.name`):
                 default 1.0, a calibrated checkpoint k_scale/v_scale can be loaded into it) or
                 scale="block" (one dynamic scale per token per `group` elements: amax / 448).
                 MLA with block scales is DeepSeek's fp8_ds_mla row, 656 B/token at R=512, P=64.
-    "nvfp4"     reserved (SPEC 3: 352 B/token for MLA); it becomes one more byte layout of the
-                MLA row buffer below and one more branch in write/read -- callers only ever
-                hand the layer object to write_*/paged_* and never touch its fields.
+    "nvfp4"     e2m1 codes, two per byte (even element in the low nibble, as formats/nvfp4),
+                one e4m3 scale per token per 16 consecutive elements (NVFP4's block), and one
+                static fp32 scale_2 per layer and part (GQA: K, V; MLA: latent, rope), default
+                1.0, outside the pages. GQA: K and V per head; MLA: the latent in nvfp4 and the
+                rope part in e4m3 (scale_2[1]), a 352 B row at R=512, P=64 (SPEC 3). Callers
+                only ever hand the layer object to write_*/paged_* and never touch its fields.
 Why block scales are per token, not per page: a page fills one token at a time; a page scale
 would have to grow (re-quantizing the page) whenever a later token's amax exceeds it.
 """
@@ -29,10 +32,14 @@ from dataclasses import dataclass
 import torch
 
 from moet.errors import ConfigError
+from moet.formats import nvfp4 as _nvfp4
 from moet.formats.fp8 import E4M3_MAX, to_e4m3
 
-KV_FORMATS = ("auto", "fp8_e4m3")          # + "nvfp4" later
+KV_FORMATS = ("auto", "fp8_e4m3", "nvfp4")
 SCALE_KINDS = ("tensor", "block")
+NVFP4_BLOCK = _nvfp4.BLOCK                 # elements per e4m3 scale (NVFP4's block of 16)
+# --kv-cache-dtype names (config/cache.py) -> what each needs of the attention's dims
+KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,21 @@ class KVFormat:
     def block_scaled(self) -> bool:
         return self.is_fp8 and self.scale == "block"
 
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.name == "nvfp4"
+
+    @property
+    def quantized(self) -> bool:
+        """Stored in another dtype than fmt.dtype (fp8 or nvfp4): write/read convert."""
+        return self.name != "auto"
+
 
 def _groups(dim: int, fmt: KVFormat) -> int:
+    if fmt.is_nvfp4:
+        if dim % NVFP4_BLOCK:
+            raise ConfigError(f"nvfp4 kv cache: dim {dim} is not a multiple of the block size {NVFP4_BLOCK}")
+        return dim // NVFP4_BLOCK
     g = min(fmt.group, dim)
     if dim % g:
         raise ConfigError(f"fp8 kv cache: dim {dim} is not a multiple of the scale group {g}")
@@ -69,10 +89,11 @@ def _groups(dim: int, fmt: KVFormat) -> int:
 @dataclass(slots=True)
 class GQALayerKV:
     fmt: KVFormat
-    k: torch.Tensor                  # [NB, BS, Hkv, D]   fmt.dtype or float8_e4m3fn
+    k: torch.Tensor                  # [NB, BS, Hkv, D]   fmt.dtype or float8_e4m3fn; nvfp4: uint8 [.., D/2]
     v: torch.Tensor                  # [NB, BS, Hkv, Dv]
-    k_scale: torch.Tensor | None     # fp8: fp32 [1] (tensor) or [NB, BS, Hkv, D/group] (block)
-    v_scale: torch.Tensor | None
+    k_scale: torch.Tensor | None     # fp8: fp32 [1] (tensor) or [NB, BS, Hkv, D/group] (block);
+    v_scale: torch.Tensor | None     # nvfp4: float8_e4m3fn [NB, BS, Hkv, D/16]
+    scale_2: torch.Tensor | None = None  # nvfp4: fp32 [2], the per-layer scale of K's and V's block scales
 
     @property
     def block_size(self) -> int:
@@ -82,16 +103,27 @@ class GQALayerKV:
     def num_blocks(self) -> int:
         return self.k.shape[0]
 
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[-1] * (2 if self.fmt.is_nvfp4 else 1)
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.v.shape[-1] * (2 if self.fmt.is_nvfp4 else 1)
+
 
 @dataclass(slots=True)
 class MLALayerKV:
     """`buffer` owns the bytes; latent/rope/latent_scale are views into it, so a token's whole
-    row is contiguous (fp8 block: the fp8_ds_mla row, latent | fp32 scales | rope)."""
+    row is contiguous (fp8 block: the fp8_ds_mla row, latent | fp32 scales | rope; nvfp4: codes |
+    e4m3 block scales | e4m3 rope)."""
     fmt: KVFormat
-    buffer: torch.Tensor             # [NB, BS, row] (auto: fmt.dtype; fp8 tensor: e4m3; fp8 block: uint8)
-    latent: torch.Tensor             # [NB, BS, R]
+    buffer: torch.Tensor             # [NB, BS, row] (auto: fmt.dtype; fp8 tensor: e4m3; fp8 block, nvfp4: uint8)
+    latent: torch.Tensor             # [NB, BS, R] (nvfp4: uint8 codes [NB, BS, R/2])
     rope: torch.Tensor               # [NB, BS, P]
-    latent_scale: torch.Tensor | None  # fp8 tensor: fp32 [1] (latent and rope); block: [NB, BS, R/group]
+    latent_scale: torch.Tensor | None  # fp8 tensor: fp32 [1] (latent and rope); block: [NB, BS, R/group];
+                                       # nvfp4: e4m3 [NB, BS, R/16]
+    scale_2: torch.Tensor | None = None  # nvfp4: fp32 [2], the latent's per-layer scale_2 and the rope's scale
 
     @property
     def block_size(self) -> int:
@@ -103,11 +135,18 @@ class MLALayerKV:
 
     @property
     def kv_lora_rank(self) -> int:
-        return self.latent.shape[-1]
+        return self.latent.shape[-1] * (2 if self.fmt.is_nvfp4 else 1)
+
+
+def _nvfp4_bytes(dim: int, fmt: KVFormat) -> int:
+    """One nvfp4 vector of `dim` elements: dim / 2 code bytes + dim / 16 e4m3 scales."""
+    return dim // 2 + _groups(dim, fmt)
 
 
 def gqa_bytes_per_token(kv_heads: int, head_dim: int, v_head_dim: int, fmt: KVFormat) -> int:
     """Per layer. Used for capacity planning (blocks that fit in free memory)."""
+    if fmt.is_nvfp4:
+        return kv_heads * (_nvfp4_bytes(head_dim, fmt) + _nvfp4_bytes(v_head_dim, fmt))
     if not fmt.is_fp8:
         return kv_heads * (head_dim + v_head_dim) * fmt.dtype.itemsize
     scales = 4 * kv_heads * (_groups(head_dim, fmt) + _groups(v_head_dim, fmt)) if fmt.block_scaled else 0
@@ -115,6 +154,8 @@ def gqa_bytes_per_token(kv_heads: int, head_dim: int, v_head_dim: int, fmt: KVFo
 
 
 def mla_bytes_per_token(kv_lora_rank: int, rope_dim: int, fmt: KVFormat) -> int:
+    if fmt.is_nvfp4:                     # codes | e4m3 block scales | e4m3 rope
+        return _nvfp4_bytes(kv_lora_rank, fmt) + rope_dim
     if not fmt.is_fp8:
         return (kv_lora_rank + rope_dim) * fmt.dtype.itemsize
     if fmt.block_scaled:
@@ -122,9 +163,66 @@ def mla_bytes_per_token(kv_lora_rank: int, rope_dim: int, fmt: KVFormat) -> int:
     return kv_lora_rank + rope_dim
 
 
+def _attention_dims(attention) -> tuple[int, ...]:
+    """The dims a KV format quantizes along, for an AttentionSpec: MLA's latent, GQA's K and V."""
+    if attention.kind == "mla":
+        return (attention.kv_lora_rank,)
+    return (attention.head_dim, attention.v_head_dim)
+
+
+def kv_cache_dtypes_for(attention) -> tuple[str, ...]:
+    """The --kv-cache-dtype names this AttentionSpec can use: auto and bf16 always; fp8 where each
+    quantized dim is a multiple of its scale group (128, or the whole dim when shorter; MLA's
+    fp8_ds_mla row also needs the latent a multiple of 4); nvfp4 where each is a multiple of 16."""
+    dims = _attention_dims(attention)
+    out = ["auto", "bf16"]
+    if all(d % min(128, d) == 0 for d in dims) and (attention.kind != "mla" or dims[0] % 4 == 0):
+        out.append("fp8")
+    if all(d % NVFP4_BLOCK == 0 for d in dims):
+        out.append("nvfp4")
+    return tuple(out)
+
+
+def _dtype_name(fmt: KVFormat) -> str:
+    return {"fp8_e4m3": "fp8", "nvfp4": "nvfp4"}.get(fmt.name, "auto")
+
+
+def check_kv_format(attention, fmt: KVFormat) -> None:
+    """One-line ConfigError when this attention cannot hold `fmt` (a dim the format's scale
+    blocks do not divide), naming the dtypes it can use."""
+    name = _dtype_name(fmt)
+    if name == "auto" or name in kv_cache_dtypes_for(attention):
+        return
+    what = (f"kv_lora_rank {attention.kv_lora_rank}" if attention.kind == "mla" else
+            f"head_dim {attention.head_dim} / v_head_dim {attention.v_head_dim}")
+    raise ConfigError(f"--kv-cache-dtype {name} does not fit this model's {attention.kind.upper()} attention ({what}); "
+                      f"it can use {', '.join(kv_cache_dtypes_for(attention))}")
+
+
+def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype, attention=None) -> KVFormat:
+    """--kv-cache-dtype -> the cache's KVFormat (model_dtype: the "auto" dtype, and the dtype
+    quantized caches dequantize to); with an AttentionSpec, checked against it (check_kv_format)."""
+    if kv_cache_dtype == "auto":
+        fmt = KVFormat("auto", dtype=model_dtype)
+    elif kv_cache_dtype == "bf16":
+        fmt = KVFormat("auto", dtype=torch.bfloat16)
+    elif kv_cache_dtype == "fp8":
+        # dynamic per-token-group scales: correct without calibrated k/v scales
+        fmt = KVFormat("fp8_e4m3", scale="block", dtype=model_dtype)
+    elif kv_cache_dtype == "nvfp4":
+        fmt = KVFormat("nvfp4", dtype=model_dtype)
+    else:
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPE_NAMES)}")
+    if attention is not None:
+        check_kv_format(attention, fmt)
+    return fmt
+
+
 def kv_layer_bytes_per_token(attention, fmt: KVFormat) -> int:
     """Per attention layer for an AttentionSpec (checkpoint/spec.py): the sizing that runs before
-    a model exists (CausalLM.kv_bytes_per_token is this times its attention layers)."""
+    a model exists (CausalLM.kv_bytes_per_token is this times its attention layers). A format
+    the attention cannot hold is a ConfigError naming the dtypes it can (check_kv_format)."""
+    check_kv_format(attention, fmt)
     if attention.kind == "mla":
         return mla_bytes_per_token(attention.kv_lora_rank, attention.qk_rope_head_dim, fmt)
     return gqa_bytes_per_token(attention.num_kv_heads, attention.head_dim, attention.v_head_dim, fmt)
@@ -132,6 +230,13 @@ def kv_layer_bytes_per_token(attention, fmt: KVFormat) -> int:
 
 def new_gqa_layer(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, v_head_dim: int,
                   fmt: KVFormat, device: torch.device | str = "cpu") -> GQALayerKV:
+    if fmt.is_nvfp4:
+        shape = (num_blocks, block_size, kv_heads)
+        k = torch.zeros(*shape, head_dim // 2, dtype=torch.uint8, device=device)
+        v = torch.zeros(*shape, v_head_dim // 2, dtype=torch.uint8, device=device)
+        ks = torch.zeros(*shape, _groups(head_dim, fmt), dtype=torch.float8_e4m3fn, device=device)
+        vs = torch.zeros(*shape, _groups(v_head_dim, fmt), dtype=torch.float8_e4m3fn, device=device)
+        return GQALayerKV(fmt, k, v, ks, vs, torch.ones(2, dtype=torch.float32, device=device))
     data = torch.float8_e4m3fn if fmt.is_fp8 else fmt.dtype
     k = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=data, device=device)
     v = torch.zeros(num_blocks, block_size, kv_heads, v_head_dim, dtype=data, device=device)
@@ -148,6 +253,14 @@ def new_gqa_layer(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
 def new_mla_layer(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, fmt: KVFormat,
                   device: torch.device | str = "cpu") -> MLALayerKV:
     r, p = kv_lora_rank, rope_dim
+    if fmt.is_nvfp4:
+        # r/2 code bytes | r/16 e4m3 block scales | p e4m3 rope: all byte-sized, no alignment rule
+        ng = _groups(r, fmt)
+        buf = torch.zeros(num_blocks, block_size, mla_bytes_per_token(r, p, fmt), dtype=torch.uint8, device=device)
+        latent = buf[..., :r // 2]
+        scale = buf[..., r // 2:r // 2 + ng].view(torch.float8_e4m3fn)
+        rope = buf[..., r // 2 + ng:].view(torch.float8_e4m3fn)
+        return MLALayerKV(fmt, buf, latent, rope, scale, torch.ones(2, dtype=torch.float32, device=device))
     if not fmt.is_fp8 or not fmt.block_scaled:
         data = torch.float8_e4m3fn if fmt.is_fp8 else fmt.dtype
         buf = torch.zeros(num_blocks, block_size, r + p, dtype=data, device=device)
@@ -187,6 +300,19 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None, group: int) -> tup
     return to_e4m3(xg / s[..., None]).flatten(-2), s
 
 
+def quantize_nvfp4(x: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes uint8 [..., D/2], e4m3 block scales [..., D/16]) with the layer's
+    fp32 scale_2 (one element): formats.nvfp4's arithmetic (scale = e4m3(amax16 / (6 scale_2)),
+    codes = e2m1(x / (scale scale_2)), both nearest even and saturating; a block whose scale
+    is 0 stores signed zeros). float32; the Triton write reproduces these bytes."""
+    return _nvfp4.quantize_blocks(x, scale_2)
+
+
+def dequantize_nvfp4(codes: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [..., D/2], e4m3 scales [..., D/16], scale_2 -> float32 [..., D]."""
+    return _nvfp4.dequantize_blocks(codes, scale, scale_2)
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """e4m3 [..., D] and fp32 scale ([1] or [..., D/g]) -> float32 [..., D]."""
     qf = q.float()
@@ -215,6 +341,13 @@ def write_gqa_kv(cache: GQALayerKV, k: torch.Tensor, v: torch.Tensor, slot_mappi
     keep, slots = _valid(slot_mapping)
     k, v = k[keep], v[keep]
     fmt = cache.fmt
+    if fmt.is_nvfp4:
+        for src, codes, scales, s2 in ((k, cache.k, cache.k_scale, cache.scale_2[0:1]),
+                                       (v, cache.v, cache.v_scale, cache.scale_2[1:2])):
+            q, s = quantize_nvfp4(src, s2)
+            _store(codes, slots, q)
+            _store(scales, slots, s)
+        return
     if not fmt.is_fp8:
         _store(cache.k, slots, k)
         _store(cache.v, slots, v)
@@ -236,6 +369,12 @@ def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, 
     keep, slots = _valid(slot_mapping)
     latent, k_rope = latent[keep], k_rope[keep]
     fmt = cache.fmt
+    if fmt.is_nvfp4:
+        q, s = quantize_nvfp4(latent, cache.scale_2[0:1])
+        _store(cache.latent, slots, q)
+        _store(cache.latent_scale, slots, s)
+        _store(cache.rope, slots, quantize_fp8(k_rope, cache.scale_2[1:2], NVFP4_BLOCK)[0])
+        return
     if not fmt.is_fp8:
         _store(cache.latent, slots, latent)
         _store(cache.rope, slots, k_rope)
@@ -261,6 +400,9 @@ def _gather(t: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
 def read_gqa_kv(cache: GQALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first n tokens, dequantized to float32: ([n, Hkv, D], [n, Hkv, Dv])."""
     k, v = _gather(cache.k, blocks, n), _gather(cache.v, blocks, n)
+    if cache.fmt.is_nvfp4:
+        return (dequantize_nvfp4(k, _gather(cache.k_scale, blocks, n), cache.scale_2[0:1]),
+                dequantize_nvfp4(v, _gather(cache.v_scale, blocks, n), cache.scale_2[1:2]))
     if not cache.fmt.is_fp8:
         return k.float(), v.float()
     if cache.fmt.block_scaled:
@@ -272,6 +414,9 @@ def read_gqa_kv(cache: GQALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.
 def read_mla_kv(cache: MLALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first n tokens, dequantized to float32: (latent [n, R], rope [n, P])."""
     lat, rope = _gather(cache.latent, blocks, n), _gather(cache.rope, blocks, n)
+    if cache.fmt.is_nvfp4:
+        return (dequantize_nvfp4(lat, _gather(cache.latent_scale, blocks, n), cache.scale_2[0:1]),
+                dequantize_fp8(rope, cache.scale_2[1:2]))
     if not cache.fmt.is_fp8:
         return lat.float(), rope.float()
     if cache.fmt.block_scaled:

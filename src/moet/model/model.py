@@ -18,7 +18,7 @@ from torch import nn
 
 from moet.checkpoint.spec import ModelSpec
 from moet.kernels.attention_ops import DEFAULT_SPLIT_TOKENS
-from moet.kernels.kv_cache import KVFormat, gqa_bytes_per_token, mla_bytes_per_token, new_gqa_layer, new_mla_layer
+from moet.kernels.kv_cache import KVFormat, check_kv_format, kv_layer_bytes_per_token, new_gqa_layer, new_mla_layer
 from moet.model.attention_batch import AttentionBatch
 from moet.model.layers.attention import GQAttention
 from moet.model.layers.linear import MLP, Linear
@@ -246,18 +246,15 @@ class CausalLM(nn.Module):
 
     def kv_bytes_per_token(self, kv_format: KVFormat) -> int:
         """KV cache bytes one token occupies across every attention layer (MTP layers included)."""
-        a = self.spec.attention
-        if a.kind == "mla":
-            per_layer = mla_bytes_per_token(a.kv_lora_rank, a.qk_rope_head_dim, kv_format)
-        else:
-            per_layer = gqa_bytes_per_token(a.num_kv_heads, a.head_dim, a.v_head_dim, kv_format)
-        return per_layer * len(self._attention_layers())
+        return kv_layer_bytes_per_token(self.spec.attention, kv_format) * len(self._attention_layers())
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_format: KVFormat,
                      device: torch.device | str) -> list:
         """One paged cache layer object (kernels/kv_cache) per attention layer: main layers, then
-        MTP layers. `kv_format.dtype` is the "auto" data dtype (pass the model dtype)."""
+        MTP layers. `kv_format.dtype` is the "auto" data dtype (pass the model dtype). A format
+        this attention cannot hold is a ConfigError naming the ones it can (check_kv_format)."""
         a = self.spec.attention
+        check_kv_format(a, kv_format)
         if a.kind == "mla":
             make = lambda: new_mla_layer(num_blocks, block_size, a.kv_lora_rank, a.qk_rope_head_dim, kv_format, device)
         else:
