@@ -20,7 +20,7 @@ Table layout:
    "devices": {"NVIDIA H200": {"gqa_decode": {"bf16 D128 T64": {"num_warps": 4,
                                                                  "num_stages": {"1": 7, "32": 3}}}}}}
 Shape key (gqa_shape_key): the KV storage ("bf16", "fp16", "fp32", "fp8" per-tensor scales,
-"fp8-block"), the head dim and the tokens per loop step -- the shared memory of one pipeline stage
+"fp8-block", "nvfp4"), the head dim and the tokens per loop step -- the shared memory of one pipeline stage
 grows with both (sm_90 AOT, bf16 d 128, 64-token steps: 39 / 72 / 105 KB at 3 / 5 / 7 stages), so
 an entry is never applied to a shape it was not measured at. Entries apply to bf16 queries (the
 served tensor-core path); fp32 queries (the exactness tests) take DEFAULT_GQA_DECODE.
@@ -52,7 +52,9 @@ DEFAULT_GQA_DECODE = GQALaunch(4, 3)
 
 def gqa_shape_key(fmt, kv_dtype: torch.dtype, d: int, dv: int, step_tokens: int) -> str:
     """'bf16 D128 T64': KV storage, head dim (and value dim where it differs), tokens per step."""
-    if fmt.block_scaled:
+    if fmt.is_nvfp4:
+        kv = "nvfp4"
+    elif fmt.block_scaled:
         kv = "fp8-block"
     elif fmt.is_fp8:
         kv = "fp8"

@@ -62,7 +62,14 @@ from moet.kernels.launch_tables import device_capability, sm_count
 from moet.kernels.launch_tables import device_name as _device_name
 from moet.kernels.pdl import pdl_enter, pdl_launch, prefetch_l2
 
-_SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK = 0, 1, 2
+_SCALE_NONE, _SCALE_TENSOR, _SCALE_BLOCK, _SCALE_NVFP4 = 0, 1, 2, 3
+
+
+def scale_kind(fmt) -> int:
+    """The kernels' SCALE_KIND of a KVFormat: 0 plain, 1 fp8 per tensor, 2 fp8 per group, 3 nvfp4."""
+    if fmt.is_nvfp4:
+        return _SCALE_NVFP4
+    return _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
 
 
 # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 tiles as their uint16 bit patterns in tl.dot;
@@ -173,13 +180,43 @@ def _split_pages(n, PAGES_MIN, MAX_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
+def _e2m1_f32(code):
+    """int32 e2m1 codes (0..15) -> their fp32 values, exact, built on the bits: magnitude index
+    1 is 0.5, index 2e + m (e >= 1) is 2^(e-1) * (1 + m / 2); bit 3 the sign."""
+    mag = code & 7
+    e = mag >> 1
+    bits = tl.where(mag == 0, 0, tl.where(e == 0, 126 << 23, ((e + 126) << 23) | ((mag & 1) << 22)))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_tile(ptr, sc_ptr, row, srow, rmask, N: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """[N, BLOCK] fp32 of N nvfp4 rows of DIM elements (DIM % 16 == 0, BLOCK = a power of two >= DIM):
+    row / srow [N, 1] are each row's offsets of its code bytes (ptr) and e4m3 block scales (sc_ptr),
+    rmask [N, 1] the rows to read (others and columns past DIM give 0). Decoded in registers: each
+    code byte loaded once, its two nibbles joined into elements 2i, 2i + 1, and the [N, BLOCK / 16]
+    scales broadcast over their 16 (no per-element scale gather). e2m1 x e4m3 is exact in fp32, and
+    in bf16 (at most 5 significant bits); the layer's scale_2 is folded in by the caller."""
+    c = tl.arange(0, BLOCK // 2)
+    byte = tl.load(ptr + row + c[None, :], mask=rmask & (c[None, :] < DIM // 2), other=0).to(tl.int32)
+    x = tl.reshape(tl.join(_e2m1_f32(byte & 15), _e2m1_f32(byte >> 4)), [N, BLOCK])
+    gi = tl.arange(0, BLOCK // 16)
+    sc = tl.load(sc_ptr + srow + gi[None, :], mask=rmask & (gi[None, :] < DIM // 16), other=0.0).to(tl.float32)
+    return tl.reshape(tl.reshape(x, [N, BLOCK // 16, 16]) * sc[:, :, None], [N, BLOCK])
+
+
+@triton.jit
 def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
                       DIM: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr,
                       OP_F16: tl.constexpr):
     """[BLOCK_SIZE, BLOCK_D] of one page for head h in the dot operand dtype. Stored values as
     they are (e4m3 -> bf16 is exact) except a per-group scale finer than the head, which is
-    applied here per element; per-tensor and per-token-head scales are folded in by the caller."""
-    if (SCALE_KIND == 2) & (GROUP < DIM):
+    applied here per element; per-tensor and per-token-head scales are folded in by the caller.
+    nvfp4: codes and block scales decoded here (_nvfp4_tile), scale_2 folded in by the caller."""
+    if SCALE_KIND == 3:
+        x = _nvfp4_tile(ptr + h * s_h, scale_ptr + h * ss_h, blk * s_b + tok[:, None] * s_t,
+                        blk * ss_b + tok[:, None] * ss_t, tmask[:, None], tmask.shape[0], DIM, d.shape[0])
+    elif (SCALE_KIND == 2) & (GROUP < DIM):
         x = _load_dequant(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
                           DIM, SCALE_KIND, GROUP)
     else:
@@ -454,7 +491,7 @@ def _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, b, h, sp, s_kb, s_kt, s_kh, s_
 
 @triton.jit
 def _gqa_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, cnt_ptr, s2_ptr,
         s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
         ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, scale, pages_min, s_ob, s_oh,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -518,6 +555,8 @@ def _gqa_decode_split_kernel(
         qk_scale = scale
         if SCALE_KIND == 1:
             qk_scale = scale * tl.load(ks_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: K's scale_2, outside the dots
+            qk_scale = scale * tl.load(s2_ptr)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         lo_tok, first, last = _split_window(n, sp, pps, n_pages, WINDOW, BLOCK_SIZE)
@@ -537,6 +576,8 @@ def _gqa_decode_split_kernel(
                     D, DV, BLOCK_SIZE, PAGES, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, OP_F16, SWAP_AB)
         if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
             acc = acc * tl.load(vs_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: V's scale_2
+            acc = acc * tl.load(s2_ptr + 1)
         # workspace [B, Hq, S]: S from the grid, so one compiled kernel serves every table width
         row = (b * (tl.num_programs(1) * G) + qh) * tl.num_programs(2) + sp
         gmask = g < G
@@ -756,7 +797,7 @@ def gqa_decode_launch(q: torch.Tensor, cache: GQALayerKV, tile_tokens: int | Non
         return DEFAULT_GQA_DECODE
     bs = cache.k.shape[1]
     step = max(1, (tile_tokens or GQA_TILE_TOKENS) // bs) * bs
-    key = gqa_shape_key(cache.fmt, cache.k.dtype, cache.k.shape[-1], cache.v.shape[-1], step)
+    key = gqa_shape_key(cache.fmt, cache.k.dtype, cache.head_dim, cache.v_head_dim, step)
     return lookup_gqa_decode(_device_name(q.device), key, q.shape[0])
 
 
@@ -827,13 +868,13 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     q = q.contiguous()
     b, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
-    dv = cache.v.shape[-1]
+    dv = cache.v_head_dim
     if hq % hkv:
         raise ConfigError(f"paged decode: {hq} query heads are not a multiple of {hkv} kv heads")
     if bs < 16 or bs & (bs - 1):
         raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
     fmt = cache.fmt
-    kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    kind = scale_kind(fmt)
     if long_splits is None:           # the long partition belongs to the default split cap
         long_splits = GQA_LONG_SPLITS if max_splits is None else 0
     long_splits = int(long_splits)
@@ -857,8 +898,9 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     out = torch.empty(b, hq, dv, dtype=q.dtype, device=q.device) if out is None else out
     ks = cache.k_scale if cache.k_scale is not None else m      # any pointer; never read
     vs = cache.v_scale if cache.v_scale is not None else m
-    sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
-    sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
+    sk = ks.stride() if kind in (_SCALE_BLOCK, _SCALE_NVFP4) else (0, 0, 0)
+    sv = vs.stride() if kind in (_SCALE_BLOCK, _SCALE_NVFP4) else (0, 0, 0)
+    s2 = cache.scale_2 if cache.scale_2 is not None else m       # nvfp4's scale_2; else never read
     cnt = _merge_counters(q.device, b * hkv) if fused_merge else m    # any pointer when not fused
     kst, vst = cache.k.stride()[:3], cache.v.stride()[:3]
     applies = gqa_fp8_words_applies(q, cache, swap_ab)
@@ -877,7 +919,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
     if pf < 0 or pf & (pf - 1):
         raise ConfigError(f"paged decode (triton): prefetch_steps must be 0 or a power of two, got {prefetch_steps}")
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
-        q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt,
+        q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt, s2,
         q.stride(0), q.stride(1), *kst, *vst,
         *sk[:3], *sv[:3], block_tables.stride(0), float(scale), pages_min, out.stride(0), out.stride(1),
         G=g, BLOCK_G=_pow2(g), D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv), BLOCK_SIZE=bs,

@@ -16,6 +16,12 @@ Slot -1 programs exit at once. Why it matches the torch reference bit for bit:
   but not under TRITON_INTERPRET=1, and the tests must check the compiled arithmetic's twin.
 Destination addressing: every cache part (also the typed views into an MLA row buffer) has
 stride(0) = block_size * stride(1), so element (slot, h, c) sits at slot * stride(1) + h * s_h + c.
+nvfp4 (`_store_nvfp4_kernel`, GQA's k and v in one launch as above; MLA's latent, its rope part
+through `_store_rows_kernel` as e4m3 with scale_2[1]): one program = one (token, head) row, held as
+[blocks of 16, 8] tiles of its even and odd elements, so each block's amax is a row reduction and
+each code byte is even | odd << 4 with no reshape. The same roundings as formats.nvfp4.quantize_blocks:
+scale = e4m3(div_rn(amax, 6 * scale_2)) saturating at 448, x / (scale * scale_2) by div_rn, e2m1
+nearest even by comparisons with the midpoints (ties to the even code), saturating at 6.
 """
 from __future__ import annotations
 
@@ -57,6 +63,63 @@ def _e4m3_rne(y):
     m = m + ((rem > 0.5) | ((rem == 0.5) & ((m & 1) == 1))).to(tl.int32)
     code = tl.where(tl.abs(y) < 0.015625, m.to(tl.uint32), normal) | (sign << 7)
     return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _e2m1_rne(y):
+    """fp32 (already divided by its scale) -> e2m1 code 0..15 as int32: nearest, ties to the even
+    code (the midpoints 0.75, 1.75, 3.5 round up, 0.25, 1.25, 2.5, 5 down), |y| > 6 saturates to
+    6, the sign bit kept (so -0.0 -> 8), as formats.e2m1.encode(..., "nearest_even")."""
+    m = tl.abs(y)
+    idx = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+           + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    sign = (y.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    return idx | (sign << 3)
+
+
+@triton.jit
+def _nvfp4_row(src_ptr, dst_ptr, scale_ptr, s2_ptr, slot, t, h, s_src_t, s_src_h, s_dst_slot, s_dst_h, s_sc_slot,
+               s_sc_h, C: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Token t, head h of one part -> nvfp4 at its slot (slot >= 0): C / 16 e4m3 block scales and
+    C / 2 code bytes (element 2i in the low nibble of byte i)."""
+    i = tl.arange(0, BLOCK_B)[:, None]                       # block of 16
+    j = tl.arange(0, 8)[None, :]                             # pair within the block
+    bmask = i < C // 16
+    src = src_ptr + t.to(tl.int64) * s_src_t + h * s_src_h + i * 16 + 2 * j
+    xe = tl.load(src, mask=bmask, other=0.0).to(tl.float32)
+    xo = tl.load(src + 1, mask=bmask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))     # [BLOCK_B]
+    g = tl.load(s2_ptr)
+    sc = _e4m3_rne(tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0 * g), 448.0))
+    tl.store(scale_ptr + slot * s_sc_slot + h * s_sc_h + tl.arange(0, BLOCK_B), sc, mask=tl.arange(0, BLOCK_B) < C // 16)
+    denom = (sc.to(tl.float32) * g)[:, None]
+    pos = denom > 0
+    safe = tl.where(pos, denom, 1.0)
+    ce = _e2m1_rne(tl.where(pos, tl.math.div_rn(xe, tl.zeros_like(xe) + safe), xe * 0.0))
+    co = _e2m1_rne(tl.where(pos, tl.math.div_rn(xo, tl.zeros_like(xo) + safe), xo * 0.0))
+    tl.store(dst_ptr + slot * s_dst_slot + h * s_dst_h + i * 8 + j, (ce | (co << 4)).to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _store_nvfp4_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, s2_ptr,
+                        s_k_t, s_k_h, s_v_t, s_v_h, s_kc_slot, s_kc_h, s_vc_slot, s_vc_h,
+                        s_ks_slot, s_ks_h, s_vs_slot, s_vs_h,
+                        CK: tl.constexpr, CV: tl.constexpr, BLOCK_B: tl.constexpr, PARTS: tl.constexpr,
+                        PDL: tl.constexpr):
+    """nvfp4 rows, grid (T, heads, PARTS): part 0 (k / MLA's latent) with scale_2[0], part 1 (v)
+    with scale_2[1]."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    part = tl.program_id(2)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        if part == 0:
+            _nvfp4_row(k_ptr, kc_ptr, ks_ptr, s2_ptr, slot, t, h, s_k_t, s_k_h, s_kc_slot, s_kc_h, s_ks_slot, s_ks_h,
+                       CK, BLOCK_B)
+        else:
+            _nvfp4_row(v_ptr, vc_ptr, vs_ptr, s2_ptr + 1, slot, t, h, s_v_t, s_v_h, s_vc_slot, s_vc_h, s_vs_slot,
+                       s_vs_h, CV, BLOCK_B)
 
 
 @triton.jit
@@ -157,11 +220,37 @@ def _kind(fmt) -> int:
     return _BLOCK if fmt.block_scaled else _TENSOR if fmt.is_fp8 else _PLAIN
 
 
+def _check_nvfp4(*parts: torch.Tensor) -> None:
+    for p in parts:
+        if p.stride(-1) != 1 or p.stride(0) != p.shape[1] * p.stride(1):
+            raise ConfigError("kv write (triton): cache part must be row-major with whole pages per block")
+
+
+def _write_nvfp4(srcs, slots, codes, scales, s2) -> None:
+    """srcs: (k [T, H, C]) or (k, v [T, H, Cv]) -> nvfp4 parts (codes [NB, BS, H, C/2], scales
+    [NB, BS, H, C/16]) in one launch, grid (T, H, parts)."""
+    srcs = [x if x.stride(-1) == 1 else x.contiguous() for x in srcs]
+    _check_nvfp4(*codes, *scales)
+    k, kc, ks = srcs[0], codes[0], scales[0]
+    v, vc, vs = (srcs[1], codes[1], scales[1]) if len(srcs) > 1 else (k, kc, ks)
+    t, h, ck = k.shape
+    cv = v.shape[-1]
+    _store_nvfp4_kernel[(t, h, len(srcs))](
+        k, v, slots, kc, vc, ks, vs, s2, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(1), kc.stride(2), vc.stride(1), vc.stride(2), ks.stride(1), ks.stride(2), vs.stride(1), vs.stride(2),
+        CK=ck, CV=cv, BLOCK_B=triton.next_power_of_2(max(ck, cv) // 16), PARTS=len(srcs), **pdl_launch(k))
+
+
 def write_gqa_kv(cache: GQALayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """As kv_cache.write_gqa_kv: k [T, Hkv, D], v [T, Hkv, Dv], slot_mapping int [T] (-1 skips)."""
     if k.shape[0] == 0:
         return
     fmt, kind = cache.fmt, _kind(cache.fmt)
+    if fmt.is_nvfp4:                     # the reference's block rule (multiples of 16)
+        _groups(k.shape[-1], fmt), _groups(v.shape[-1], fmt)
+        _write_nvfp4((k, v), slot_mapping.to(torch.int64), (cache.k, cache.v), (cache.k_scale, cache.v_scale),
+                     cache.scale_2)
+        return
     if kind == _BLOCK:                   # the reference's group rule (clip to the dim, must divide)
         _groups(k.shape[-1], fmt), _groups(v.shape[-1], fmt)
     slots = slot_mapping.to(torch.int64)
@@ -196,7 +285,12 @@ def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, 
         return
     fmt, kind = cache.fmt, _kind(cache.fmt)
     slots = slot_mapping.to(torch.int64)
-    if kind == _BLOCK:
+    if fmt.is_nvfp4:                     # latent nvfp4 (scale_2[0]); rope e4m3 with scale_2[1]
+        _groups(latent.shape[-1], fmt)
+        _write_nvfp4((latent[:, None, :],), slots, (cache.latent[..., None, :],),
+                     (cache.latent_scale[..., None, :],), cache.scale_2)
+        _store(k_rope, slots, cache.rope, cache.scale_2[1:2], _TENSOR, fmt.group)
+    elif kind == _BLOCK:
         _groups(latent.shape[-1], fmt)
         _store(latent, slots, cache.latent, cache.latent_scale, _BLOCK, fmt.group)
         _store(k_rope, slots, cache.rope, None, _PLAIN, fmt.group)

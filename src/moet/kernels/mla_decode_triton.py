@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (_INTERPRET, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, RESCALE_SLACK,
-                                           _bf16_dots, _lazy_rescale, _merge_blocks, _merge_splits_kernel, _mma,
-                                           _pow2, _slack, _split_pages, _splits)
+from moet.kernels.attention_triton import (_INTERPRET, _SCALE_BLOCK, _SCALE_NVFP4, RESCALE_SLACK, _bf16_dots,
+                                           _lazy_rescale, _merge_blocks, _merge_splits_kernel, _mma, _nvfp4_tile,
+                                           _pow2, _slack, _split_pages, _splits, scale_kind)
 from moet.kernels.kv_cache import MLALayerKV
 from moet.kernels.launch_tables import device_shared_memory
 from moet.kernels.pdl import pdl_enter, pdl_launch
@@ -71,9 +71,15 @@ def _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt
                    R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                    SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, BF16_DOT: tl.constexpr):
     """(latent [BLOCK_N, BLOCK_R], rope [BLOCK_N, BLOCK_P]) of BLOCK_N tokens at (page blk, row
-    off), masked by tmask, in the dot operand dtype; shared by MLA decode and prefill."""
-    lat = tl.load(lat_ptr + (blk * s_lb + off * s_lt)[:, None] + r[None, :],
-                  mask=tmask[:, None] & (r[None, :] < R), other=0.0)
+    off), masked by tmask, in the dot operand dtype; shared by MLA decode and prefill. nvfp4
+    (SCALE_KIND 3): the latent's codes and e4m3 block scales decoded in registers
+    (attention_triton._nvfp4_tile), the rope e4m3; both scale_2 folded in by the caller."""
+    if SCALE_KIND == 3:
+        lat = _nvfp4_tile(lat_ptr, ls_ptr, (blk * s_lb + off * s_lt)[:, None], (blk * ss_b + off * ss_t)[:, None],
+                          tmask[:, None], BLOCK_N, R, BLOCK_R)
+    else:
+        lat = tl.load(lat_ptr + (blk * s_lb + off * s_lt)[:, None] + r[None, :],
+                      mask=tmask[:, None] & (r[None, :] < R), other=0.0)
     rope = tl.load(rope_ptr + (blk * s_rb + off * s_rt)[:, None] + p_[None, :],
                    mask=tmask[:, None] & (p_[None, :] < P), other=0.0)
     if SCALE_KIND == 2:
@@ -89,6 +95,16 @@ def _mla_load_tile(lat_ptr, rope_ptr, ls_ptr, blk, off, tmask, r, p_, s_lb, s_lt
         return lat.to(tl.bfloat16), rope.to(tl.bfloat16)
     else:
         return lat.to(tl.float32), rope.to(tl.float32)
+
+
+@triton.jit
+def _mla_rope_query(qr, s2_ptr, SCALE_KIND: tl.constexpr):
+    """The rope queries as loaded; nvfp4 (SCALE_KIND 3): times scale_2[1] / scale_2[0], so that one
+    softmax scale (times the latent's scale_2[0]) serves both dots, the tiles unchanged."""
+    if SCALE_KIND == 3:
+        return qr.to(tl.float32) * (tl.load(s2_ptr + 1) / tl.load(s2_ptr))
+    else:
+        return qr
 
 
 @triton.jit
@@ -161,7 +177,7 @@ def _mla_softmax_pv(s, m_i, l_i, acc, lat, SLACK: tl.constexpr, EMPTY_ROWS: tl.c
 
 @triton.jit
 def _mla_decode_split_kernel(
-        ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+        ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, s2_ptr,
         s_qlb, s_qlh, s_qrb, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, scale, pages_min,
         H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -187,10 +203,13 @@ def _mla_decode_split_kernel(
         ql = tl.load(ql_ptr + b * s_qlb + hh[:, None] * s_qlh + r[None, :],
                      mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(qd)
         qr = tl.load(qr_ptr + b * s_qrb + hh[:, None] * s_qrh + p_[None, :],
-                     mask=hmask[:, None] & (p_[None, :] < P), other=0.0).to(qd)
+                     mask=hmask[:, None] & (p_[None, :] < P), other=0.0)
+        qr = _mla_rope_query(qr, s2_ptr, SCALE_KIND).to(qd)
         qk_scale = scale
         if SCALE_KIND == 1:                       # fp8 per tensor: one scale for latent and rope
             qk_scale = scale * tl.load(ls_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: the latent's scale_2 (the rope's is in qr)
+            qk_scale = scale * tl.load(s2_ptr)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         t_lo = sp * pps * BLOCK_SIZE
@@ -216,6 +235,8 @@ def _mla_decode_split_kernel(
                     R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK, HEADS_M)
         if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
             acc = acc * tl.load(ls_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: the values are the latent (its scale_2)
+            acc = acc * tl.load(s2_ptr)
         if HEADS_M:
             tl.store(acc_ptr + row[:, None] * R + r[None, :], acc, mask=hmask[:, None] & (r[None, :] < R))
         else:
@@ -228,6 +249,13 @@ class MLADecodeForm(NamedTuple):
     heads_m: bool         # the heads-as-M tile (else the transposed one)
     block_n: int          # tokens a loop step
     slack: float          # the lazy-rescale slack (0: eager)
+
+
+def _check_nvfp4_rank(cache: MLALayerKV, r: int, what: str) -> None:
+    """nvfp4 MLA kernels: the queries' kv_lora_rank is the cache's, a multiple of 16."""
+    if cache.fmt.is_nvfp4 and (r != cache.kv_lora_rank or r % 16):
+        raise ConfigError(f"{what} (triton): an nvfp4 cache of kv_lora_rank {cache.kv_lora_rank} read with "
+                          f"{r}-wide latent queries (must match, a multiple of 16)")
 
 
 def mla_heads_m_fits(device: torch.device) -> bool:
@@ -290,13 +318,14 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     if bs < 16 or bs & (bs - 1):
         raise ConfigError(f"paged decode (triton): block_size must be a power of two >= 16, got {bs}")
     fmt = cache.fmt
-    kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    kind = scale_kind(fmt)
     block_r = _pow2(r)
     group = min(fmt.group, r)
     ng = r // group
     if kind == _SCALE_BLOCK and (group & (group - 1) or ng * group != block_r):
         raise ConfigError(f"paged decode mla (triton): an fp8-block cache needs a power-of-two kv_lora_rank and "
                           f"scale group, got {r} and {group}")
+    _check_nvfp4_rank(cache, r, "paged decode mla")
     form = mla_decode_form(q_latent, cache)
     slack = _slack(rescale_slack, form.slack)
     heads_m = form.heads_m if heads_m is None else heads_m
@@ -314,9 +343,10 @@ def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     l_ = torch.empty_like(m)
     out = torch.empty(b, h, r, dtype=q_latent.dtype, device=q_latent.device) if out is None else out
     ls = cache.latent_scale if cache.latent_scale is not None else m
-    ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
+    ss = ls.stride()[:2] if kind in (_SCALE_BLOCK, _SCALE_NVFP4) else (0, 0)
+    s2 = cache.scale_2 if cache.scale_2 is not None else m      # nvfp4's scale_2; else never read
     _mla_decode_split_kernel[(triton.cdiv(h, block_h), b, num_splits)](
-        q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, seq_lens, acc, m, l_,
+        q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, seq_lens, acc, m, l_, s2,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0), float(scale), pages_min,
         H=h, BLOCK_H=block_h, R=r, BLOCK_R=block_r, P=p, BLOCK_P=_pow2(p), BLOCK_N=block_n, BLOCK_SIZE=bs,

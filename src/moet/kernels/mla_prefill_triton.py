@@ -37,11 +37,11 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots, _mma,
-                                           _pow2, _slack)
+from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NVFP4, _bf16_dots, _mma, _pow2,
+                                           _slack, scale_kind)
 from moet.kernels.mla_decode_triton import (MLA_BLOCK_N, MLA_HM_BLOCK_N, MLA_NUM_STAGES, MLA_NUM_WARPS,
-                                            _mla_load_tile, _mla_softmax_pv, check_heads_m_fits, mla_block_h,
-                                            mla_decode_form)
+                                            _check_nvfp4_rank, _mla_load_tile, _mla_rope_query, _mla_softmax_pv,
+                                            check_heads_m_fits, mla_block_h, mla_decode_form)
 from moet.kernels.kv_cache import MLALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -76,7 +76,7 @@ def _mla_prefill_tile(ql, qr, m_i, l_i, acc, k0, qpos, last, lat_ptr, rope_ptr, 
 
 @triton.jit
 def _mla_prefill_kernel(
-        ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+        ql_ptr, qr_ptr, lat_ptr, rope_ptr, ls_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, s2_ptr,
         s_qlt, s_qlh, s_qrt, s_qrh, s_lb, s_lt, s_rb, s_rt, ss_b, ss_t, s_btb, s_ot, s_oh, scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
         P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -106,10 +106,13 @@ def _mla_prefill_kernel(
         ql = tl.load(ql_ptr + q_row[:, None] * s_qlt + hh[:, None] * s_qlh + r[None, :],
                      mask=rmask[:, None] & (r[None, :] < R), other=0.0).to(qd)
         qr = tl.load(qr_ptr + q_row[:, None] * s_qrt + hh[:, None] * s_qrh + p_[None, :],
-                     mask=rmask[:, None] & (p_[None, :] < P), other=0.0).to(qd)
+                     mask=rmask[:, None] & (p_[None, :] < P), other=0.0)
+        qr = _mla_rope_query(qr, s2_ptr, SCALE_KIND).to(qd)
         qk_scale = scale
         if SCALE_KIND == 1:                       # fp8 per tensor: one scale for latent and rope
             qk_scale = scale * tl.load(ls_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: the latent's scale_2 (the rope's is in qr)
+            qk_scale = scale * tl.load(s2_ptr)
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
         last = tl.minimum(ctx + t0 + BLOCK_M, n) - 1          # the tile's last query position = its last key
@@ -134,6 +137,8 @@ def _mla_prefill_kernel(
                     R, BLOCK_R, P, BLOCK_N, BLOCK_SIZE, SCALE_KIND, GROUP, NG, BF16_DOT, SLACK, HEADS_M)
         if SCALE_KIND == 1:                       # the values' per-tensor scale, folded out of P @ V
             acc = acc * tl.load(ls_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: the values are the latent (its scale_2)
+            acc = acc * tl.load(s2_ptr)
         if HEADS_M:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + q_row[:, None] * s_ot + hh[:, None] * s_oh + r[None, :],
@@ -189,16 +194,18 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_seqlen_q <= 0:
         return out.zero_()
-    kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    kind = scale_kind(fmt)
+    _check_nvfp4_rank(cache, r, "paged MLA prefill")
     slack = _slack(rescale_slack)
     heads_m = (mla_decode_form(q_latent, cache).heads_m and slack == 0) if heads_m is None else heads_m
     block_n = block_n or (MLA_HM_BLOCK_N if heads_m else MLA_BLOCK_N)
     if heads_m:
         check_heads_m_fits(q_latent.device, block_h * block_m, r, p, block_n, "paged MLA prefill")
     ls = cache.latent_scale if cache.latent_scale is not None else out     # any pointer; never read
-    ss = ls.stride()[:2] if kind == _SCALE_BLOCK else (0, 0)
+    ss = ls.stride()[:2] if kind in (_SCALE_BLOCK, _SCALE_NVFP4) else (0, 0)
+    s2 = cache.scale_2 if cache.scale_2 is not None else out      # nvfp4's scale_2; else never read
     _mla_prefill_kernel[(triton.cdiv(h, block_h), b, triton.cdiv(max_seqlen_q, block_m))](
-        q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, cu_seqlens_q, seq_lens, out,
+        q_latent, q_rope, cache.latent, cache.rope, ls, block_tables, cu_seqlens_q, seq_lens, out, s2,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         *cache.latent.stride()[:2], *cache.rope.stride()[:2], *ss, block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale),

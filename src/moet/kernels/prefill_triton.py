@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from moet.errors import ConfigError
-from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NONE, _SCALE_TENSOR, _bf16_dots,
-                                           _gqa_load_operand, _lazy_rescale, _mma, _pow2, _slack)
+from moet.kernels.attention_triton import (RESCALE_SLACK, _SCALE_BLOCK, _SCALE_NVFP4, _bf16_dots, _gqa_load_operand,
+                                           _lazy_rescale, _mma, _pow2, _slack, scale_kind)
 from moet.kernels.kv_cache import GQALayerKV
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read at import, as triton does
@@ -126,7 +126,7 @@ def _prefill_tile(q, m_i, l_i, acc, k0, qpos, last, k_ptr, v_ptr, ks_ptr, vs_ptr
 
 @triton.jit
 def _gqa_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, s2_ptr,
         s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
         ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, s_btb, s_ot, s_oh, scale,
         G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -158,6 +158,8 @@ def _gqa_prefill_kernel(
         qk_scale = scale
         if SCALE_KIND == 1:
             qk_scale = scale * tl.load(ks_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: K's scale_2, outside the dots
+            qk_scale = scale * tl.load(s2_ptr)
 
         m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
@@ -189,6 +191,8 @@ def _gqa_prefill_kernel(
                     D, DV, BLOCK_SIZE, WINDOW, SCALE_KIND, GROUP_K, GROUP_V, BF16_DOT, SLACK)
         if SCALE_KIND == 1:                       # V's per-tensor scale, folded out of P @ V
             acc = acc * tl.load(vs_ptr)
+        if SCALE_KIND == 3:                       # nvfp4: V's scale_2
+            acc = acc * tl.load(s2_ptr + 1)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_row[:, None] * s_ot + qh[:, None] * s_oh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
@@ -211,14 +215,16 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
     q = q.contiguous()
     tq, hq, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
-    dv = cache.v.shape[-1]
+    dv = cache.v_head_dim
     if hq % hkv:
         raise ConfigError(f"paged prefill: {hq} query heads are not a multiple of {hkv} kv heads")
     if bs < 16 or bs & (bs - 1):
         raise ConfigError(f"paged prefill (triton): block_size must be a power of two >= 16, got {bs}")
     g = hq // hkv
     block_g = triton.next_power_of_2(g)
-    rows, warps, stages = prefill_launch(cache.fmt.block_scaled, max(d, dv), not _bf16_dots(q))
+    # nvfp4 decodes every element in registers, as block-scaled fp8 applies its scales: its launch
+    # (not timed for nvfp4)
+    rows, warps, stages = prefill_launch(cache.fmt.block_scaled or cache.fmt.is_nvfp4, max(d, dv), not _bf16_dots(q))
     if block_m is None:
         block_m = max(1, rows // block_g)
     if block_m < 1 or block_m & (block_m - 1):
@@ -233,13 +239,14 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
     if max_seqlen_q <= 0:
         return out.zero_()
     fmt = cache.fmt
-    kind = _SCALE_BLOCK if fmt.block_scaled else _SCALE_TENSOR if fmt.is_fp8 else _SCALE_NONE
+    kind = scale_kind(fmt)
     ks = cache.k_scale if cache.k_scale is not None else out     # any pointer; never read
     vs = cache.v_scale if cache.v_scale is not None else out
-    sk = ks.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
-    sv = vs.stride() if kind == _SCALE_BLOCK else (0, 0, 0)
+    s2 = cache.scale_2 if cache.scale_2 is not None else out     # nvfp4's scale_2; else never read
+    sk = ks.stride() if kind in (_SCALE_BLOCK, _SCALE_NVFP4) else (0, 0, 0)
+    sv = vs.stride() if kind in (_SCALE_BLOCK, _SCALE_NVFP4) else (0, 0, 0)
     _gqa_prefill_kernel[(b, hkv, triton.cdiv(max_seqlen_q, block_m))](
-        q, cache.k, cache.v, ks, vs, block_tables, cu_seqlens_q, seq_lens, out,
+        q, cache.k, cache.v, ks, vs, block_tables, cu_seqlens_q, seq_lens, out, s2,
         q.stride(0), q.stride(1), *cache.k.stride()[:3], *cache.v.stride()[:3],
         *sk[:3], *sv[:3], block_tables.stride(0), out.stride(0), out.stride(1), float(scale),
         G=g, BLOCK_G=block_g, BLOCK_M=block_m, D=d, BLOCK_D=_pow2(d), DV=dv, BLOCK_DV=_pow2(dv),
