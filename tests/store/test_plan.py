@@ -168,6 +168,21 @@ def test_cli_on_the_shipped_moet_tiny(capsys):
     assert d["plan"]["bandwidths"]["sources"]["disk_gbps"]
 
 
+def test_cli_kv_cache_dtype_sizes_the_reserve(capsys):
+    """--kv-cache-dtype counts the KV reserve in that layout (kernels/kv_cache.py's bytes per
+    token): moet-tiny's 6 MLA layers at R 128, P 16 are 288 B a layer in bf16, 88 in nvfp4
+    (64 code bytes, 8 e4m3 scales, 16 e4m3 rope); an explicit reserve says how many tokens fit."""
+    per = {}
+    for dtype in ("bf16", "fp8", "nvfp4"):
+        assert moet_main(["plan", "--gpu-memory", "1GiB", "--host-memory", "8g", "--kv-cache-dtype", dtype,
+                          "--json"]) == 0
+        per[dtype] = json.loads(capsys.readouterr().out)["plan"]["facts"]["kv_bytes_per_token"]
+    assert per == {"bf16": 6 * 288, "fp8": 6 * (128 + 4 + 32), "nvfp4": 6 * 88}
+    assert moet_main(["plan", "--gpu-memory", "1GiB", "--host-memory", "8g", "--kv-cache-dtype", "nvfp4",
+                      "--kv-reserve", "66MiB"]) == 0
+    assert f"{66 * 2**20 // (6 * 88):,} tokens of nvfp4 KV" in capsys.readouterr().out
+
+
 def test_cli_errors(capsys, tmp_path):
     assert moet_main(["plan", str(tmp_path / "nope")]) == 2
     assert "checkpoint directory not found" in capsys.readouterr().err

@@ -194,14 +194,17 @@ class Plan:
 
 # ---------------------------------------------------------------- facts
 
-def facts_from_checkpoint(path: str, dtype: str = "auto"):
-    """(ModelFacts, inspect Summary) from a checkpoint's headers (no tensor data read)."""
+def facts_from_checkpoint(path: str, dtype: str = "auto", kv_cache_dtype: str = "bf16"):
+    """(ModelFacts, inspect Summary) from a checkpoint's headers (no tensor data read); the KV
+    bytes per token of `kv_cache_dtype` (the engine's --kv-cache-dtype names; auto = bf16 here,
+    the serving dtype)."""
     from moet.checkpoint import open_checkpoint
     from moet.checkpoint.inspect_cli import summarize
 
     s = summarize(path)
     spec = open_checkpoint(path).spec
-    return facts_from_summary(s, spec=spec, dtype=dtype), s
+    kv = kv_bytes_per_token_of(spec, kv_cache_dtype=kv_cache_dtype)
+    return facts_from_summary(s, spec=spec, dtype=dtype, kv_bytes_per_token=kv), s
 
 
 def _dtype_bytes(dtype: str, summary) -> int:
@@ -234,19 +237,20 @@ def facts_from_summary(s, *, spec=None, dtype: str = "auto", kv_bytes_per_token:
                       kv_bytes_per_token=kv_bytes_per_token or 0, fp4_row_bytes=fp4_row)
 
 
-def kv_bytes_per_token_of(spec, kv_dtype_bytes: int = 2) -> int:
-    """bf16 KV cache bytes per token over the decoder's attention layers (MTP excluded)."""
+def kv_bytes_per_token_of(spec, kv_dtype_bytes: int = 2, *, kv_cache_dtype: str | None = None) -> int:
+    """KV cache bytes per token over the decoder's attention layers (MTP excluded): bf16 (fp32
+    with kv_dtype_bytes 4), or the layout of a --kv-cache-dtype name (auto = bf16; a dtype the
+    attention cannot hold is a ConfigError naming those it can)."""
     import torch
 
-    from moet.kernels.kv_cache import KVFormat, gqa_bytes_per_token, mla_bytes_per_token
+    from moet.kernels.kv_cache import KVFormat, kv_format_for, kv_layer_bytes_per_token
 
-    fmt = KVFormat("auto", dtype=torch.bfloat16 if kv_dtype_bytes == 2 else torch.float32)
-    a = spec.attention
-    if a.kind == "mla":
-        per_layer = mla_bytes_per_token(a.kv_lora_rank, a.qk_rope_head_dim, fmt)
+    model_dtype = torch.bfloat16 if kv_dtype_bytes == 2 else torch.float32
+    if kv_cache_dtype is None:
+        fmt = KVFormat("auto", dtype=model_dtype)
     else:
-        per_layer = gqa_bytes_per_token(a.num_kv_heads, a.head_dim, a.v_head_dim, fmt)
-    return per_layer * spec.num_layers
+        fmt = kv_format_for(kv_cache_dtype, model_dtype, spec.attention)
+    return kv_layer_bytes_per_token(spec.attention, fmt) * spec.num_layers
 
 
 # ---------------------------------------------------------------- placement

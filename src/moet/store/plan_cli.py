@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from moet.checkpoint.resolve import resolve_checkpoint
 
     path = resolve_checkpoint(args.checkpoint)
-    facts, summary = P.facts_from_checkpoint(path, args.dtype)
+    facts, summary = P.facts_from_checkpoint(path, args.dtype, args.kv_cache_dtype)
     notes = {}
     gpu, gpu_src = (args.gpu_memory, "") if args.gpu_memory is not None else _default_gpu_memory()
     host, host_src = (args.host_memory, "") if args.host_memory is not None else _default_host_memory()
@@ -146,9 +146,13 @@ def run(args: argparse.Namespace) -> int:
         notes["gpu"] = f" ({gpu_src}; --gpu-memory)"
     if host_src:
         notes["host"] = f" ({host_src}; --host-memory)"
+    kv_name = "bf16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     if args.kv_reserve is None:
         notes["kv"] = (f"min(max_num_seqs, 4) x {args.context} tokens x {_gib(facts.kv_bytes_per_token)}/token "
-                       "(bf16; --kv-reserve)")
+                       f"({kv_name}; --kv-reserve, --kv-cache-dtype)")
+    elif facts.kv_bytes_per_token:
+        notes["kv"] = (f"{args.kv_reserve // facts.kv_bytes_per_token:,} tokens of {kv_name} KV at "
+                       f"{_gib(facts.kv_bytes_per_token)}/token (--kv-cache-dtype)")
     if args.host_arena is None:
         notes["arena"] = " (half the host memory, the engine's default; --host-arena)"
     if not 0 < args.kernel_efficiency <= 1 or args.pass_overhead_ms < 0:
@@ -174,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_subcommand(subparsers) -> None:
     from moet.assets import default_model
-    from moet.config import SchedulerConfig
+    from moet.config import KV_CACHE_DTYPES, SchedulerConfig
 
     p = subparsers.add_parser("plan", help="expert placement per tier and predicted decode tok/s for a GPU/host budget",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,6 +195,8 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--kv-reserve", type=_size_arg("--kv-reserve"), default=None, metavar="SIZE",
                    help="GPU memory kept for the KV cache (default: min(max_num_seqs, 4) x --context tokens of bf16 "
                         "KV, the engine's floor for an auto-sized expert cache)")
+    p.add_argument("--kv-cache-dtype", default="bf16", choices=KV_CACHE_DTYPES,
+                   help="KV cache layout the reserve is counted in, as the engine's flag (default bf16)")
     p.add_argument("--activation-reserve", type=float, default=0.05, metavar="FRACTION",
                    help="share of the GPU budget kept for activations (default 0.05, the engine's)")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs,
