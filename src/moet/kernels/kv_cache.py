@@ -170,17 +170,24 @@ def _attention_dims(attention) -> tuple[int, ...]:
     return (attention.head_dim, attention.v_head_dim)
 
 
+def _fits(attention, fmt: KVFormat) -> bool:
+    """Whether this AttentionSpec's dims can hold `fmt` (the rules new_*_layer enforce)."""
+    dims = _attention_dims(attention)
+    if fmt.is_nvfp4:
+        return all(d % NVFP4_BLOCK == 0 for d in dims)
+    if fmt.block_scaled:
+        if any(d % min(fmt.group, d) for d in dims):
+            return False
+        if attention.kind == "mla":             # the fp8_ds_mla row's typed views
+            return dims[0] % 4 == 0 and mla_bytes_per_token(dims[0], attention.qk_rope_head_dim, fmt) % 4 == 0
+    return True
+
+
 def kv_cache_dtypes_for(attention) -> tuple[str, ...]:
     """The --kv-cache-dtype names this AttentionSpec can use: auto and bf16 always; fp8 where each
     quantized dim is a multiple of its scale group (128, or the whole dim when shorter; MLA's
-    fp8_ds_mla row also needs the latent a multiple of 4); nvfp4 where each is a multiple of 16."""
-    dims = _attention_dims(attention)
-    out = ["auto", "bf16"]
-    if all(d % min(128, d) == 0 for d in dims) and (attention.kind != "mla" or dims[0] % 4 == 0):
-        out.append("fp8")
-    if all(d % NVFP4_BLOCK == 0 for d in dims):
-        out.append("nvfp4")
-    return tuple(out)
+    fp8_ds_mla row also needs 4-byte-aligned parts); nvfp4 where each is a multiple of 16."""
+    return tuple(n for n in KV_CACHE_DTYPE_NAMES if _fits(attention, kv_format_for(n, torch.bfloat16)))
 
 
 def _dtype_name(fmt: KVFormat) -> str:
@@ -190,13 +197,12 @@ def _dtype_name(fmt: KVFormat) -> str:
 def check_kv_format(attention, fmt: KVFormat) -> None:
     """One-line ConfigError when this attention cannot hold `fmt` (a dim the format's scale
     blocks do not divide), naming the dtypes it can use."""
-    name = _dtype_name(fmt)
-    if name == "auto" or name in kv_cache_dtypes_for(attention):
+    if _fits(attention, fmt):
         return
     what = (f"kv_lora_rank {attention.kv_lora_rank}" if attention.kind == "mla" else
             f"head_dim {attention.head_dim} / v_head_dim {attention.v_head_dim}")
-    raise ConfigError(f"--kv-cache-dtype {name} does not fit this model's {attention.kind.upper()} attention ({what}); "
-                      f"it can use {', '.join(kv_cache_dtypes_for(attention))}")
+    raise ConfigError(f"--kv-cache-dtype {_dtype_name(fmt)} does not fit this model's {attention.kind.upper()} "
+                      f"attention ({what}); it can use {', '.join(kv_cache_dtypes_for(attention))}")
 
 
 def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype, attention=None) -> KVFormat:
