@@ -27,8 +27,8 @@ class CacheConfig(Section):
         doc="auto: the model dtype. bf16: bfloat16. fp8: e4m3 with one dynamic scale per token and 128-element "
             "group, half of bf16's bytes, so twice the tokens fit, at a small change of the attention outputs. "
             "nvfp4: 4-bit e2m1 values with one e4m3 scale per token and 16 elements (MLA: the rope part in e4m3), "
-            "so 3.3x (MLA) to 3.6x (GQA) the tokens of bf16 fit, at a larger change of the attention outputs "
-            "than fp8 (docs/kv-cache.md). Use fp8 or nvfp4 when the KV cache, not the weights, "
+            "under a third of bf16's bytes, so over three times the tokens fit, at a larger change of the "
+            "attention outputs than fp8 (docs/kv-cache.md). Use fp8 or nvfp4 when the KV cache, not the weights, "
             "limits the batch size or the context.")
     gpu_memory_utilization: float = knob(
         0.9, "share of the GPU's memory moet may use", common=True, metavar="FRACTION",

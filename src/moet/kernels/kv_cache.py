@@ -38,7 +38,7 @@ from moet.formats.fp8 import E4M3_MAX, to_e4m3
 KV_FORMATS = ("auto", "fp8_e4m3", "nvfp4")
 SCALE_KINDS = ("tensor", "block")
 NVFP4_BLOCK = _nvfp4.BLOCK                 # elements per e4m3 scale (NVFP4's block of 16)
-# --kv-cache-dtype names (config/cache.py) -> what each needs of the attention's dims
+# the --kv-cache-dtype names (config/cache.py's KV_CACHE_DTYPES) that kv_format_for maps to formats
 KV_CACHE_DTYPE_NAMES = ("auto", "bf16", "fp8", "nvfp4")
 
 
@@ -68,11 +68,6 @@ class KVFormat:
     @property
     def is_nvfp4(self) -> bool:
         return self.name == "nvfp4"
-
-    @property
-    def quantized(self) -> bool:
-        """Stored in another dtype than fmt.dtype (fp8 or nvfp4): write/read convert."""
-        return self.name != "auto"
 
 
 def _groups(dim: int, fmt: KVFormat) -> int:
