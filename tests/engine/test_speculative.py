@@ -155,12 +155,17 @@ def test_bad_settings_name_the_flag(monkeypatch):
 @pytest.mark.parametrize("fmt", ["w2", "fp4"])
 def test_verify_steps_replay_captured_graphs(fmt):
     """On CUDA the verify steps (every sequence with its k drafts) replay graphs captured per
-    bucket; their tokens and logprobs equal eager verification's bit for bit."""
+    bucket; their greedy tokens equal eager verification's and their logprobs agree to rounding
+    (an eager MoE may size its launch from host counts, a captured one from the worst case)."""
     kw = dict(device="cuda", expert_format=fmt, fp4_gate=False, max_num_seqs=4, max_model_len=256,
               kv_cache_memory_gb=0.05)
     graphs, eager = engine(2, **kw), engine(2, enforce_eager=True, **kw)
     assert sorted(graphs.runner.verify_graphs) == [(3, 1), (3, 2), (3, 4)], graphs.runner.spec_graphs
     assert eager.runner.verify_graphs == {}
     sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
-    assert generate(graphs, PROMPTS, sp, logprobs=True) == generate(eager, PROMPTS, sp, logprobs=True)
+    got, want = generate(graphs, PROMPTS, sp, logprobs=True), generate(eager, PROMPTS, sp, logprobs=True)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        for pa, pb in zip(a, b):
+            assert pa.keys() == pb.keys() and all(abs(pa[k] - pb[k]) < 1e-3 for k in pa)
     assert graphs.runner.spec_graphs[3].replays > 0

@@ -41,6 +41,7 @@ def timed_run(eng, reqs, device, min_running: int = 1) -> dict:
     dec_time = dec_tokens = 0.0
     gen = 0
     ids: dict[str, list[int]] = {}
+    seen: dict[str, int] = {}          # tokens of each request so far (an MTP step emits several)
     while eng.has_unfinished_requests():
         running = eng.scheduler.running
         pure_decode = all(s.num_computed_tokens == s.num_tokens - 1 for s in running) \
@@ -52,7 +53,9 @@ def timed_run(eng, reqs, device, min_running: int = 1) -> dict:
         dt = time.perf_counter() - ts
         n = 0
         for o in outs:
-            n += 1
+            total = sum(len(c.token_ids) for c in o.outputs)
+            n += total - seen.get(o.request_id, 0)
+            seen[o.request_id] = total
             first_token.setdefault(o.request_id, time.perf_counter() - t0)
             if o.finished:
                 ids[o.request_id] = list(o.outputs[0].token_ids)
