@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 from moet.assets import default_model
 from moet.config import EngineConfig
 from moet.engine.llm_engine import LLMEngine
-from moet.errors import ConfigError
-from moet.kernels import kv_cache
 from moet.llm import LLM
 from moet.sampling_params import SamplingParams
 from moet.testing.tiny_checkpoint import cached_checkpoint
@@ -34,22 +31,6 @@ TEXT = ("The history of the Roman Empire begins with the founding of the city of
         "Europe for a thousand years.")
 PROMPTS = ["The capital of France is", "def add(a, b):", "Question: what is 2 + 3? Answer:"]
 KV_GB = 0.01
-
-
-@pytest.fixture(scope="module", autouse=True)
-def engine_maps_nvfp4():
-    """The engine's own --kv-cache-dtype table (engine/model_runner.kv_format_for) may predate
-    nvfp4; until it delegates to kernels.kv_cache.kv_format_for, route it there for this module."""
-    from moet.engine import model_runner
-    try:
-        model_runner.kv_format_for("nvfp4", torch.float32)
-        known = True
-    except ConfigError:
-        known = False
-    with pytest.MonkeyPatch.context() as mp:
-        if not known:
-            mp.setattr(model_runner, "kv_format_for", kv_cache.kv_format_for)
-        yield
 
 
 def _pair(path: str, expert_format: str) -> tuple[LLM, LLM]:

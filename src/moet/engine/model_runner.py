@@ -35,23 +35,12 @@ from moet.engine.cuda_graphs import GraphSet
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.attention_ops import set_gqa_fused_merge
-from moet.kernels.kv_cache import KVFormat, kv_layer_bytes_per_token
+from moet.kernels.kv_cache import KVFormat, kv_format_for, kv_layer_bytes_per_token
 from moet.kernels.pdl_flag import set_small_kernel_pdl
 from moet.model.attention_batch import AttentionBatch
 
 log = logging.getLogger("moet.engine")
 CPU_DEFAULT_KV_BYTES = 4 << 30
-
-
-def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
-    if kv_cache_dtype == "auto":
-        return KVFormat("auto", dtype=model_dtype)
-    if kv_cache_dtype == "bf16":
-        return KVFormat("auto", dtype=torch.bfloat16)
-    if kv_cache_dtype == "fp8":
-        # dynamic per-token-group scales: correct without calibrated k/v scales
-        return KVFormat("fp8_e4m3", scale="block", dtype=model_dtype)
-    raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: choose auto, bf16 or fp8")
 
 
 def cpu_decoded_experts_budget() -> int:
@@ -130,7 +119,8 @@ def check_kv_request(config: EngineConfig, spec, max_model_len: int, dtype: torc
     now (the runner checks again after loading, against what the weights left)."""
     if config.cache.num_kv_blocks is None and config.cache.kv_cache_memory_gb is None:
         return
-    per_token = kv_bytes_per_token_of(spec, kv_format_for(config.cache.kv_cache_dtype, dtype), config.load.load_mtp)
+    per_token = kv_bytes_per_token_of(spec, kv_format_for(config.cache.kv_cache_dtype, dtype, spec.attention),
+                                      config.load.load_mtp)
     blocks, source = _explicit_blocks(config, per_token)
     check_kv_size(config, blocks, per_token, max_model_len, available_kv_bytes(device), device, source)
 
@@ -164,7 +154,7 @@ class ModelRunner:
                 log.info("routed experts repacked for the CPU: %.0f MiB", n / 2**20)
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        self.kv_format = kv_format_for(config.cache.kv_cache_dtype, model.dtype)
+        self.kv_format = kv_format_for(config.cache.kv_cache_dtype, model.dtype, model.spec.attention)
         self.bytes_per_token = model.kv_bytes_per_token(self.kv_format)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         # On CUDA block tables are padded to one fixed width (graphs need it; eager steps match it)
