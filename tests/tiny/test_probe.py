@@ -128,3 +128,20 @@ def test_cli_runs_bf16_first_and_reports_against_it(monkeypatch, tmp_path, capsy
     assert list(saved["formats"]) == ["bf16", "w2"] and saved["formats"]["w2"]["code"]["kl_vs_bf16"] == lines[2]["kl_vs_bf16"]
     assert main(["probe", "--device", "cuda:7", "--budget", "tiny"]) == 2                 # one line, no traceback
     assert "--device cuda:7" in capsys.readouterr().err
+
+
+def test_cli_kv_cache_dtype_reaches_the_engine(ckpt, capsys):
+    """--kv-cache-dtype: the probes' engine caches K/V in that format; with transformers' forward
+    (--expert-activations e4m3) it means nothing and is refused in one line."""
+    from moet.cli import main
+    from moet.probe.cli import _engine_opener
+
+    m = _engine_opener(ckpt, "cpu", None, None, "nvfp4")("nvfp4")
+    try:
+        assert m.llm.engine.runner.kv_format.name == "nvfp4"
+        outs = m.generate([m.tokenizer.encode("The capital of France is")], 6, 1)
+        assert len(outs) == 1 and outs[0]
+    finally:
+        m.close()
+    assert main(["probe", "--device", "cpu", "--kv-cache-dtype", "fp8", "--expert-activations", "e4m3"]) == 2
+    assert "--kv-cache-dtype sets moet's engine" in capsys.readouterr().err

@@ -35,6 +35,8 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=int, default=None, metavar="K",
                    help="decode with K MTP drafts per step (--speculative-config); adds tokens per step and "
                         "draft acceptance to each generation probe")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"],
+                   help="the engine's KV cache format (default auto: the model dtype)")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="also write the quality table (one row per format / tau) as markdown")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -116,15 +118,20 @@ def run(args) -> int:
     if args.speculative is not None and args.expert_activations != "bf16":
         from moet.errors import ConfigError
         raise ConfigError("--speculative runs moet's engine; --expert-activations e4m3 runs transformers' forward")
+    if args.kv_cache_dtype != "auto" and args.expert_activations != "bf16":
+        from moet.errors import ConfigError
+        raise ConfigError("--kv-cache-dtype sets moet's engine; --expert-activations e4m3 runs transformers' forward")
     if args.expert_activations != "bf16" and any(f.startswith("w2+gate") for f in fmts):
         from moet.errors import ConfigError
         raise ConfigError("--expert-activations e4m3 runs transformers' forward, which has no confidence gate; "
                           "drop w2+gate or --expert-activations")
     only = tuple(args.only) if args.only else None
     open_model = _transformers_opener(ckpt, device, args.expert_activations) \
-        if args.expert_activations != "bf16" else _engine_opener(ckpt, device, args.gate_reach, args.speculative)
+        if args.expert_activations != "bf16" else _engine_opener(ckpt, device, args.gate_reach, args.speculative,
+                                                                 args.kv_cache_dtype)
     comparison = FormatComparison("bf16")
-    results = {"checkpoint": str(ckpt), "expert_activations": args.expert_activations, "formats": {}}
+    results = {"checkpoint": str(ckpt), "expert_activations": args.expert_activations,
+               "kv_cache_dtype": args.kv_cache_dtype, "formats": {}}
     bar = None
     try:
         for fmt in fmts:
@@ -153,12 +160,15 @@ def run(args) -> int:
     return 0
 
 
-def _engine_opener(ckpt: Path, device: str, gate_reach: int | None, speculative: int | None = None):
+def _engine_opener(ckpt: Path, device: str, gate_reach: int | None, speculative: int | None = None,
+                   kv_cache_dtype: str = "auto"):
     from moet.probe.engine import open_engine
     extra = {} if gate_reach is None else {"gate_reach": gate_reach}
+    spec_kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     spec = {} if speculative is None else {"speculative_config": {"method": "mtp",
                                                                   "num_speculative_tokens": speculative}}
-    return lambda fmt: open_engine(ckpt, fmt, device, **spec, **(extra if fmt.startswith("w2+gate") else {}))
+    return lambda fmt: open_engine(ckpt, fmt, device, **spec, **spec_kv,
+                                   **(extra if fmt.startswith("w2+gate") else {}))
 
 
 def _transformers_opener(ckpt: Path, device: str, activations: str):
