@@ -181,6 +181,58 @@ def test_gate_equals_reference(tiny, case):
     assert extra["fp4_gate_fires"] == c.fires and extra["fp4_gate_recomputed_rows"] == c.recomputed_rows > 0
 
 
+@pytest.mark.parametrize("case", ["reach32", "reach5-chunked", "w2-prompt-reach3"])
+def test_widened_repairs_equal_reference(tiny, case, monkeypatch):
+    """Repair passes widened to fixed rows per sequence (as a captured repair graph takes them,
+    ModelRunner.repair_graph_width; here run eagerly on the CPU): the added leading rows write no
+    KV and the tokens and logprobs are the reference's, as unwidened."""
+    from moet.engine.model_runner import repair_widths
+
+    path, prompts = tiny
+    eng = engine(path, **GATED[case])
+    eng.gate.forced_fire_rate = RATE
+    widths = repair_widths(eng.gate.reach)
+    monkeypatch.setattr(eng.runner, "repair_graph_width",
+                        lambda rows, n: next(w for w in widths if w >= rows) if n <= 3 else None)
+    writes = []
+    real_build = AttentionBatch.build
+
+    def build(**kw):                   # the repair batches' KV writes, per sequence
+        b = real_build(**kw)
+        if kw.get("read_only_rows") is not None:
+            writes.append((kw["read_only_rows"], kw["query_lens"], b.slot_mapping.tolist(), b.cu_seqlens_q_host))
+        return b
+    monkeypatch.setattr(AttentionBatch, "build", staticmethod(build))
+    reach = eng.gate.reach
+    sp = SamplingParams(temperature=0.0, max_tokens=TINY_NEW, ignore_eos=True, logprobs=0)
+    done = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        def fires(q, rid=str(i)):
+            return forced_draw(_Req(rid), q + 1) < RATE
+        want_ids, want_lps, _ = reference_gate(eng.model, p, reach, TINY_NEW, fires, eng.gate.fp4_prefill)
+        out = done[str(i)].outputs[0]
+        assert out.token_ids == want_ids, (case, i)
+        got = [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, want_lps)) < 2e-5
+    c = eng.gate.counters
+    assert c.read_only_rows > 0 and c.repaired == c.fires > 0
+    widened = [w for w in writes if any(w[0])]
+    assert widened
+    for read_only, qs, slots, cu in widened:
+        assert len(set(qs)) == 1 and qs[0] in widths           # one captured width per pass
+        for r, start in zip(read_only, cu):
+            assert all(x == -1 for x in slots[start:start + r]) and slots[start + r] >= 0
+
+
+def test_repair_widths():
+    from moet.engine.model_runner import repair_widths
+
+    assert repair_widths(32) == [1, 2, 4, 8, 16, 33]
+    assert repair_widths(0) == [1]
+    assert repair_widths(5) == [1, 2, 4, 6]
+    assert repair_widths(3) == [1, 2, 4]
+
+
 def test_confidence_gate_repairs_moet_tiny_arithmetic(tiny):
     """The default engine (W2 + gate) answers 345 + 278 right where bare W2 does not."""
     path, prompts = tiny
@@ -279,3 +331,24 @@ def test_refresh_fires_every_n_generated_positions(path):
     assert c.fires == c.repaired == 2 * len(PROMPTS) and c.recomputed_rows == 8 * len(PROMPTS)
     with pytest.raises(ConfigError, match="--gate-refresh"):
         EngineConfig(model="x", gate_refresh=-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
+def test_repair_passes_replay_captured_graphs(tiny):
+    """On CUDA the gate's repair passes replay graphs captured under the FP4 tier, widened to a
+    captured width; the greedy tokens equal eager repairs' and logprobs agree to rounding."""
+    path, prompts = tiny
+    kw = dict(device="cuda", max_num_seqs=4, max_model_len=512, kv_cache_memory_gb=0.05)
+    graphs, eager = engine(path, **kw), engine(path, enforce_eager=True, **kw)
+    assert sorted(graphs.runner.repair_graphs) == [1, 2, 4, 8, 16, 33] and not eager.runner.repair_graphs
+    for eng in (graphs, eager):
+        eng.gate.forced_fire_rate = RATE
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    got, want = (eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)]) for eng in (graphs, eager))
+    for i in range(len(prompts)):
+        a, b = got[str(i)].outputs[0], want[str(i)].outputs[0]
+        assert a.token_ids == b.token_ids, i
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 1e-3
+    c = graphs.gate.counters
+    assert c.graph_passes > 0 and c.read_only_rows > 0 and c.fires == eager.gate.counters.fires
+    assert sum(gs.replays for gs in graphs.runner.repair_graphs.values()) == c.graph_passes

@@ -29,8 +29,9 @@ def _tensors(kv: list) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("which", ["moet-tiny (MLA)", "qwen3_moe (GQA)"])
-@pytest.mark.parametrize("q", [3, 1])
-def test_static_step_equals_the_built_step(which, q):
+@pytest.mark.parametrize("q,read_only", [(3, None), (1, None), (3, [2, 0, 1])])
+def test_static_step_equals_the_built_step(which, q, read_only):
+    """read_only: a widened repair pass (engine/confidence_gate.py), whose leading rows write no KV."""
     torch.manual_seed(0)
     model, fmt = _model(which)
     vocab = model.spec.vocab_size
@@ -40,7 +41,9 @@ def test_static_step_equals_the_built_step(which, q):
     model.forward_paged(prompt, AttentionBatch.build(block_tables=tables, context_lens=[0] * 3, query_lens=lens,
                                                      block_size=BLOCK, device="cpu"), kv)
     step = AttentionBatch.build(block_tables=tables, context_lens=lens, query_lens=[q] * 3, block_size=BLOCK,
-                                device="cpu")
+                                device="cpu", read_only_rows=read_only)
+    if read_only:
+        assert step.slot_mapping.tolist().count(-1) == sum(read_only)
     ids = torch.randint(0, vocab, (3 * q,))
     before = [t.clone() for t in _tensors(kv)]
 

@@ -8,11 +8,18 @@ when that is below `gate_tau`, or when `gate_refresh` generated positions have p
 sequence's KV was last FP4's. A fired sequence's positions from the first whose KV is not FP4's
 over its present context (`Sequence.repaired_upto` + 1, at most `gate_reach` back, never before the
 first generated position, or the prompt's last without fp4_prefill) to the fired one run again in
-one eager varlen pass over the paged KV cache with the FP4 tier: the pass rewrites those
+one varlen pass over the paged KV cache with the FP4 tier: the pass rewrites those
 positions' KV and yields repaired logits, which replace the W2 row before sampling. Every fired
 sequence of the step shares that one pass. Positions up to `repaired_upto` would come out the same
 if recomputed (their context has not changed since FP4 computed them), so skipping them gives the
 result of reaching back every time at a fraction of the rows.
+
+On CUDA the pass replays a graph captured under the repair tier (ModelRunner.ensure_repair_graphs)
+for a few fixed rows-per-sequence widths: each fired sequence's rows are widened at the front to the
+narrowest captured width, the added rows read-only (positions already in the cache, slot -1: their
+KV is not written, and the rows after them attend to the cached KV there, as the unwidened pass
+does). An eager pass costs far more in host time than the FP4 experts' bytes (a launch per kernel
+per layer, and Python between them).
 
 Why (docs/quality.md, moet-tiny): a wrong W2 step comes mostly from KV that drifted over the tokens
 the model wrote itself, so FP4 logits over W2 KV recover almost nothing on multi-step answers, while
@@ -128,6 +135,8 @@ class GateCounters:
     fires: int = 0               # rows below tau
     repaired: int = 0            # fired rows whose token came from repaired logits
     recomputed_rows: int = 0     # token rows the repair passes computed with FP4 experts
+    read_only_rows: int = 0      # rows a captured pass's width added (computed, no KV written)
+    graph_passes: int = 0        # repair passes that replayed a captured graph
     kv_blocks_unregistered: int = 0
 
 
@@ -201,14 +210,21 @@ class ConfidenceGate:
         if not plan:
             return logits
         plan.sort(key=lambda p: p[3] - p[2] != 0)      # one-row sequences first (AttentionBatch's decode rows)
+        # a captured repair graph takes a fixed number of rows per sequence: each sequence's rows
+        # start earlier, the added ones read-only (positions already in the cache, no KV written)
+        width = self.runner.repair_graph_width(max(last - first + 1 for _, _, first, last in plan), len(plan))
+        if width is not None and any(last + 1 < width for *_, last in plan):
+            width = None                 # a sequence shorter than the width: eager
+        starts = [first if width is None else last + 1 - width for _, _, first, last in plan]
         ids: list[int] = []
-        for _, seq, first, last in plan:
-            ids.extend(seq.token_ids[first:last + 1])
+        for (_, seq, _, last), start in zip(plan, starts):
+            ids.extend(seq.token_ids[start:last + 1])
         batch = AttentionBatch.build(block_tables=[seq.block_table for _, seq, _, _ in plan],
-                                     context_lens=[first for _, _, first, _ in plan],
-                                     query_lens=[last - first + 1 for _, _, first, last in plan],
+                                     context_lens=starts,
+                                     query_lens=[last - start + 1 for (*_, last), start in zip(plan, starts)],
                                      block_size=self.block_manager.block_size, device=self.runner.device,
-                                     pad_blocks_to=self.runner.table_width)
+                                     pad_blocks_to=self.runner.table_width,
+                                     read_only_rows=[first - start for (_, _, first, _), start in zip(plan, starts)])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.runner.device)
         hidden = self.runner.repair_forward(input_ids, batch)
         repaired = self.runner.logits(hidden[batch.logits_indices])
@@ -218,7 +234,9 @@ class ConfidenceGate:
         rows = torch.tensor([row for row, *_ in plan], dtype=torch.long, device=logits.device)
         out[rows] = repaired.to(out.dtype)
         c.repaired += len(plan)
-        c.recomputed_rows += len(ids)
+        c.recomputed_rows += sum(last - first + 1 for _, _, first, last in plan)
+        c.read_only_rows += len(ids) - sum(last - first + 1 for _, _, first, last in plan)
+        c.graph_passes += width is not None
         self.last_repaired_rows = {row for row, *_ in plan}
         for _, seq, first, last in plan:
             c.kv_blocks_unregistered += self.block_manager.unregister_rewritten(seq, first, last)
@@ -255,6 +273,8 @@ class ConfidenceGate:
             # with every expert's FP4 row on the device a repair never falls back to W2
             "fp4_pool_hit_rate": 1.0 if c.repaired else 0.0,
             "fp4_gate_kv_blocks_unregistered": float(c.kv_blocks_unregistered),
+            "fp4_gate_read_only_rows": float(c.read_only_rows),
+            "fp4_gate_graph_passes": float(c.graph_passes),
             "fp4_gate_tau": self.tau,
             "fp4_gate_reach": float(self.reach),
             "fp4_gate_prefill": float(self.fp4_prefill),

@@ -158,6 +158,10 @@ class LLMEngine:
                 pool.fill()
             self.gate = ConfidenceGate(self.runner, self.block_manager, config.gate.gate_tau, config.gate.gate_reach,
                                        config.gate.fp4_prefill, repair_pool=pool, refresh=config.gate.gate_refresh)
+            if device.type == "cuda" and not config.kernels.enforce_eager:
+                why = self.runner.ensure_repair_graphs(config.gate.gate_reach)
+                if why is not None:
+                    log.info("FP4 repair passes run eager: %s", why)
         # MTP speculative decoding (engine/speculative.py), or None
         self.drafter = None
         k = sch.num_speculative_tokens
@@ -775,7 +779,8 @@ class LLMEngine:
         st.num_free_kv_blocks = self.block_manager.num_free_blocks
         st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
         st.num_preemptions = self.scheduler.num_preemptions
-        st.extra["cuda_graphs"] = float(len(self.runner.graphs) + len(self.runner.verify_graphs))
+        st.extra["cuda_graphs"] = float(len(self.runner.graphs) + len(self.runner.verify_graphs) +
+                                        sum(len(gs.graphs) for gs in self.runner.repair_graphs.values()))
         if self._jit is not None:
             st.extra.update(self._jit.snapshot())
         st.extra.update(self._gc.snapshot())

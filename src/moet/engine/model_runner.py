@@ -12,7 +12,9 @@
   * CUDA graphs (engine/cuda_graphs.py): pure-decode steps of up to max_num_seqs sequences
     replay a graph captured for the next bucket (1, 2, 4, 8, ..., max_num_seqs); with MTP
     drafts so do verify steps in which every sequence brings its k drafts (k + 1 rows each).
-    CPU always runs eager (the torch references).
+    CPU always runs eager (the torch references). The confidence gate's repair passes replay
+    graphs of their own, captured under the FP4 repair tier for a few rows-per-sequence widths
+    (ensure_repair_graphs; the gate pads each fired sequence's rows to a captured width).
   * Expert store (engine/expert_residency.py, when routed experts are not all resident): the
     device expert cache is sized and allocated before the KV cache (so the KV cache gets what
     is left) and before graph capture (graphs read its pool / slot table / counters, which are
@@ -41,6 +43,22 @@ from moet.model.attention_batch import AttentionBatch
 
 log = logging.getLogger("moet.engine")
 CPU_DEFAULT_KV_BYTES = 4 << 30
+# Rows of the largest captured repair pass: a bucket of more rows reads nearly every expert of a
+# layer anyway, where an eager pass's host overhead no longer dominates its time.
+REPAIR_GRAPH_MAX_ROWS = 256
+
+
+def repair_widths(reach: int) -> list[int]:
+    """Rows per sequence of the captured repair passes for --gate-reach `reach` (a repair computes
+    at most reach + 1 positions): powers of two below reach + 1, then reach + 1 itself (which
+    replaces the power just below it when that is within a quarter of it)."""
+    top, out, w = reach + 1, [], 1
+    while w < top:
+        out.append(w)
+        w *= 2
+    if out and 4 * top <= 5 * out[-1]:
+        out.pop()
+    return out + [top]
 
 
 def cpu_decoded_experts_budget() -> int:
@@ -176,6 +194,7 @@ class ModelRunner:
         self.verify_width = config.scheduler.num_speculative_tokens + 1
         self.decode_graphs: GraphSet | None = None
         self.spec_graphs: dict[int, GraphSet] = {}       # rows per sequence -> verify graphs
+        self.repair_graphs: dict[int, GraphSet] = {}     # rows per sequence -> FP4 repair graphs
         if device.type == "cuda" and not config.kernels.enforce_eager:
             self._capture_decode_graphs()
 
@@ -290,8 +309,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def repair_forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """forward with the FP4 repair tier (engine/confidence_gate.py), always eager: the captured
-        decode graphs compute with the primary tier."""
+        """forward with the FP4 repair tier (engine/confidence_gate.py): a captured repair graph
+        when every sequence brings one of its widths (repair_graph_width), else eager."""
+        gs = self.repair_graphs.get(batch.max_seqlen_q)
+        bucket = gs.bucket_for(batch) if gs is not None else None
+        if bucket is not None:
+            return gs.replay(bucket, input_ids, batch)
         with self.model.repair_tier():
             step = lambda: self.model.forward_paged(input_ids, batch, self.kv)  # noqa: E731
             if self.residency is None:
@@ -341,6 +364,39 @@ class ModelRunner:
         self.decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len,
                                       self.device, "decode")
         self.decode_graphs.capture(self._forward_for_capture, self.device)
+
+    def repair_graph_width(self, rows: int, num_seqs: int) -> int | None:
+        """The narrowest captured repair width that holds `rows` rows per sequence for `num_seqs`
+        sequences, or None (the pass runs eager)."""
+        return next((q for q, gs in sorted(self.repair_graphs.items())
+                     if q >= rows and gs.graphs and max(gs.graphs) >= num_seqs), None)
+
+    def _repair_forward_for_capture(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        with self.model.repair_tier():
+            return self.model.forward_paged(ids, batch, self.kv)
+
+    def ensure_repair_graphs(self, reach: int) -> str | None:
+        """Captures the confidence gate's repair passes once (repair_widths(reach) rows per
+        sequence, each width for as many sequences as REPAIR_GRAPH_MAX_ROWS allows) on CUDA with
+        decode graphs. -> why not, when nothing was captured. Not with the expert store or a pool
+        of part of the experts: their repair passes fetch, promote and wait on the host's terms."""
+        if self.repair_graphs:
+            return None
+        if self.decode_graphs is None or self.decode_graphs.error is not None:
+            return "no decode graphs"
+        if self.residency is not None:
+            return "the expert store pages experts in eager passes"
+        if not all(m.experts.repair_complete for m in self.model.moe_blocks().values()):
+            return "the FP4 pool holds part of the experts"
+        cap = self.config.scheduler.max_num_seqs
+        for q in repair_widths(reach):
+            gs = GraphSet(q, max(1, min(cap, REPAIR_GRAPH_MAX_ROWS // q)), self.table_width, self.max_model_len,
+                          self.device, f"FP4 repair ({q} rows per sequence)")
+            gs.capture(self._repair_forward_for_capture, self.device)
+            if gs.error is not None:
+                return gs.error
+            self.repair_graphs[q] = gs
+        return None
 
     def ensure_verify_graphs(self, q: int) -> None:
         """Captures the graphs of MTP verify steps with q rows per sequence (k drafts + 1) once, on
