@@ -348,7 +348,7 @@ def test_repair_passes_replay_captured_graphs(tiny):
     for i in range(len(prompts)):
         a, b = got[str(i)].outputs[0], want[str(i)].outputs[0]
         assert a.token_ids == b.token_ids, i
-        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 1e-3
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 1e-2
     c = graphs.gate.counters
     assert c.graph_passes > 0 and c.read_only_rows > 0 and c.fires == eager.gate.counters.fires
     assert sum(gs.replays for gs in graphs.runner.repair_graphs.values()) == c.graph_passes

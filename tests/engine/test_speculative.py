@@ -66,6 +66,36 @@ def test_greedy_equals_non_speculative(fmt, kw):
     assert runs[0] == runs[1] == want
 
 
+def test_fixed_width_drafting_passes_equal_varlen_ones():
+    """The MTP layer's first pass at a captured width (every sequence's verify rows as they are,
+    the rejected ones padding that writes no KV: what a drafting graph takes, run eagerly here
+    over placeholder graph sets) proposes the drafts of the varlen pass, step for step."""
+    from moet.engine.cuda_graphs import GraphSet
+
+    def drafts_of(eng):
+        seen = []
+        propose = eng.drafter.propose
+
+        def spy(rows, hidden):
+            propose(rows, hidden)
+            seen.append(sorted((seq.request_id, seq.num_tokens, tuple(seq.spec_token_ids)) for seq, *_ in rows))
+        eng.drafter.propose = spy
+        return generate(eng, PROMPTS, GREEDY), seen
+
+    want, want_drafts = drafts_of(engine(2, max_num_seqs=4))
+    eng = engine(2, max_num_seqs=4)
+    for key in ((True, 3), (True, 1), (False, 1)):      # no graphs in them: the passes run eagerly
+        eng.runner.draft_graphs[key] = GraphSet(key[1], 4, 2, 64, "cpu", "placeholder", hidden=(8, torch.float32))
+    widths = []
+    uniform = eng.drafter._uniform_width
+    eng.drafter._uniform_width = lambda rows, hidden: widths.append(uniform(rows, hidden)) or widths[-1]
+    got, got_drafts = drafts_of(eng)
+    assert got == want and got_drafts == want_drafts
+    assert widths.count(3) > 5                               # every verify step with two drafts everywhere
+    st = eng.stats().extra
+    assert st["spec_acceptance_rate_position_1"] > 0.1
+
+
 def test_sampling_follows_the_target_distribution():
     sp = lambda seed: SamplingParams(temperature=1.0, top_p=0.95, max_tokens=6, seed=seed)  # noqa: E731
     prompt = "Once upon a time"
@@ -169,3 +199,5 @@ def test_verify_steps_replay_captured_graphs(fmt):
         for pa, pb in zip(a, b):
             assert pa.keys() == pb.keys() and all(abs(pa[k] - pb[k]) < 1e-3 for k in pa)
     assert graphs.runner.spec_graphs[3].replays > 0
+    assert sorted(graphs.runner.draft_graphs) == [(False, 1), (True, 1), (True, 3)] and not eager.runner.draft_graphs
+    assert graphs.runner.draft_graphs[(True, 3)].replays > 0 and graphs.runner.draft_graphs[(False, 1)].replays > 0

@@ -4,7 +4,9 @@ A GraphSet holds the graphs of one query width q: steps in which every sequence 
 new tokens, for 1, 2, 4, ..., max_num_seqs sequences. q = 1 is plain decode; q = k + 1 is an MTP
 verify step (each sequence's last token and its k drafts, engine/speculative.py), whose rows the
 attention layers send through the paged prefill kernels (they size their grid from max_seqlen_q,
-a host int fixed here, and read every length from the device).
+a host int fixed here, and read every length from the device). The same class holds the MTP
+layer's drafting passes (a hidden-state input beside the ids) and the confidence gate's repair
+passes (engine/confidence_gate.py), each a forward of its own.
 
 A step of b sequences replays the graph of the next bucket up. Its inputs are copied into static
 buffers, the only tensors a graph reads; padding sequences write nowhere (slot -1) and attend over
@@ -42,7 +44,9 @@ class GraphSet:
     """Static inputs and captured graphs of the steps whose sequences each bring `q` tokens."""
 
     def __init__(self, q: int, max_num_seqs: int, table_width: int, max_model_len: int,
-                 device: torch.device | str, name: str):
+                 device: torch.device | str, name: str, hidden: tuple[int, torch.dtype] | None = None):
+        """hidden: (width, dtype) of a hidden-state input beside the token ids (the MTP layer's
+        passes, engine/speculative.py), a static buffer too; None: ids only."""
         self.q, self.name, self.max_model_len = q, name, max_model_len
         self.buckets = graph_buckets(max_num_seqs)
         n = max_num_seqs * q
@@ -53,6 +57,7 @@ class GraphSet:
         self.seq_lens = torch.full((max_num_seqs,), q, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(0, (max_num_seqs + 1) * q, q, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(q - 1, n, q, dtype=torch.long, device=device)
+        self.hidden = None if hidden is None else torch.zeros(n, hidden[0], dtype=hidden[1], device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.error: str | None = None
@@ -77,11 +82,14 @@ class GraphSet:
             return None
         return next((k for k in sorted(self.graphs) if k >= batch.num_seqs), None)
 
-    def load(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch) -> None:
+    def load(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch,
+             hidden: torch.Tensor | None = None) -> None:
         """Copies a step of batch.num_seqs <= bucket sequences into the static inputs."""
         b, q = batch.num_seqs, self.q
         n, m = b * q, bucket * q
         self.input_ids[:n].copy_(input_ids)
+        if self.hidden is not None:
+            self.hidden[:n].copy_(hidden)
         self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.slot_mapping[n:m].fill_(-1)
@@ -89,12 +97,14 @@ class GraphSet:
         self.seq_lens[:b].copy_(batch.seq_lens)
         self.seq_lens[b:bucket].fill_(q)
 
-    def replay(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Final hidden states of the step's rows, as forward would return them."""
-        self.load(bucket, input_ids, batch)
+    def replay(self, bucket: int, input_ids: torch.Tensor, batch: AttentionBatch,
+               hidden: torch.Tensor | None = None):
+        """The step's rows of what the captured forward returns (a tensor, or a tuple of them)."""
+        self.load(bucket, input_ids, batch, hidden)
         self.graphs[bucket].replay()
         self.replays += 1
-        return self.outputs[bucket][:batch.num_tokens]
+        out, n = self.outputs[bucket], batch.num_tokens
+        return tuple(t[:n] for t in out) if isinstance(out, tuple) else out[:n]
 
     @torch.inference_mode()
     def capture(self, forward: Forward, device: torch.device) -> None:

@@ -780,7 +780,8 @@ class LLMEngine:
         st.prefix_cache_hit_rate = self.block_manager.prefix_hit_rate
         st.num_preemptions = self.scheduler.num_preemptions
         st.extra["cuda_graphs"] = float(len(self.runner.graphs) + len(self.runner.verify_graphs) +
-                                        sum(len(gs.graphs) for gs in self.runner.repair_graphs.values()))
+                                        sum(len(gs.graphs) for gs in self.runner.repair_graphs.values()) +
+                                        sum(len(gs.graphs) for gs in self.runner.draft_graphs.values()))
         if self._jit is not None:
             st.extra.update(self._jit.snapshot())
         st.extra.update(self._gc.snapshot())

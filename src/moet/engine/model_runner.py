@@ -195,6 +195,8 @@ class ModelRunner:
         self.decode_graphs: GraphSet | None = None
         self.spec_graphs: dict[int, GraphSet] = {}       # rows per sequence -> verify graphs
         self.repair_graphs: dict[int, GraphSet] = {}     # rows per sequence -> FP4 repair graphs
+        # (input from the main model?, rows per sequence) -> the MTP layer's drafting graphs
+        self.draft_graphs: dict[tuple[bool, int], GraphSet] = {}
         if device.type == "cuda" and not config.kernels.enforce_eager:
             self._capture_decode_graphs()
 
@@ -323,14 +325,27 @@ class ModelRunner:
             return self.residency.run(step, scan=False, num_tokens=int(input_ids.shape[0]), repairing=True)
 
     @torch.inference_mode()
-    def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch
+    def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch, from_main: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer 0 over a varlen batch (engine/speculative.py): (output hidden, draft logits)
-        of every row; eager, under the expert store's replay like any step."""
-        step = lambda: self.model.mtp_forward_paged(0, next_ids, hidden, batch, self.kv)  # noqa: E731
+        of every row. from_main: `hidden` is the main model's (pre-norm) output, which the pass
+        norms first; else the MTP layer's own output of the previous draft. A captured drafting
+        graph when one fits the batch (ensure_draft_graphs), else eager, under the expert store's
+        replay like any step."""
+        gs = self.draft_graphs.get((from_main, batch.max_seqlen_q))
+        bucket = gs.bucket_for(batch) if gs is not None else None
+        if bucket is not None:
+            return gs.replay(bucket, next_ids, batch, hidden)
+        step = lambda: self._mtp(next_ids, hidden, batch, from_main)  # noqa: E731
         if self.residency is None:
             return step()
         return self.residency.run(step, scan=False, num_tokens=int(next_ids.shape[0]))
+
+    def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch, from_main: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if from_main:
+            hidden = self.model.model.norm(hidden)
+        return self.model.mtp_forward_paged(0, next_ids, hidden, batch, self.kv)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -400,10 +415,33 @@ class ModelRunner:
 
     def ensure_verify_graphs(self, q: int) -> None:
         """Captures the graphs of MTP verify steps with q rows per sequence (k drafts + 1) once, on
-        CUDA with decode graphs (a process whose decode graphs failed runs verify steps eager too)."""
-        if q in self.spec_graphs or self.decode_graphs is None or self.decode_graphs.error is not None:
+        CUDA with decode graphs (a process whose decode graphs failed runs verify steps eager too),
+        and the MTP layer's drafting passes (ensure_draft_graphs)."""
+        if self.decode_graphs is None or self.decode_graphs.error is not None:
             return
-        gs = GraphSet(q, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len, self.device,
-                      f"MTP verify ({q - 1} drafts)")
-        gs.capture(self._forward_for_capture, self.device)
-        self.spec_graphs[q] = gs
+        if q not in self.spec_graphs:
+            gs = GraphSet(q, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len, self.device,
+                          f"MTP verify ({q - 1} drafts)")
+            gs.capture(self._forward_for_capture, self.device)
+            self.spec_graphs[q] = gs
+        self.ensure_draft_graphs(q)
+
+    def ensure_draft_graphs(self, q: int) -> None:
+        """The MTP layer's passes of a drafting step (engine/speculative.py), captured once each:
+        the first over a step's rows from the main model, q rows per sequence after a verify
+        step of q - 1 drafts, 1 after a plain decode step; then the chained one-row passes on the
+        MTP layer's own output. Not with the expert store (its passes fetch on the host's terms)."""
+        if self.residency is not None or not len(self.model.mtp):
+            return
+        shape = (self.model.spec.hidden_size, self.model.dtype)
+        for from_main, width in ((True, q), (True, 1), (False, 1)):
+            if (from_main, width) in self.draft_graphs:
+                continue
+            gs = GraphSet(width, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len,
+                          self.device, f"MTP drafting ({'main model' if from_main else 'chained'}, {width} rows)",
+                          hidden=shape)
+            gs.capture(lambda ids, batch, gs=gs, m=from_main: self._mtp(ids, gs.hidden[:ids.shape[0]], batch, m),
+                       self.device)
+            if gs.error is not None:
+                return
+            self.draft_graphs[(from_main, width)] = gs

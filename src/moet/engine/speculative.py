@@ -105,14 +105,27 @@ class MTPDrafter:
             return
         dev = self.runner.device
         bs = self.block_manager.block_size
-        idx = torch.cat([torch.arange(h, h + m) for _, _, h, m in rows]).to(dev)
-        next_ids = torch.tensor([t for seq, p, _, m in rows for t in seq.token_ids[p + 1:p + m + 1]],
-                                dtype=torch.long, device=dev)
-        batch = AttentionBatch.build(block_tables=[seq.block_table for seq, *_ in rows],
-                                     context_lens=[p for _, p, _, _ in rows], query_lens=[m for *_, m in rows],
-                                     block_size=bs, device=dev, pad_blocks_to=self.runner.table_width)
-        x, logits = self.runner.mtp_forward(next_ids, self.model.model.norm(hidden[idx]), batch)
-        last = batch.logits_indices
+        q = self._uniform_width(rows, hidden)
+        if q is not None:
+            # the step's rows as they are, q per sequence: those past each one's kept positions
+            # (rejected drafts) are padding, written nowhere, their outputs never read
+            next_ids = torch.tensor([t for seq, p, _, m in rows for t in seq.token_ids[p + 1:p + m + 1] + [0] * (q - m)],
+                                    dtype=torch.long, device=dev)
+            batch = AttentionBatch.build(block_tables=[seq.block_table for seq, *_ in rows],
+                                         context_lens=[p for _, p, _, _ in rows], query_lens=[q] * len(rows),
+                                         block_size=bs, device=dev, pad_blocks_to=self.runner.table_width,
+                                         padding_rows=[q - m for *_, m in rows])
+            x, logits = self.runner.mtp_forward(next_ids, hidden, batch, from_main=True)
+            last = torch.tensor([i * q + m - 1 for i, (*_, m) in enumerate(rows)], device=dev)
+        else:
+            idx = torch.cat([torch.arange(h, h + m) for _, _, h, m in rows]).to(dev)
+            next_ids = torch.tensor([t for seq, p, _, m in rows for t in seq.token_ids[p + 1:p + m + 1]],
+                                    dtype=torch.long, device=dev)
+            batch = AttentionBatch.build(block_tables=[seq.block_table for seq, *_ in rows],
+                                         context_lens=[p for _, p, _, _ in rows], query_lens=[m for *_, m in rows],
+                                         block_size=bs, device=dev, pad_blocks_to=self.runner.table_width)
+            x, logits = self.runner.mtp_forward(next_ids, hidden[idx], batch, from_main=True)
+            last = batch.logits_indices
         # drafting: the sequences whose next step decodes (all their tokens but the newest computed)
         chain = []
         for i, (seq, p, _, m) in enumerate(rows):
@@ -146,12 +159,28 @@ class MTPDrafter:
             b = AttentionBatch.build(block_tables=[s.block_table for s in seqs],
                                      context_lens=[s.num_tokens - 2 + step for s in seqs], query_lens=[1] * len(seqs),
                                      block_size=bs, device=dev, pad_blocks_to=self.runner.table_width)
-            xs, lg = self.runner.mtp_forward(ids, h[torch.tensor(live, device=dev)], b)
+            xs, lg = self.runner.mtp_forward(ids, h[torch.tensor(live, device=dev)], b, from_main=False)
             for s, d in zip(seqs, lg.argmax(-1).tolist()):
                 s.spec_token_ids.append(int(d))
             # keep h indexed like `chain`: rows of sequences that stopped are simply not read again
             h = h.clone()
             h[torch.tensor(live, device=dev)] = xs
+
+    def _uniform_width(self, rows: list, hidden: torch.Tensor) -> int | None:
+        """q when the step brought every row's sequence q positions, in order, and each sequence's
+        blocks cover all q (a verify step with the same drafts everywhere, or plain decode): the
+        MTP layer's first pass can then take the step's rows as they are, at a captured width.
+        None otherwise (a prompt chunk, a sequence with fewer drafts, one that finished)."""
+        n, bs = len(rows), self.block_manager.block_size
+        if not self.runner.draft_graphs or hidden.shape[0] % n:
+            return None
+        q = hidden.shape[0] // n
+        if (True, q) not in self.runner.draft_graphs:
+            return None
+        for i, (seq, p, h, m) in enumerate(rows):
+            if h != i * q or m > q or len(seq.block_table) * bs < p + q:
+                return None
+        return q
 
     def stats(self) -> dict[str, float]:
         return {"spec_num_speculative_tokens": float(self.k)} | self.counters.stats()

@@ -69,14 +69,18 @@ class AttentionBatch:
     @classmethod
     def build(cls, *, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
               block_size: int, device: torch.device | str, sample: list[bool] | None = None,
-              pad_blocks_to: int | None = None, read_only_rows: list[int] | None = None) -> "AttentionBatch":
+              pad_blocks_to: int | None = None, read_only_rows: list[int] | None = None,
+              padding_rows: list[int] | None = None) -> "AttentionBatch":
         """From per-sequence host lists: sequence b already has context_lens[b] tokens in the
         cache and adds query_lens[b] new ones (positions context..context+q-1). `sample[b]`
         (default all True) says whether its last row needs logits (False for a prefill chunk
         that does not reach the end of its prompt). `read_only_rows[b]`: how many of sequence b's
         leading rows write no KV (slot -1): positions already in the cache that a fixed-width step
         computes again only to keep its shape (engine/confidence_gate.py); the rows after them
-        attend to those positions' cached KV, as they would with the rows left out."""
+        attend to those positions' cached KV, as they would with the rows left out.
+        `padding_rows[b]`: how many of sequence b's trailing rows write no KV either: rows that only
+        fill a fixed-width step (engine/speculative.py), whose outputs nobody reads; the rows
+        before them never attend to them (causal)."""
         b = len(query_lens)
         if not (len(block_tables) == len(context_lens) == b):
             raise ValueError("block_tables, context_lens and query_lens must have one entry per sequence")
@@ -111,11 +115,14 @@ class AttentionBatch:
                 pos[row:row + q] = p
                 slots[row:row + q] = np.asarray(tbl, dtype=np.int64)[p // block_size] * block_size + p % block_size
             row += q
-        if read_only_rows is not None:
-            if len(read_only_rows) != b or any(not 0 <= r < q for r, q in zip(read_only_rows, query_lens)):
-                raise ValueError("read_only_rows must leave each sequence at least its last row to write")
-            for start, r in zip(cu, read_only_rows):
+        if read_only_rows is not None or padding_rows is not None:
+            lead, tail = read_only_rows or [0] * b, padding_rows or [0] * b
+            if len(lead) != b or len(tail) != b or any(r < 0 or t < 0 or r + t >= q
+                                                       for r, t, q in zip(lead, tail, query_lens)):
+                raise ValueError("read_only_rows and padding_rows must leave each sequence a row that writes")
+            for start, end, r, t in zip(cu, cu[1:], lead, tail):
                 slots[start:start + r] = -1
+                slots[end - t:end] = -1
         i64[2 * n:] = logits_rows
         i32 = np.zeros(b * width + b + b + 1, dtype=np.int32)
         table = i32[:b * width].reshape(b, width)
