@@ -153,10 +153,12 @@ def test_kv_bytes_per_token_counts_every_attention_layer(family):
         stored = sum(sum(t.nbytes for t in (getattr(layer, f) for f in ("k", "v", "k_scale", "v_scale", "buffer")
                                              if hasattr(layer, f)) if t is not None and t.dim() > 1)
                      for layer in kv)
+        # DSA index keys: one row per slot (the last row is the sink of slot -1, not a token's)
+        stored += sum(layer.index_keys[:-1].nbytes for layer in kv if getattr(layer, "index_keys", None) is not None)
         assert model.kv_bytes_per_token(fmt) == stored // (3 * BS)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"] + [f for f in FAMILIES if f == "glm_moe_dsa"])
 def test_mtp_forward_paged_equals_contiguous(family):
     """The MTP block over its own paged cache, fed the main model's final-normed hidden states,
     equals mtp_forward over a contiguous cache (prompt in two chunks, then decodes)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moet.errors import CheckpointError, ConfigError
 
@@ -55,6 +55,24 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class SparseAttentionSpec:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer scores every cached
+    position for each query (ReLU'd dot products of its own small heads, weighted per head from
+    the hidden state) and the MLA attention reads only the `top_k` best. `layer_types[i]`:
+    "full" runs layer i's own indexer, "shared" reuses the selection of the last full layer
+    before it (GLM-5's cross-layer sharing). MTP layers run their own indexer."""
+    num_heads: int                    # index_n_heads
+    head_dim: int                     # index_head_dim; its first rope_dim dims are rotated
+    top_k: int                        # index_topk
+    rope_dim: int                     # the MLA's qk_rope_head_dim (interleaved pairs)
+    layer_types: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     num_experts: int
     top_k: int
@@ -69,7 +87,7 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str                       # "deepseek_v3" | "glm4_moe" | "qwen3_moe" | "mixtral"
+    family: str                       # "deepseek_v3" | "glm4_moe" | "qwen3_moe" | "mixtral" | "glm_moe_dsa"
     architecture: str                 # config.json's architectures[0]
     vocab_size: int
     hidden_size: int
@@ -85,6 +103,7 @@ class ModelSpec:
     rope: RopeSpec
     router: RouterSpec
     num_mtp_layers: int = 0
+    sparse_attention: SparseAttentionSpec | None = None   # DSA (GLM-5); None = dense attention
     hidden_act: str = "silu"
     swiglu_limit: float | None = None  # clamp gate (max) and up (+-) in fp32 before SiLU-mul
     torch_dtype: str = "bfloat16"
@@ -344,6 +363,33 @@ def deepseek_v3_spec(cfg: dict) -> ModelSpec:
     return _sigmoid_routed_moe_spec(cfg, base, attn, rope)
 
 
+def glm_moe_dsa_spec(cfg: dict) -> ModelSpec:
+    """GLM-5: DeepSeek-V3's MLA (interleaved rope) and sigmoid-routed MoE, plus DSA's indexer."""
+    if cfg.get("q_lora_rank") is None:
+        raise CheckpointError("config.json: q_lora_rank is required for GlmMoeDsaForCausalLM (the DSA indexer "
+                              "reads the compressed query)")
+    spec = deepseek_v3_spec({**cfg, "rope_interleave": True})
+    n = spec.num_layers
+    types = cfg.get("indexer_types")
+    if types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None:                 # transformers' default schedule from index_topk_freq / offset
+        freq = max(_cint(cfg, "index_topk_freq", 1), 1)
+        offset = _cint(cfg, "index_skip_topk_offset", 2, lo=0)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not isinstance(types, list) or len(types) < n or any(t not in ("full", "shared") for t in types[:n]):
+        raise _bad("indexer_types", types, f"must list 'full' or 'shared' for each of the {n} layers")
+    if types[0] != "full":
+        raise _bad("indexer_types", types[:4], "must start with 'full' (a shared layer reuses an earlier full one)")
+    dsa = SparseAttentionSpec(num_heads=_cint(cfg, "index_n_heads", 32), head_dim=_cint(cfg, "index_head_dim", 128),
+                              top_k=_cint(cfg, "index_topk", 2048), rope_dim=spec.attention.qk_rope_head_dim,
+                              layer_types=tuple(types[:n]))
+    if dsa.head_dim < dsa.rope_dim:
+        raise _bad("index_head_dim", dsa.head_dim, f"must be at least qk_rope_head_dim={dsa.rope_dim}")
+    return replace(spec, family="glm_moe_dsa", sparse_attention=dsa)
+
+
 def _sigmoid_routed_moe_spec(cfg: dict, base: dict, attn: "AttentionSpec", rope) -> ModelSpec:
     """The MoE half shared by DeepSeek-V3 and GLM-4.5: sigmoid scores + e_score_correction_bias,
     group-limited top-k, routed_scaling_factor, shared experts, first_k_dense_replace, MTP."""
@@ -431,12 +477,14 @@ FAMILIES = {
     "Glm4MoeForCausalLM": glm4_moe_spec,
     "Qwen3MoeForCausalLM": qwen3_moe_spec,
     "MixtralForCausalLM": mixtral_spec,
+    "GlmMoeDsaForCausalLM": glm_moe_dsa_spec,
 }
 
 
 # model_type -> architecture, for configs without an `architectures` field
 MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
-               "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+               "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 
 
 def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:

@@ -43,11 +43,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class GraphSet:
     """Static inputs and captured graphs of the steps whose sequences each bring `q` tokens."""
 
-    def __init__(self, q: int, max_num_seqs: int, table_width: int, max_model_len: int,
+    def __init__(self, q: int, max_num_seqs: int, table_width: int, max_context: int,
                  device: torch.device | str, name: str, hidden: tuple[int, torch.dtype] | None = None):
         """hidden: (width, dtype) of a hidden-state input beside the token ids (the MTP layer's
         passes, engine/speculative.py), a static buffer too; None: ids only."""
-        self.q, self.name, self.max_model_len = q, name, max_model_len
+        # the longest sequence a replay may serve (ModelRunner.graph_context): max_model_len, or
+        # less where the model's forward takes another path past it (DSA beyond its top-k)
+        self.q, self.name, self.max_context = q, name, max_context
         self.buckets = graph_buckets(max_num_seqs)
         n = max_num_seqs * q
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -72,13 +74,15 @@ class GraphSet:
             positions=self.positions[:n], slot_mapping=self.slot_mapping[:n], block_tables=self.block_tables[:bs],
             seq_lens=self.seq_lens[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1], max_seqlen_q=q,
             num_decode_seqs=bs if q == 1 else 0, logits_indices=self.logits_indices[:bs],
-            seq_lens_host=seq_lens_host or [self.max_model_len] * bs, cu_seqlens_q_host=list(range(0, n + 1, q)))
+            seq_lens_host=seq_lens_host or [self.max_context] * bs, cu_seqlens_q_host=list(range(0, n + 1, q)))
 
     def bucket_for(self, batch: AttentionBatch) -> int | None:
         """The captured bucket that can run `batch`: every sequence brings exactly q tokens."""
         if not self.graphs or batch.max_seqlen_q != self.q or batch.num_tokens != batch.num_seqs * self.q:
             return None
         if self.q > 1 and batch.num_decode_seqs:
+            return None
+        if max(batch.seq_lens_host, default=0) > self.max_context:
             return None
         return next((k for k in sorted(self.graphs) if k >= batch.num_seqs), None)
 

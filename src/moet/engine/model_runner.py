@@ -38,6 +38,7 @@ from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.attention_ops import set_gqa_fused_merge
 from moet.kernels.kv_cache import KVFormat, kv_format_for, kv_layer_bytes_per_token
+from moet.kernels.sparse_attention import index_key_bytes_of
 from moet.kernels.pdl_flag import set_small_kernel_pdl
 from moet.model.attention_batch import AttentionBatch
 
@@ -83,8 +84,9 @@ def available_kv_bytes(device: torch.device) -> int:
 def kv_bytes_per_token_of(spec, kv_format: KVFormat, load_mtp: bool) -> int:
     """CausalLM.kv_bytes_per_token from the spec alone (every attention layer, the MTP layers when
     loaded): the KV checks that run before the weights are read."""
-    layers = spec.num_layers + (spec.num_mtp_layers if load_mtp else 0)
-    return kv_layer_bytes_per_token(spec.attention, kv_format) * layers
+    mtp = spec.num_mtp_layers if load_mtp else 0
+    return kv_layer_bytes_per_token(spec.attention, kv_format) * (spec.num_layers + mtp) + \
+        index_key_bytes_of(spec, kv_format.dtype, mtp)
 
 
 def _gib(n: float) -> str:
@@ -171,6 +173,10 @@ class ModelRunner:
             if n:
                 log.info("routed experts repacked for the CPU: %.0f MiB", n / 2**20)
         self.max_model_len = max_model_len
+        # captured graphs serve sequences up to this length: a DSA model's attention is dense (one
+        # graph-safe path) only while no sequence is longer than its indexer's top-k
+        dsa = model.spec.sparse_attention
+        self.graph_context = max_model_len if dsa is None else min(max_model_len, dsa.top_k)
         self.block_size = config.cache.block_size
         self.kv_format = kv_format_for(config.cache.kv_cache_dtype, model.dtype, model.spec.attention)
         self.bytes_per_token = model.kv_bytes_per_token(self.kv_format)
@@ -376,7 +382,7 @@ class ModelRunner:
         return self.model.forward_paged(ids, batch, self.kv)
 
     def _capture_decode_graphs(self) -> None:
-        self.decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len,
+        self.decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width, self.graph_context,
                                       self.device, "decode")
         self.decode_graphs.capture(self._forward_for_capture, self.device)
 
@@ -405,7 +411,7 @@ class ModelRunner:
             return "the FP4 pool holds part of the experts"
         cap = self.config.scheduler.max_num_seqs
         for q in repair_widths(reach):
-            gs = GraphSet(q, max(1, min(cap, REPAIR_GRAPH_MAX_ROWS // q)), self.table_width, self.max_model_len,
+            gs = GraphSet(q, max(1, min(cap, REPAIR_GRAPH_MAX_ROWS // q)), self.table_width, self.graph_context,
                           self.device, f"FP4 repair ({q} rows per sequence)")
             gs.capture(self._repair_forward_for_capture, self.device)
             if gs.error is not None:
@@ -420,7 +426,7 @@ class ModelRunner:
         if self.decode_graphs is None or self.decode_graphs.error is not None:
             return
         if q not in self.spec_graphs:
-            gs = GraphSet(q, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len, self.device,
+            gs = GraphSet(q, self.config.scheduler.max_num_seqs, self.table_width, self.graph_context, self.device,
                           f"MTP verify ({q - 1} drafts)")
             gs.capture(self._forward_for_capture, self.device)
             self.spec_graphs[q] = gs
@@ -437,7 +443,7 @@ class ModelRunner:
         for from_main, width in ((True, q), (True, 1), (False, 1)):
             if (from_main, width) in self.draft_graphs:
                 continue
-            gs = GraphSet(width, self.config.scheduler.max_num_seqs, self.table_width, self.max_model_len,
+            gs = GraphSet(width, self.config.scheduler.max_num_seqs, self.table_width, self.graph_context,
                           self.device, f"MTP drafting ({'main model' if from_main else 'chained'}, {width} rows)",
                           hidden=shape)
             gs.capture(lambda ids, batch, gs=gs, m=from_main: self._mtp(ids, gs.hidden[:ids.shape[0]], batch, m),

@@ -35,9 +35,10 @@ from moet.kernels.kv_cache import GQALayerKV, MLALayerKV, read_gqa_kv, read_mla_
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+            sliding_window: int | None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """q [t, Hq, D] are the last t of n positions; k [n, Hkv, D], v [n, Hkv, Dv]; float32.
-    -> [t, Hq, Dv] float32."""
+    keep [t, n] bool: the positions each query may see besides the causal rule (sparse
+    attention's selection); None: all. -> [t, Hq, Dv] float32."""
     t, hq, _ = q.shape
     n, hkv, _ = k.shape
     g = hq // hkv
@@ -48,6 +49,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     allowed = kpos <= qpos
     if sliding_window is not None:
         allowed = allowed & (kpos > qpos - sliding_window)
+    if keep is not None:
+        allowed = allowed & keep.repeat_interleave(g, dim=0)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(1, 0, 2))                                      # [Hkv, t*g, Dv]
@@ -93,9 +96,16 @@ def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALa
         if hi == lo:
             continue
         lat, rope = read_mla_kv(cache, block_tables[b], n)
-        k = torch.cat([lat, rope], dim=-1)[:, None, :]         # MQA: one shared key head
-        out[lo:hi] = _attend(q[lo:hi], k, lat[:, None, :], scale, None)
+        out[lo:hi] = attend_latent(q[lo:hi], lat, rope, scale)
     return out.to(q_latent.dtype)
+
+
+def attend_latent(q: torch.Tensor, lat: torch.Tensor, rope: torch.Tensor, scale: float,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Latent-space MQA of one sequence: q [t, H, R + P] (the last t of n positions), its cached
+    rows lat [n, R] and rope [n, P] (float32) -> [t, H, R] float32; keep as _attend's."""
+    k = torch.cat([lat, rope], dim=-1)[:, None, :]             # MQA: one shared key head
+    return _attend(q, k, lat[:, None, :], scale, None, keep)
 
 
 def paged_decode_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,

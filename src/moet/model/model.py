@@ -20,7 +20,9 @@ from moet.checkpoint.spec import ModelSpec
 from moet.kernels.attention_ops import DEFAULT_SPLIT_TOKENS
 from moet.kernels.kv_cache import KVFormat, check_kv_format, kv_layer_bytes_per_token, new_gqa_layer, new_mla_layer
 from moet.model.attention_batch import AttentionBatch
+from moet.kernels.sparse_attention import index_key_bytes_per_token, new_index_keys
 from moet.model.layers.attention import GQAttention
+from moet.model.layers.dsa import TopKSelection
 from moet.model.layers.linear import MLP, Linear
 from moet.model.layers.mla import MLAttention
 from moet.model.layers.moe import MoE
@@ -29,10 +31,16 @@ from moet.model.layers.rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary, dtype: torch.dtype,
+                 sparse: tuple[bool, TopKSelection] | None = None):
+        """sparse (DSA models): whether this layer runs its own indexer, and the selection it
+        writes or, for a shared layer, reads."""
         super().__init__()
-        attn_cls = MLAttention if spec.attention.kind == "mla" else GQAttention
-        self.self_attn = attn_cls(spec.attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype)
+        if spec.attention.kind == "mla":
+            dsa = None if sparse is None else (spec.sparse_attention, *sparse)
+            self.self_attn = MLAttention(spec.attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype, dsa)
+        else:
+            self.self_attn = GQAttention(spec.attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype)
         self.mlp = MoE(spec, dtype) if kind == "moe" else MLP(spec.hidden_size, spec.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
@@ -100,11 +108,26 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.eh_proj = Linear(2 * spec.hidden_size, spec.hidden_size, False, dtype)
-        self.layer = DecoderLayer(spec, spec.layer_kinds[-1], rotary, dtype)
+        # an MTP layer of a DSA model runs an indexer of its own
+        sparse = (True, TopKSelection()) if spec.sparse_attention is not None else None
+        self.layer = DecoderLayer(spec, spec.layer_kinds[-1], rotary, dtype, sparse)
         self.shared_head = SharedHead(spec, dtype)
         # which of embed_tokens / shared_head.head the checkpoint provided (else the main model's)
         self.has_own_embed = False
         self.has_own_head = False
+
+
+def _sparse_layers(spec: ModelSpec) -> list[tuple[bool, TopKSelection] | None]:
+    """Per decoder layer of a DSA model: (runs its own indexer, the selection it writes or reads):
+    a shared layer reads the selection of the last full layer before it."""
+    if spec.sparse_attention is None:
+        return [None] * spec.num_layers
+    out, sel = [], None
+    for t in spec.sparse_attention.layer_types:
+        if t == "full":
+            sel = TopKSelection()
+        out.append((t == "full", sel))
+    return out
 
 
 class Backbone(nn.Module):
@@ -114,7 +137,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, k, rotary, dtype) for k in spec.layer_kinds)
+        self.layers = nn.ModuleList(DecoderLayer(spec, k, rotary, dtype, sparse)
+                                    for k, sparse in zip(spec.layer_kinds, _sparse_layers(spec)))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 
@@ -235,8 +259,8 @@ class CausalLM(nn.Module):
         layers = [layer for layer in self.model.layers] + [m.layer for m in self.mtp]
         out = []
         for layer in layers:
-            a, b = layer.self_attn.cache_shapes(max_len)
-            out.append((torch.zeros(a, dtype=self.dtype, device=device), torch.zeros(b, dtype=self.dtype, device=device)))
+            out.append(tuple(torch.zeros(shape, dtype=self.dtype, device=device)
+                             for shape in layer.self_attn.cache_shapes(max_len)))
         return out
 
     # ------------------------------------------------------------------ paged KV cache
@@ -245,8 +269,12 @@ class CausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers] + [m.layer.self_attn for m in self.mtp]
 
     def kv_bytes_per_token(self, kv_format: KVFormat) -> int:
-        """KV cache bytes one token occupies across every attention layer (MTP layers included)."""
-        return kv_layer_bytes_per_token(self.spec.attention, kv_format) * len(self._attention_layers())
+        """KV cache bytes one token occupies across every attention layer (MTP layers included),
+        DSA index keys included."""
+        layers = self._attention_layers()
+        index = sum(index_key_bytes_per_token(a.indexer.spec.head_dim, kv_format.dtype)
+                    for a in layers if getattr(a, "indexer", None) is not None)
+        return kv_layer_bytes_per_token(self.spec.attention, kv_format) * len(layers) + index
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_format: KVFormat,
                      device: torch.device | str) -> list:
@@ -260,7 +288,14 @@ class CausalLM(nn.Module):
         else:
             make = lambda: new_gqa_layer(num_blocks, block_size, a.num_kv_heads, a.head_dim, a.v_head_dim,
                                          kv_format, device)
-        return [make() for _ in self._attention_layers()]
+        out = []
+        for attn in self._attention_layers():
+            layer = make()
+            if getattr(attn, "indexer", None) is not None:
+                layer.index_keys = new_index_keys(num_blocks, block_size, attn.indexer.spec.head_dim, kv_format.dtype,
+                                                   device)
+            out.append(layer)
+        return out
 
     def forward_paged(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: list) -> torch.Tensor:
         """input_ids [N]: a flat varlen batch of several sequences' new tokens (AttentionBatch)

@@ -244,13 +244,14 @@ def kv_bytes_per_token_of(spec, kv_dtype_bytes: int = 2, *, kv_cache_dtype: str 
     import torch
 
     from moet.kernels.kv_cache import KVFormat, kv_format_for, kv_layer_bytes_per_token
+    from moet.kernels.sparse_attention import index_key_bytes_of
 
     model_dtype = torch.bfloat16 if kv_dtype_bytes == 2 else torch.float32
     if kv_cache_dtype is None:
         fmt = KVFormat("auto", dtype=model_dtype)
     else:
         fmt = kv_format_for(kv_cache_dtype, model_dtype, spec.attention)
-    return kv_layer_bytes_per_token(spec.attention, fmt) * spec.num_layers
+    return kv_layer_bytes_per_token(spec.attention, fmt) * spec.num_layers + index_key_bytes_of(spec, fmt.dtype, 0)
 
 
 # ---------------------------------------------------------------- placement

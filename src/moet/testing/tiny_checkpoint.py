@@ -31,7 +31,15 @@ from safetensors.torch import save_file
 
 from moet.formats import fp8_block, mxfp4, nvfp4
 
-FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral")
+def _transformers_has(cls: str) -> bool:
+    import transformers
+    return hasattr(transformers, cls)
+
+
+# glm_moe_dsa (GLM-5) needs transformers >= 5.23 as its reference; an older one (the GPU image's)
+# leaves the family out of the parametrized tests rather than failing them
+FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral") + (
+    ("glm_moe_dsa",) if _transformers_has("GlmMoeDsaConfig") else ())
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 VOCAB = 260
 BOS, EOS, PAD = 256, 257, 258
@@ -68,6 +76,17 @@ def tiny_config(family: str, **overrides):
                   decoder_sparse_step=1, mlp_only_layers=[0],
                   rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
         cls = tf.Qwen3MoeConfig
+    elif family == "glm_moe_dsa":
+        # index_topk 4: prompts of a few tokens already attend sparsely; 16 indexer heads make an
+        # exact tie of two positions' scores (all heads' ReLUs at zero) negligible; layer 1 shares
+        # layer 0's selection, layer 2 runs its own
+        kw = dict(common, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                  first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                  index_topk=4, index_head_dim=32, index_n_heads=16, indexer_types=["full", "shared", "full"],
+                  num_nextn_predict_layers=1, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+        cls = tf.GlmMoeDsaConfig
     elif family == "mixtral":
         kw = dict(common, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, sliding_window=12,
@@ -105,7 +124,7 @@ def _is_dense_linear(name: str) -> bool:
     if not name.endswith(".weight") or _is_expert(name):
         return False
     return bool(re.search(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|"
-                          r"gate_proj|up_proj|down_proj|eh_proj)\.weight$", name))
+                          r"gate_proj|up_proj|down_proj|eh_proj|indexer\.wq_b|indexer\.wk)\.weight$", name))
 
 
 def _is_mlp_linear(name: str) -> bool:

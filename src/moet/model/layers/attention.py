@@ -21,9 +21,10 @@ from moet.model.layers.rope import Rotary
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-           sliding_window: int | None = None) -> torch.Tensor:
+           sliding_window: int | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention. q [T, Hq, d], k [S, Hkv, d], v [S, Hkv, dv] with S = start + T.
-    Softmax in fp32, as transformers' eager path. -> [T, Hq * dv]."""
+    keep [T, S] bool: the positions each query may see besides the causal rule (sparse
+    attention's selection). Softmax in fp32, as transformers' eager path. -> [T, Hq * dv]."""
     t, hq, _ = q.shape
     s, hkv, _ = k.shape
     if hkv != hq:
@@ -36,6 +37,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     allowed = kpos <= qpos
     if sliding_window is not None:
         allowed = allowed & (kpos > qpos - sliding_window)
+    if keep is not None:
+        allowed = allowed & keep
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, vh)                                          # [H, T, dv]

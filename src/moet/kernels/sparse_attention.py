@@ -1,0 +1,103 @@
+"""DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5) over the paged cache: the indexer's key
+cache, its top-k selection, and MLA attention restricted to the selected positions. Torch on
+every device for now (no Triton kernel yet): the model only takes this path in a step where some
+sequence is longer than the indexer's top-k; below that every position is selected and the
+dense MLA kernels give the same attention (model/layers/dsa.py).
+
+Index keys (one [index_head_dim] vector per token, normed and rotated, in the model dtype) live
+in one flat tensor per layer that runs an indexer, `[num_blocks * block_size + 1, Di]`: token
+slot s at row s, as the MLA rows are addressed, and the last row a sink for slot -1 (a token
+not cached), so a write is one index_copy_ with no host sync, capturable in a CUDA graph.
+
+Selection, as transformers' GlmMoeDsaIndexer computes it (float32): for a query at position p
+with indexer queries q [Hi, Di] and head weights w [Hi] (already times Hi ** -0.5),
+    score(j) = sum_h w_h * relu(scale * q_h . k_j)   for j <= p
+and the query keeps the min(top_k, p + 1) best positions (torch.topk over the sequence).
+"""
+from __future__ import annotations
+
+import torch
+
+from moet.kernels.attention_reference import attend_latent
+from moet.kernels.kv_cache import MLALayerKV, read_mla_kv
+
+
+def new_index_keys(num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor:
+    return torch.zeros(num_blocks * block_size + 1, head_dim, dtype=dtype, device=device)
+
+
+def index_key_bytes_per_token(head_dim: int, dtype: torch.dtype) -> int:
+    return head_dim * dtype.itemsize
+
+
+def index_key_bytes_of(spec, dtype: torch.dtype, num_mtp_layers: int) -> int:
+    """Index-key bytes per token of a ModelSpec (its full-indexer layers and `num_mtp_layers` MTP
+    layers, which run their own indexer); 0 without sparse attention."""
+    dsa = getattr(spec, "sparse_attention", None)
+    if dsa is None:
+        return 0
+    layers = sum(t == "full" for t in dsa.layer_types) + num_mtp_layers
+    return layers * index_key_bytes_per_token(dsa.head_dim, dtype)
+
+
+def write_index_keys(keys: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k [T, Di] into rows slot_mapping [T] of `keys` (-1: the sink row, never read)."""
+    sink = keys.shape[0] - 1
+    rows = torch.where(slot_mapping >= 0, slot_mapping, torch.full_like(slot_mapping, sink))
+    keys.index_copy_(0, rows, k.to(keys.dtype))
+
+
+def read_index_keys(keys: torch.Tensor, block_size: int, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """One sequence's first n index keys: [n, Di]."""
+    pos = torch.arange(n, device=keys.device)
+    slots = blocks.to(keys.device).long()[pos // block_size] * block_size + pos % block_size
+    return keys[slots]
+
+
+def select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, top_k: int,
+                 scale: float) -> torch.Tensor:
+    """q [t, Hi, Di], weights [t, Hi] (float32), keys [n, Di]: the t queries are the last t of
+    n positions -> keep [t, n] bool: the positions each query attends to (top-k and causal)."""
+    t, n = q.shape[0], keys.shape[0]
+    scores = torch.matmul(q.float(), keys.float().t()) * scale          # [t, Hi, n]
+    scores = torch.relu(scores)
+    index = torch.matmul(weights.float()[:, None, :], scores)[:, 0]     # [t, n]
+    qpos = torch.arange(n - t, n, device=q.device)[:, None]
+    causal = torch.arange(n, device=q.device)[None, :] <= qpos
+    index = index.masked_fill(~causal, float("-inf"))
+    top = index.topk(min(top_k, n), dim=-1).indices
+    keep = torch.zeros(t, n, dtype=torch.bool, device=q.device).scatter_(1, top, True)
+    return keep & causal
+
+
+def paged_select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, block_size: int,
+                       block_tables: torch.Tensor, cu_seqlens_q: list[int], seq_lens: list[int],
+                       top_k: int, scale: float) -> list[torch.Tensor | None]:
+    """select_top_k per sequence of a varlen batch (host cu_seqlens_q / seq_lens) -> one keep
+    mask [q_b, n_b] per sequence, or None where n_b <= top_k (every position kept)."""
+    out: list[torch.Tensor | None] = []
+    for b, n in enumerate(seq_lens):
+        lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
+        if n <= top_k or hi == lo:
+            out.append(None)
+            continue
+        k = read_index_keys(keys, block_size, block_tables[b], n)
+        out.append(select_top_k(q[lo:hi], weights[lo:hi], k, top_k, scale))
+    return out
+
+
+def paged_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV, block_tables: torch.Tensor,
+                     cu_seqlens_q: list[int], seq_lens: list[int], scale: float,
+                     keep: list[torch.Tensor | None]) -> torch.Tensor:
+    """Absorbed MLA (attention_reference.paged_prefill_mla) where query rows of sequence b see
+    only the positions keep[b] marks (None: all, causal). -> [Tq, H, R] in q_latent.dtype."""
+    out = torch.empty(q_latent.shape, dtype=torch.float32, device=q_latent.device)
+    q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
+    for b, n in enumerate(seq_lens):
+        lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
+        if hi == lo:
+            continue
+        lat, rope = read_mla_kv(cache, block_tables[b], n)
+        out[lo:hi] = attend_latent(q[lo:hi], lat, rope, scale, keep[b])
+    return out.to(q_latent.dtype)
