@@ -7,7 +7,7 @@ import torch
 
 from moet.llm import LLM
 from moet.sampling_params import SamplingParams
-from moet.testing.tiny_checkpoint import cached_checkpoint, reference_model
+from moet.testing.tiny_checkpoint import FAMILIES, cached_checkpoint, reference_model
 
 PROMPT = list(range(40, 40 + 37))  # longer than Mixtral's sliding window (12)
 # An explicit KV cache size: left to gpu_memory_utilization, an engine on a GPU claims 90% of the
@@ -22,7 +22,12 @@ CASES = [
     ("qwen3_moe", {}),
     ("qwen3_moe", {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}),
     ("mixtral", {}),
-]
+] + ([
+    # GLM-5: DSA with top-k 4 (the prompt attends sparsely from its 5th token), layer 1 sharing
+    # layer 0's selection; then transformers' default schedule (every layer its own indexer)
+    ("glm_moe_dsa", {}),
+    ("glm_moe_dsa", {"indexer_types": None, "index_topk": 16, "mtp": False}),
+] if "glm_moe_dsa" in FAMILIES else [])
 
 
 def _ids(case):
@@ -54,7 +59,7 @@ def test_full_logit_rows_match(tmp_path):
     from moet.checkpoint import open_checkpoint
     from moet.model import load_model
 
-    for family in ("deepseek_v3", "glm4_moe"):
+    for family in ("deepseek_v3", "glm4_moe") + (("glm_moe_dsa",) if "glm_moe_dsa" in FAMILIES else ()):
         path = cached_checkpoint(family, "bf16")
         ref = reference_model(path)
         model = load_model(open_checkpoint(path), expert_format="bf16", dtype=torch.float32)

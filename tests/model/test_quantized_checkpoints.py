@@ -9,7 +9,10 @@ import torch
 from moet.checkpoint import open_checkpoint
 from moet.formats import w2
 from moet.model import load_model
-from moet.testing.tiny_checkpoint import cached_checkpoint, reference_model
+from moet.testing.tiny_checkpoint import FAMILIES, cached_checkpoint, reference_model
+
+# GLM-5 as published: NVFP4 (modelopt) and FP8 block-128 (its indexer's wq_b / wk in e4m3 too)
+DSA = [("glm_moe_dsa", "nvfp4"), ("glm_moe_dsa", "fp8")] if "glm_moe_dsa" in FAMILIES else []
 
 PROMPT = torch.tensor(list(range(60, 60 + 24)))
 
@@ -26,8 +29,8 @@ def _ref_logprobs(path, **kw):
         return ref(PROMPT[None]).logits[0].log_softmax(-1)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("family,fmt", [(f, x) for f in ["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral"]
+                                        for x in ["fp8", "nvfp4", "mxfp4"]] + DSA)
 def test_bf16_experts_equal_transformers_on_dequantized(family, fmt):
     path = cached_checkpoint(family, fmt)
     assert open_checkpoint(path).weight_format == {"fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}[fmt]
@@ -40,7 +43,7 @@ def _w2_round_trip(w64):
 
 
 @pytest.mark.parametrize("family,fmt", [("deepseek_v3", "nvfp4"), ("deepseek_v3", "fp8"),
-                                        ("glm4_moe", "bf16"), ("qwen3_moe", "mxfp4"), ("mixtral", "nvfp4")])
+                                        ("glm4_moe", "bf16"), ("qwen3_moe", "mxfp4"), ("mixtral", "nvfp4")] + DSA[:1])
 def test_w2_experts_equal_float64_w2_reference(family, fmt):
     path = cached_checkpoint(family, fmt)
     got = _moet_logprobs(path, "w2")

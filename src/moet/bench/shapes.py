@@ -34,6 +34,16 @@ DSV3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", v
             hidden_act="silu", max_position_embeddings=163840, rope_theta=10000.0, rope_scaling=None,
             rope_interleave=True, rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
             torch_dtype="bfloat16", eos_token_id=1)
+# GLM-5 (transformers' GlmMoeDsaConfig defaults, which are GLM-5's): MLA with DSA, every layer its
+# own indexer; W2 experts ~190 GiB, more than one H200 (issue 40: a cut to fewer layers times it)
+GLM5 = dict(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144,
+            intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=78, num_nextn_predict_layers=1,
+            num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=256,
+            num_experts_per_tok=8, routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True,
+            first_k_dense_replace=3, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+            v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=32, hidden_act="silu",
+            max_position_embeddings=202752, rope_theta=10000.0, rms_norm_eps=1e-5, attention_bias=False,
+            tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=1)
 # a few-MB Qwen3-MoE-shaped model: the benchmark's own tests on a CPU (its numbers mean nothing)
 MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -46,7 +56,8 @@ MICRO_MTP = dict(GLM45_AIR, vocab_size=260, hidden_size=64, num_hidden_layers=2,
 
 SHAPES: dict[str, tuple[str, dict]] = {
     "glm45air": ("GLM-4.5-Air", GLM45_AIR), "qwen3_30b": ("Qwen3-30B-A3B", QWEN3_30B),
-    "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "micro": ("micro (tests)", MICRO),
+    "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "glm5": ("GLM-5", GLM5),
+    "micro": ("micro (tests)", MICRO),
     "micro_mtp": ("micro with MTP (tests)", MICRO_MTP)}
 
 

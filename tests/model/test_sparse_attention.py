@@ -1,0 +1,192 @@
+"""DeepSeek Sparse Attention (GLM-5): the indexer's top-k selection against an independent float64
+computation; the paged forward while sequences grow past top-k (dense steps that only write index
+keys, then sparse ones; a short sequence beside a long one) against the contiguous forward;
+shared layers reading their full layer's selection; CUDA graphs never serving a sequence past
+top-k; the index keys counted in the KV sizing; config errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moet.checkpoint import open_checkpoint
+from moet.checkpoint.spec import spec_from_config
+from moet.errors import CheckpointError
+from moet.kernels import sparse_attention as dsa
+from moet.kernels.kv_cache import KVFormat
+from moet.model import load_model
+from moet.model.attention_batch import AttentionBatch
+from moet.testing.tiny_checkpoint import FAMILIES, VOCAB, cached_checkpoint
+
+pytestmark = pytest.mark.skipif("glm_moe_dsa" not in FAMILIES,
+                                reason="transformers < 5.23 has no GlmMoeDsaConfig (the reference)")
+
+BS = 4
+F32 = KVFormat("auto", dtype=torch.float32)
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+def test_select_top_k_equals_float64_brute_force():
+    g = _gen()
+    t, n, heads, d, top_k = 5, 19, 6, 24, 7
+    q, keys = torch.randn(t, heads, d, generator=g), torch.randn(n, d, generator=g)
+    w = torch.randn(t, heads, generator=g)
+    keep = dsa.select_top_k(q, w, keys, top_k, d ** -0.5)
+    for i in range(t):
+        p = n - t + i                                              # the query's position
+        score = [sum(float(w[i, h]) * max(0.0, float(q[i, h].double() @ keys[j].double()) * d ** -0.5)
+                     for h in range(heads)) for j in range(p + 1)]
+        best = sorted(range(p + 1), key=lambda j: -score[j])[:top_k]
+        assert set(keep[i].nonzero().flatten().tolist()) == set(best), i
+    assert keep.sum(1).tolist() == [top_k] * t                  # every query past top_k keeps exactly top_k
+    short = dsa.select_top_k(q[:, :, :], w, keys[:4], top_k, d ** -0.5)[-1]   # 4 positions <= top_k: all causal
+    assert short.tolist() == [True] * 4
+
+
+def test_index_keys_write_skips_slot_minus_one_and_reads_by_page():
+    g = _gen()
+    keys = dsa.new_index_keys(3, BS, 8, torch.float32, "cpu")
+    k = torch.randn(4, 8, generator=g)
+    dsa.write_index_keys(keys, k, torch.tensor([5, -1, 0, 11]))
+    assert torch.equal(keys[5], k[0]) and torch.equal(keys[0], k[2]) and torch.equal(keys[11], k[3])
+    assert keys[:-1].abs().sum(1).nonzero().flatten().tolist() == [0, 5, 11]     # -1 went to the sink only
+    # a sequence on pages [1, 0, 2]: its positions 0..5 are slots 4..7, 0, 1
+    got = dsa.read_index_keys(keys, BS, torch.tensor([1, 0, 2]), 6)
+    assert torch.equal(got, keys[[4, 5, 6, 7, 0, 1]])
+
+
+def _model(**kw):
+    return load_model(open_checkpoint(cached_checkpoint("glm_moe_dsa", **kw)), expert_format="bf16",
+                      dtype=torch.float32)
+
+
+def test_shared_layers_read_the_full_layers_selection():
+    model = _model()
+    a0, a1, a2 = (layer.self_attn for layer in model.model.layers)
+    assert a0.indexer is not None and a1.indexer is None and a2.indexer is not None
+    assert a1.selection is a0.selection and a2.selection is not a0.selection
+    assert model.mtp[0].layer.self_attn.indexer is not None
+    with torch.no_grad():
+        model(torch.arange(30, 42), 0, model.new_cache(16, "cpu"))
+    assert a0.selection.keep is not None and a0.selection.keep.shape == (12, 12)
+    assert a0.selection.keep.sum(1).tolist() == [min(i + 1, 4) for i in range(12)]
+
+
+def test_paged_forward_as_sequences_outgrow_top_k():
+    """top-k 8: sequence 0's prompt (6) and first decodes run dense and only write index keys; from
+    its 9th token on its rows attend sparsely, while sequence 1 stays within top-k in the same
+    steps (no selection for it). Every row's logits equal the contiguous forward's."""
+    g = _gen()
+    model = _model(index_topk=8)
+    totals = [13, 6]
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in totals]
+    schedule = [[(0, 6)], [(0, 1), (1, 3)], [(0, 1), (1, 3)], [(0, 1)], [(0, 1)], [(0, 1)], [(0, 1)], [(0, 1)]]
+    tables = [[7, 2, 9, 5], [4, 0]]
+    want = []
+    with torch.no_grad():
+        for s in seqs:
+            want.append(model.forward(s, 0, model.new_cache(s.shape[0], "cpu")))
+    kv = model.new_kv_cache(10, BS, F32, "cpu")
+    done, sparse_steps = [0, 0], 0
+    for step in schedule:
+        order = [b for b, _ in step]
+        batch = AttentionBatch.build(block_tables=[tables[b] for b in order], context_lens=[done[b] for b in order],
+                                     query_lens=[n for _, n in step], block_size=BS, device="cpu")
+        ids = torch.cat([seqs[b][done[b]:done[b] + n] for b, n in step])
+        with torch.no_grad():
+            logits = model.logits(model.forward_paged(ids, batch, kv))
+        keep = model.model.layers[0].self_attn.selection.keep
+        if max(batch.seq_lens_host) > 8:
+            sparse_steps += 1
+            assert keep[0] is not None and keep[0].sum(1).tolist() == [8] * step[0][1]
+            if len(step) > 1:
+                assert keep[1] is None                            # sequence 1 is within top-k
+        ref = torch.cat([want[b][done[b]:done[b] + n] for b, n in step])
+        assert float((logits - ref).norm() / ref.norm()) < 1e-5, step
+        for b, n in step:
+            done[b] += n
+    assert sparse_steps == 5
+
+
+def test_graphs_do_not_serve_sequences_past_top_k():
+    from moet.engine.cuda_graphs import GraphSet
+    gs = GraphSet(1, 4, 8, 8, "cpu", "decode")                  # max_context 8: a DSA model's top-k
+    gs.graphs[4] = object()                                      # as if bucket 4 were captured
+
+    def batch(lens):
+        return AttentionBatch.build(block_tables=[[0, 1, 2]] * len(lens), context_lens=[n - 1 for n in lens],
+                                    query_lens=[1] * len(lens), block_size=BS, device="cpu")
+    assert gs.bucket_for(batch([3, 8])) == 4
+    assert gs.bucket_for(batch([3, 9])) is None
+    assert gs.batch(2).seq_lens_host == [8, 8]                  # the capture stays on the dense path
+
+
+def test_kv_sizing_counts_index_keys():
+    from moet.engine.model_runner import kv_bytes_per_token_of
+    model = _model()
+    spec = model.spec
+    for fmt in (F32, KVFormat("fp8_e4m3", "block", group=16, dtype=torch.float32)):
+        from moet.kernels.kv_cache import kv_layer_bytes_per_token
+        with_index = model.kv_bytes_per_token(fmt)
+        assert kv_bytes_per_token_of(spec, fmt, load_mtp=True) == with_index
+        # 3 decoder layers + the MTP layer of MLA rows, plus index keys of the two full layers and
+        # the MTP layer: 32 float32 values each
+        assert with_index == 4 * kv_layer_bytes_per_token(spec.attention, fmt) + 3 * 32 * 4
+
+
+def _config(**kw):
+    import json
+    with open(cached_checkpoint("glm_moe_dsa") + "/config.json") as f:
+        cfg = json.load(f)
+    cfg.update(kw)
+    return cfg
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"indexer_types": ["shared", "full", "full"]}, "must start with 'full'"),
+    ({"indexer_types": ["full", "sparse", "full"]}, "indexer_types"),
+    ({"indexer_types": ["full"]}, "indexer_types"),
+    ({"q_lora_rank": None}, "q_lora_rank is required"),
+    ({"index_head_dim": 8}, "index_head_dim"),
+    ({"index_topk": 0}, "index_topk"),
+])
+def test_config_errors_name_the_field(change, message):
+    with pytest.raises(CheckpointError, match=message):
+        spec_from_config(_config(**change))
+
+
+def test_pattern_and_default_schedules():
+    assert spec_from_config(_config(indexer_types=None, index_topk_pattern="FSF")).sparse_attention.layer_types == \
+        ("full", "shared", "full")
+    # transformers' default: freq 2, offset 2 -> layers 0 full, 1 full, 2 shared (max(i - 1, 0) % 2)
+    spec = spec_from_config(_config(indexer_types=None, index_topk_freq=2, index_skip_topk_offset=2))
+    assert spec.sparse_attention.layer_types == ("full", "full", "shared")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "w2"])
+def test_engine_greedy_with_mtp_drafts_and_chunked_prefill(fmt):
+    """Through the engine (paged KV, continuous batching, chunked prefill of 5 tokens, W2 experts
+    with the FP4 gate): MTP drafts (the MTP layer's own indexer) change no greedy token, and two
+    runs give the same tokens; every sequence outgrows top-k (4) within its prompt."""
+    from moet.engine.llm_engine import LLMEngine
+    from moet.config import EngineConfig
+    from moet.sampling_params import SamplingParams
+
+    path = cached_checkpoint("glm_moe_dsa")
+    prompts = [list(range(30, 30 + n)) for n in (3, 9, 17)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(k, budget=8192):
+        kw = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+        eng = LLMEngine.from_config(EngineConfig(model=path, expert_format=fmt, dtype="float32", device="cpu",
+                                                 max_num_batched_tokens=budget, max_num_seqs=4, **kw))
+        done = eng.generate_all([(str(i), {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts)])
+        return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], eng
+
+    want, _ = run(0)
+    got, eng = run(2, budget=5)
+    assert got == want
+    assert eng.stats().extra["spec_draft_tokens_total"] > 0
+    assert run(2)[0] == want
