@@ -154,7 +154,8 @@ def test_kv_bytes_per_token_counts_every_attention_layer(family):
                                              if hasattr(layer, f)) if t is not None and t.dim() > 1)
                      for layer in kv)
         # DSA index keys: one row per slot (the last row is the sink of slot -1, not a token's)
-        stored += sum(layer.index_keys[:-1].nbytes for layer in kv if getattr(layer, "index_keys", None) is not None)
+        stored += sum(t[:-1].nbytes for layer in kv if getattr(layer, "index_keys", None) is not None
+                      for t in (layer.index_keys.data, layer.index_keys.scale) if t is not None)
         assert model.kv_bytes_per_token(fmt) == stored // (3 * BS)
 
 

@@ -45,16 +45,22 @@ def test_select_top_k_equals_float64_brute_force():
     assert short.tolist() == [True] * 4
 
 
-def test_index_keys_write_skips_slot_minus_one_and_reads_by_page():
+@pytest.mark.parametrize("fmt", [F32, KVFormat("fp8_e4m3", "block", dtype=torch.float32)], ids=["auto", "fp8"])
+def test_index_keys_write_skips_slot_minus_one_and_reads_by_page(fmt):
     g = _gen()
-    keys = dsa.new_index_keys(3, BS, 8, torch.float32, "cpu")
-    k = torch.randn(4, 8, generator=g)
+    keys = dsa.new_index_keys(3, BS, 8, fmt, "cpu")
+    k = torch.randn(4, 8, generator=g) * 3
     dsa.write_index_keys(keys, k, torch.tensor([5, -1, 0, 11]))
-    assert torch.equal(keys[5], k[0]) and torch.equal(keys[0], k[2]) and torch.equal(keys[11], k[3])
-    assert keys[:-1].abs().sum(1).nonzero().flatten().tolist() == [0, 5, 11]     # -1 went to the sink only
+    assert keys.data[:-1].float().abs().sum(1).nonzero().flatten().tolist() == [0, 5, 11]   # -1: the sink only
     # a sequence on pages [1, 0, 2]: its positions 0..5 are slots 4..7, 0, 1
     got = dsa.read_index_keys(keys, BS, torch.tensor([1, 0, 2]), 6)
-    assert torch.equal(got, keys[[4, 5, 6, 7, 0, 1]])
+    assert got.shape == (6, 8) and got[[0, 2, 3, 5]].abs().sum() == 0
+    if keys.scale is None:
+        assert torch.equal(got[1], k[0]) and torch.equal(got[4], k[2]) and torch.equal(dsa.read_index_keys(keys, BS, torch.tensor([1, 2, 0]), 12)[7], k[3])
+    else:                       # e4m3 with one scale per token: within half an e4m3 step of its amax
+        assert keys.data.dtype == torch.float8_e4m3fn
+        err = (got[4] - k[2]).abs().max() / k[2].abs().max()
+        assert 0 < err <= 2 ** -4, err
 
 
 def _model(**kw):
@@ -110,6 +116,23 @@ def test_paged_forward_as_sequences_outgrow_top_k():
     assert sparse_steps == 5
 
 
+def test_quantized_cache_keeps_the_selection_close():
+    """With an fp8 cache the index keys are e4m3 too: the paged forward stays close to the float32
+    contiguous one (both the MLA rows and the keys quantized), and really went through e4m3."""
+    g = _gen()
+    model = _model()
+    seq = torch.randint(0, VOCAB, (14,), generator=g)
+    with torch.no_grad():
+        want = model.forward(seq, 0, model.new_cache(14, "cpu"))
+        kv = model.new_kv_cache(6, BS, KVFormat("fp8_e4m3", "block", group=16, dtype=torch.float32), "cpu")
+        batch = AttentionBatch.build(block_tables=[[3, 1, 5, 0]], context_lens=[0], query_lens=[14], block_size=BS,
+                                     device="cpu")
+        got = model.logits(model.forward_paged(seq, batch, kv))
+    assert kv[0].index_keys.data.dtype == torch.float8_e4m3fn
+    rel = float((got - want).norm() / want.norm())
+    assert 1e-6 < rel < 0.4, rel
+
+
 def test_graphs_do_not_serve_sequences_past_top_k():
     from moet.engine.cuda_graphs import GraphSet
     gs = GraphSet(1, 4, 8, 8, "cpu", "decode")                  # max_context 8: a DSA model's top-k
@@ -127,13 +150,13 @@ def test_kv_sizing_counts_index_keys():
     from moet.engine.model_runner import kv_bytes_per_token_of
     model = _model()
     spec = model.spec
-    for fmt in (F32, KVFormat("fp8_e4m3", "block", group=16, dtype=torch.float32)):
-        from moet.kernels.kv_cache import kv_layer_bytes_per_token
+    from moet.kernels.kv_cache import kv_layer_bytes_per_token
+    # index keys of the two full layers and the MTP layer: 32 float32 values, or 32 e4m3 + a scale
+    for fmt, index_bytes in ((F32, 32 * 4), (KVFormat("fp8_e4m3", "block", group=16, dtype=torch.float32), 36),
+                             (KVFormat("nvfp4", dtype=torch.float32), 36)):
         with_index = model.kv_bytes_per_token(fmt)
         assert kv_bytes_per_token_of(spec, fmt, load_mtp=True) == with_index
-        # 3 decoder layers + the MTP layer of MLA rows, plus index keys of the two full layers and
-        # the MTP layer: 32 float32 values each
-        assert with_index == 4 * kv_layer_bytes_per_token(spec.attention, fmt) + 3 * 32 * 4
+        assert with_index == 4 * kv_layer_bytes_per_token(spec.attention, fmt) + 3 * index_bytes
 
 
 def _config(**kw):

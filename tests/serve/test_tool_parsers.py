@@ -149,4 +149,5 @@ def test_registry_and_defaults():
     assert default_tool_parser("{{ '<tool_call>' }}", None) == "hermes"
     assert default_tool_parser("<｜tool▁calls▁begin｜>", "DeepseekV3ForCausalLM") == "deepseek_v3"
     assert default_tool_parser(None, "Glm4MoeForCausalLM") == "glm45"
+    assert default_tool_parser(None, "GlmMoeDsaForCausalLM") == "glm45"
     assert default_tool_parser(None, "DeepseekV3ForCausalLM") is None                  # ambiguous: Kimi or DeepSeek

@@ -86,7 +86,7 @@ def kv_bytes_per_token_of(spec, kv_format: KVFormat, load_mtp: bool) -> int:
     loaded): the KV checks that run before the weights are read."""
     mtp = spec.num_mtp_layers if load_mtp else 0
     return kv_layer_bytes_per_token(spec.attention, kv_format) * (spec.num_layers + mtp) + \
-        index_key_bytes_of(spec, kv_format.dtype, mtp)
+        index_key_bytes_of(spec, kv_format, mtp)
 
 
 def _gib(n: float) -> str:

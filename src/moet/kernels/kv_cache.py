@@ -119,9 +119,9 @@ class MLALayerKV:
     latent_scale: torch.Tensor | None  # fp8 tensor: fp32 [1] (latent and rope); block: [NB, BS, R/group];
                                        # nvfp4: e4m3 [NB, BS, R/16]
     scale_2: torch.Tensor | None = None  # nvfp4: fp32 [2], the latent's per-layer scale_2 and the rope's scale
-    # DeepSeek Sparse Attention's index keys of a layer that runs an indexer, [NB * BS + 1, Di]
-    # in the model dtype, addressed by slot (kernels/sparse_attention.py); None: no indexer
-    index_keys: torch.Tensor | None = None
+    # DeepSeek Sparse Attention's index keys of a layer that runs an indexer, addressed by slot
+    # (kernels/sparse_attention.IndexKeys); None: no indexer
+    index_keys: object | None = None
 
     @property
     def block_size(self) -> int:

@@ -4,10 +4,12 @@ every device for now (no Triton kernel yet): the model only takes this path in a
 sequence is longer than the indexer's top-k; below that every position is selected and the
 dense MLA kernels give the same attention (model/layers/dsa.py).
 
-Index keys (one [index_head_dim] vector per token, normed and rotated, in the model dtype) live
-in one flat tensor per layer that runs an indexer, `[num_blocks * block_size + 1, Di]`: token
-slot s at row s, as the MLA rows are addressed, and the last row a sink for slot -1 (a token
-not cached), so a write is one index_copy_ with no host sync, capturable in a CUDA graph.
+Index keys (one [index_head_dim] vector per token, normed and rotated) live in one flat tensor
+per layer that runs an indexer, `[num_blocks * block_size + 1, Di]`: token slot s at row s, as
+the MLA rows are addressed, and the last row a sink for slot -1 (a token not cached), so a write
+is one index_copy_ with no host sync, capturable in a CUDA graph. In the KV's data dtype for an
+"auto" cache; with a quantized cache (fp8, nvfp4) as DeepSeek's serving keeps them: e4m3 with one
+fp32 scale per token (amax / 448), Di + 4 bytes.
 
 Selection, as transformers' GlmMoeDsaIndexer computes it (float32): for a query at position p
 with indexer queries q [Hi, Di] and head weights w [Hi] (already times Hi ** -0.5),
@@ -16,43 +18,66 @@ and the query keeps the min(top_k, p + 1) best positions (torch.topk over the se
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moet.kernels.attention_reference import attend_latent
-from moet.kernels.kv_cache import MLALayerKV, read_mla_kv
+from moet.kernels.kv_cache import KVFormat, MLALayerKV, dequantize_fp8, quantize_fp8, read_mla_kv
 
 
-def new_index_keys(num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
-                   device: torch.device | str) -> torch.Tensor:
-    return torch.zeros(num_blocks * block_size + 1, head_dim, dtype=dtype, device=device)
+@dataclass(slots=True)
+class IndexKeys:
+    data: torch.Tensor                 # [NB * BS + 1, Di]: the KV's data dtype, or e4m3
+    scale: torch.Tensor | None         # e4m3 keys: fp32 [NB * BS + 1, 1], one per token; else None
 
 
-def index_key_bytes_per_token(head_dim: int, dtype: torch.dtype) -> int:
-    return head_dim * dtype.itemsize
+def _quantized(fmt: KVFormat) -> bool:
+    return fmt.is_fp8 or fmt.is_nvfp4
 
 
-def index_key_bytes_of(spec, dtype: torch.dtype, num_mtp_layers: int) -> int:
+def new_index_keys(num_blocks: int, block_size: int, head_dim: int, fmt: KVFormat,
+                   device: torch.device | str) -> IndexKeys:
+    rows = num_blocks * block_size + 1
+    if _quantized(fmt):
+        return IndexKeys(torch.zeros(rows, head_dim, dtype=torch.float8_e4m3fn, device=device),
+                         torch.ones(rows, 1, dtype=torch.float32, device=device))
+    return IndexKeys(torch.zeros(rows, head_dim, dtype=fmt.dtype, device=device), None)
+
+
+def index_key_bytes_per_token(head_dim: int, fmt: KVFormat) -> int:
+    return head_dim + 4 if _quantized(fmt) else head_dim * fmt.dtype.itemsize
+
+
+def index_key_bytes_of(spec, fmt: KVFormat, num_mtp_layers: int) -> int:
     """Index-key bytes per token of a ModelSpec (its full-indexer layers and `num_mtp_layers` MTP
     layers, which run their own indexer); 0 without sparse attention."""
     dsa = getattr(spec, "sparse_attention", None)
     if dsa is None:
         return 0
     layers = sum(t == "full" for t in dsa.layer_types) + num_mtp_layers
-    return layers * index_key_bytes_per_token(dsa.head_dim, dtype)
+    return layers * index_key_bytes_per_token(dsa.head_dim, fmt)
 
 
-def write_index_keys(keys: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_index_keys(keys: IndexKeys, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k [T, Di] into rows slot_mapping [T] of `keys` (-1: the sink row, never read)."""
-    sink = keys.shape[0] - 1
+    sink = keys.data.shape[0] - 1
     rows = torch.where(slot_mapping >= 0, slot_mapping, torch.full_like(slot_mapping, sink))
-    keys.index_copy_(0, rows, k.to(keys.dtype))
+    if keys.scale is None:
+        keys.data.index_copy_(0, rows, k.to(keys.data.dtype))
+        return
+    q, s = quantize_fp8(k, None, k.shape[-1])
+    keys.data.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))    # no e4m3 index_copy_ on CPU
+    keys.scale.index_copy_(0, rows, s)
 
 
-def read_index_keys(keys: torch.Tensor, block_size: int, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """One sequence's first n index keys: [n, Di]."""
-    pos = torch.arange(n, device=keys.device)
-    slots = blocks.to(keys.device).long()[pos // block_size] * block_size + pos % block_size
-    return keys[slots]
+def read_index_keys(keys: IndexKeys, block_size: int, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """One sequence's first n index keys: [n, Di] (float32 where they are stored in e4m3)."""
+    pos = torch.arange(n, device=keys.data.device)
+    slots = blocks.to(keys.data.device).long()[pos // block_size] * block_size + pos % block_size
+    if keys.scale is None:
+        return keys.data[slots]
+    return dequantize_fp8(keys.data[slots], keys.scale[slots])
 
 
 def select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, top_k: int,
@@ -71,7 +96,7 @@ def select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, top
     return keep & causal
 
 
-def paged_select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, block_size: int,
+def paged_select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: IndexKeys, block_size: int,
                        block_tables: torch.Tensor, cu_seqlens_q: list[int], seq_lens: list[int],
                        top_k: int, scale: float) -> list[torch.Tensor | None]:
     """select_top_k per sequence of a varlen batch (host cu_seqlens_q / seq_lens) -> one keep

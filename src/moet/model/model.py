@@ -272,7 +272,7 @@ class CausalLM(nn.Module):
         """KV cache bytes one token occupies across every attention layer (MTP layers included),
         DSA index keys included."""
         layers = self._attention_layers()
-        index = sum(index_key_bytes_per_token(a.indexer.spec.head_dim, kv_format.dtype)
+        index = sum(index_key_bytes_per_token(a.indexer.spec.head_dim, kv_format)
                     for a in layers if getattr(a, "indexer", None) is not None)
         return kv_layer_bytes_per_token(self.spec.attention, kv_format) * len(layers) + index
 
@@ -292,7 +292,7 @@ class CausalLM(nn.Module):
         for attn in self._attention_layers():
             layer = make()
             if getattr(attn, "indexer", None) is not None:
-                layer.index_keys = new_index_keys(num_blocks, block_size, attn.indexer.spec.head_dim, kv_format.dtype,
+                layer.index_keys = new_index_keys(num_blocks, block_size, attn.indexer.spec.head_dim, kv_format,
                                                    device)
             out.append(layer)
         return out

@@ -251,7 +251,7 @@ def kv_bytes_per_token_of(spec, kv_dtype_bytes: int = 2, *, kv_cache_dtype: str 
         fmt = KVFormat("auto", dtype=model_dtype)
     else:
         fmt = kv_format_for(kv_cache_dtype, model_dtype, spec.attention)
-    return kv_layer_bytes_per_token(spec.attention, fmt) * spec.num_layers + index_key_bytes_of(spec, fmt.dtype, 0)
+    return kv_layer_bytes_per_token(spec.attention, fmt) * spec.num_layers + index_key_bytes_of(spec, fmt, 0)
 
 
 # ---------------------------------------------------------------- placement

@@ -34,7 +34,8 @@ _TEMPLATE_MARKERS = (
     ("tool▁calls▁begin", "deepseek_v3"),
     ("<tool_call>", "hermes"),
 )
-_FAMILY_DEFAULTS = {"Glm4MoeForCausalLM": "glm45"}
+# GLM-5 writes tool calls as GLM-4.7 does (<tool_call>name<arg_key>..</arg_key><arg_value>..)
+_FAMILY_DEFAULTS = {"Glm4MoeForCausalLM": "glm45", "GlmMoeDsaForCausalLM": "glm45"}
 
 
 def default_tool_parser(chat_template: str | None, architecture: str | None = None) -> str | None:
