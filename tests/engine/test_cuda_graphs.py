@@ -47,7 +47,7 @@ def test_static_step_equals_the_built_step(which, q, read_only):
     ids = torch.randint(0, vocab, (3 * q,))
     before = [t.clone() for t in _tensors(kv)]
 
-    gs = GraphSet(q, max_num_seqs=4, table_width=2, max_model_len=128, device="cpu", name="test")
+    gs = GraphSet(q, max_num_seqs=4, table_width=2, max_context=128, device="cpu", name="test")
     gs.block_tables[3] = torch.tensor([7, 8])         # the padding sequence's (stale) table row
     gs.slot_mapping.fill_(5)                           # stale slots of an earlier step: load must clear them
     gs.load(4, ids, step)
@@ -64,7 +64,7 @@ def test_static_step_equals_the_built_step(which, q, read_only):
 
 
 def test_bucket_choice():
-    gs = GraphSet(3, max_num_seqs=8, table_width=2, max_model_len=128, device="cpu", name="test")
+    gs = GraphSet(3, max_num_seqs=8, table_width=2, max_context=128, device="cpu", name="test")
     assert gs.buckets == graph_buckets(8) == [1, 2, 4, 8]
 
     def batch(qs):
@@ -78,6 +78,6 @@ def test_bucket_choice():
     assert gs.bucket_for(batch([3, 2, 3])) is None                 # a sequence with fewer drafts: eager
     assert gs.bucket_for(batch([1, 3, 3, 2])) is None              # a decode row leads: eager
     assert gs.bucket_for(batch([3] * 9)) is None                   # more sequences than the largest bucket
-    dec = GraphSet(1, max_num_seqs=8, table_width=2, max_model_len=128, device="cpu", name="test")
+    dec = GraphSet(1, max_num_seqs=8, table_width=2, max_context=128, device="cpu", name="test")
     dec.graphs = {b: object() for b in dec.buckets}
     assert dec.bucket_for(batch([1, 1, 1, 1, 1])) == 8 and dec.bucket_for(batch([1, 2])) is None
