@@ -159,7 +159,7 @@ def test_kv_bytes_per_token_counts_every_attention_layer(family):
         assert model.kv_bytes_per_token(fmt) == stored // (3 * BS)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"] + [f for f in FAMILIES if f == "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"] + [f for f in FAMILIES if f in ("glm_moe_dsa", "deepseek_v32")])
 def test_mtp_forward_paged_equals_contiguous(family):
     """The MTP block over its own paged cache, fed the main model's final-normed hidden states,
     equals mtp_forward over a contiguous cache (prompt in two chunks, then decodes)."""

@@ -27,6 +27,8 @@ CASES = [
     # layer 0's selection; then transformers' default schedule (every layer its own indexer)
     ("glm_moe_dsa", {}),
     ("glm_moe_dsa", {"indexer_types": None, "index_topk": 16, "mtp": False}),
+    # DeepSeek-V3.2: YaRN, group routing, every layer its own indexer with a half-split rope
+    ("deepseek_v32", {}),
 ] if "glm_moe_dsa" in FAMILIES else [])
 
 
@@ -59,7 +61,7 @@ def test_full_logit_rows_match(tmp_path):
     from moet.checkpoint import open_checkpoint
     from moet.model import load_model
 
-    for family in ("deepseek_v3", "glm4_moe") + (("glm_moe_dsa",) if "glm_moe_dsa" in FAMILIES else ()):
+    for family in ("deepseek_v3", "glm4_moe") + (("glm_moe_dsa", "deepseek_v32") if "glm_moe_dsa" in FAMILIES else ()):
         path = cached_checkpoint(family, "bf16")
         ref = reference_model(path)
         model = load_model(open_checkpoint(path), expert_format="bf16", dtype=torch.float32)

@@ -12,7 +12,9 @@ from moet.model import load_model
 from moet.testing.tiny_checkpoint import FAMILIES, cached_checkpoint, reference_model
 
 # GLM-5 as published: NVFP4 (modelopt) and FP8 block-128 (its indexer's wq_b / wk in e4m3 too)
-DSA = [("glm_moe_dsa", "nvfp4"), ("glm_moe_dsa", "fp8")] if "glm_moe_dsa" in FAMILIES else []
+# and DeepSeek-V3.2 as DeepSeek publishes it (FP8 block-128)
+DSA = ([("glm_moe_dsa", "nvfp4"), ("glm_moe_dsa", "fp8"), ("deepseek_v32", "fp8")] if "glm_moe_dsa" in FAMILIES
+       else [])
 
 PROMPT = torch.tensor(list(range(60, 60 + 24)))
 

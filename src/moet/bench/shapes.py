@@ -44,6 +44,9 @@ GLM5 = dict(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", vo
             v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=32, hidden_act="silu",
             max_position_embeddings=202752, rope_theta=10000.0, rms_norm_eps=1e-5, attention_bias=False,
             tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=1)
+# DeepSeek-V3.2: DeepSeek-V3 plus DSA (every layer its own indexer)
+DSV32 = dict(DSV3, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=2048,
+             index_head_dim=128, index_n_heads=64)
 # a few-MB Qwen3-MoE-shaped model: the benchmark's own tests on a CPU (its numbers mean nothing)
 MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -57,6 +60,7 @@ MICRO_MTP = dict(GLM45_AIR, vocab_size=260, hidden_size=64, num_hidden_layers=2,
 SHAPES: dict[str, tuple[str, dict]] = {
     "glm45air": ("GLM-4.5-Air", GLM45_AIR), "qwen3_30b": ("Qwen3-30B-A3B", QWEN3_30B),
     "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "glm5": ("GLM-5", GLM5),
+    "dsv32": ("DeepSeek-V3.2", DSV32),
     "micro": ("micro (tests)", MICRO),
     "micro_mtp": ("micro with MTP (tests)", MICRO_MTP)}
 

@@ -64,8 +64,9 @@ class SparseAttentionSpec:
     num_heads: int                    # index_n_heads
     head_dim: int                     # index_head_dim; its first rope_dim dims are rotated
     top_k: int                        # index_topk
-    rope_dim: int                     # the MLA's qk_rope_head_dim (interleaved pairs)
+    rope_dim: int                     # the MLA's qk_rope_head_dim
     layer_types: tuple[str, ...]
+    rope_interleave: bool = True      # GLM-5: interleaved pairs as its MLA; DeepSeek-V3.2: half-split
 
     @property
     def scale(self) -> float:
@@ -87,7 +88,7 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str                       # "deepseek_v3" | "glm4_moe" | "qwen3_moe" | "mixtral" | "glm_moe_dsa"
+    family: str                       # "deepseek_v3" | "glm4_moe" | "qwen3_moe" | "mixtral" | "glm_moe_dsa" | "deepseek_v32"
     architecture: str                 # config.json's architectures[0]
     vocab_size: int
     hidden_size: int
@@ -364,12 +365,9 @@ def deepseek_v3_spec(cfg: dict) -> ModelSpec:
 
 
 def glm_moe_dsa_spec(cfg: dict) -> ModelSpec:
-    """GLM-5: DeepSeek-V3's MLA (interleaved rope) and sigmoid-routed MoE, plus DSA's indexer."""
-    if cfg.get("q_lora_rank") is None:
-        raise CheckpointError("config.json: q_lora_rank is required for GlmMoeDsaForCausalLM (the DSA indexer "
-                              "reads the compressed query)")
-    spec = deepseek_v3_spec({**cfg, "rope_interleave": True})
-    n = spec.num_layers
+    """GLM-5: DeepSeek-V3's MLA (interleaved rope) and sigmoid-routed MoE, plus DSA's indexer
+    (interleaved rope too), whose selection "shared" layers reuse."""
+    n = _cint(cfg, "num_hidden_layers")
     types = cfg.get("indexer_types")
     if types is None and cfg.get("index_topk_pattern") is not None:
         pattern = cfg["index_topk_pattern"]
@@ -378,16 +376,31 @@ def glm_moe_dsa_spec(cfg: dict) -> ModelSpec:
         freq = max(_cint(cfg, "index_topk_freq", 1), 1)
         offset = _cint(cfg, "index_skip_topk_offset", 2, lo=0)
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    return _dsa_spec(cfg, "glm_moe_dsa", types, rope_interleave=True)
+
+
+def deepseek_v32_spec(cfg: dict) -> ModelSpec:
+    """DeepSeek-V3.2: DeepSeek-V3 plus DSA, every layer its own indexer, whose rope is half-split
+    (not interleaved like the MLA's)."""
+    return _dsa_spec(cfg, "deepseek_v32", ["full"] * _cint(cfg, "num_hidden_layers"), rope_interleave=False)
+
+
+def _dsa_spec(cfg: dict, family: str, types, *, rope_interleave: bool) -> ModelSpec:
+    if cfg.get("q_lora_rank") is None:
+        raise CheckpointError(f"config.json: q_lora_rank is required for {cfg['architectures'][0]} (the DSA "
+                              "indexer reads the compressed query)")
+    spec = deepseek_v3_spec({**cfg, "rope_interleave": True})
+    n = spec.num_layers
     if not isinstance(types, list) or len(types) < n or any(t not in ("full", "shared") for t in types[:n]):
         raise _bad("indexer_types", types, f"must list 'full' or 'shared' for each of the {n} layers")
     if types[0] != "full":
         raise _bad("indexer_types", types[:4], "must start with 'full' (a shared layer reuses an earlier full one)")
     dsa = SparseAttentionSpec(num_heads=_cint(cfg, "index_n_heads", 32), head_dim=_cint(cfg, "index_head_dim", 128),
                               top_k=_cint(cfg, "index_topk", 2048), rope_dim=spec.attention.qk_rope_head_dim,
-                              layer_types=tuple(types[:n]))
+                              layer_types=tuple(types[:n]), rope_interleave=rope_interleave)
     if dsa.head_dim < dsa.rope_dim:
         raise _bad("index_head_dim", dsa.head_dim, f"must be at least qk_rope_head_dim={dsa.rope_dim}")
-    return replace(spec, family="glm_moe_dsa", sparse_attention=dsa)
+    return replace(spec, family=family, sparse_attention=dsa)
 
 
 def _sigmoid_routed_moe_spec(cfg: dict, base: dict, attn: "AttentionSpec", rope) -> ModelSpec:
@@ -478,13 +491,14 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": qwen3_moe_spec,
     "MixtralForCausalLM": mixtral_spec,
     "GlmMoeDsaForCausalLM": glm_moe_dsa_spec,
+    "DeepseekV32ForCausalLM": deepseek_v32_spec,
 }
 
 
 # model_type -> architecture, for configs without an `architectures` field
 MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+               "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
 def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:

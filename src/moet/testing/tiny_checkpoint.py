@@ -36,10 +36,11 @@ def _transformers_has(cls: str) -> bool:
     return hasattr(transformers, cls)
 
 
-# glm_moe_dsa (GLM-5) needs transformers >= 5.23 as its reference; an older one (the GPU image's)
+# glm_moe_dsa (GLM-5) and deepseek_v32 need transformers >= 5.23 as their reference; an older one (the GPU image's)
 # leaves the family out of the parametrized tests rather than failing them
 FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral") + (
-    ("glm_moe_dsa",) if _transformers_has("GlmMoeDsaConfig") else ())
+    ("glm_moe_dsa", "deepseek_v32") if _transformers_has("GlmMoeDsaConfig") and _transformers_has("DeepseekV32Config")
+    else ())
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 VOCAB = 260
 BOS, EOS, PAD = 256, 257, 258
@@ -87,6 +88,17 @@ def tiny_config(family: str, **overrides):
                   index_topk=4, index_head_dim=32, index_n_heads=16, indexer_types=["full", "shared", "full"],
                   num_nextn_predict_layers=1, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
         cls = tf.GlmMoeDsaConfig
+    elif family == "deepseek_v32":
+        # DeepSeek-V3's options (YaRN, group routing) plus DSA with a half-split indexer rope
+        kw = dict(common, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                  first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                  index_topk=6, index_head_dim=32, index_n_heads=16, num_nextn_predict_layers=1,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                       mscale=0.707, mscale_all_dim=1.0))
+        cls = tf.DeepseekV32Config
     elif family == "mixtral":
         kw = dict(common, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, sliding_window=12,

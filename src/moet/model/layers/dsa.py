@@ -1,5 +1,5 @@
 """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5), as transformers'
-GlmMoeDsaIndexer computes it: small heads of its own score every earlier position for each
+GlmMoeDsaIndexer / DeepseekV32Indexer compute it: small heads of its own score every earlier position for each
 query, and the MLA attention of its layer (and of the "shared" layers after it) reads only the
 top-k positions (kernels/sparse_attention.py has the arithmetic).
 
@@ -8,6 +8,9 @@ nothing is selected and the dense attention runs unchanged; the index keys are s
 for the steps after the sequence outgrows top-k.
 """
 from __future__ import annotations
+
+import copy
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -31,6 +34,10 @@ class Indexer(nn.Module):
                  dtype: torch.dtype):
         super().__init__()
         self.spec, self.rotary = spec, rotary
+        if rotary.spec.interleave != spec.rope_interleave:
+            # the same frequencies and cos / sin, the other pairing (DeepSeek-V3.2's half-split)
+            self.rotary = copy.copy(rotary)
+            self.rotary.spec = replace(rotary.spec, interleave=spec.rope_interleave)
         self.wq_b = Linear(q_lora_rank, spec.num_heads * spec.head_dim, False, dtype)
         self.wk = Linear(hidden, spec.head_dim, False, dtype)
         # transformers builds this one with nn.LayerNorm's eps 1e-6 (weight and bias)
