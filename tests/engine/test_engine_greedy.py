@@ -7,7 +7,7 @@ from moet.config import EngineConfig
 from moet.engine.llm_engine import LLMEngine
 from moet.sampling_params import SamplingParams
 from moet.testing.reference_loop import ReferenceLoop
-from moet.testing.tiny_checkpoint import cached_checkpoint
+from moet.testing.tiny_checkpoint import FAMILIES, cached_checkpoint
 
 # mixed lengths; shared prefixes so the prefix cache has something to hit
 BASE = [(7 * i + 3) % 250 for i in range(40)]
@@ -25,7 +25,9 @@ def run(eng, prompts, sp):
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"])
+# glm_moe_dsa: DeepSeek Sparse Attention (top-k 4): every prompt here attends sparsely, prefix-cached
+# blocks carry their index keys, preemption recomputes them
+@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"] + [f for f in FAMILIES if f == "glm_moe_dsa"])
 def ckpt(request):
     path = cached_checkpoint(request.param)
     eng = engine(path)

@@ -213,3 +213,33 @@ def test_engine_greedy_with_mtp_drafts_and_chunked_prefill(fmt):
     assert got == want
     assert eng.stats().extra["spec_draft_tokens_total"] > 0
     assert run(2)[0] == want
+
+
+def test_expert_store_with_a_capped_cache_is_the_resident_engine(tmp_path, monkeypatch):
+    """W2 experts paged from their pack through a device cache too small for a step's experts
+    (misses fetched from the pack mid-step, or replayed): token ids and
+    logprobs equal the all-resident engine's, bit for bit."""
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    from moet.sampling_params import SamplingParams
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = cached_checkpoint("glm_moe_dsa", "bf16", tokenizer=False, n_routed_experts=16)
+    prompts = [list(range(40, 40 + n)) for n in (5, 9, 3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run(**kw):
+        eng = LLMEngine.from_config(EngineConfig(model=path, expert_format="w2", fp4_gate=False, dtype="float32",
+                                                 device="cpu", max_num_seqs=4, max_num_batched_tokens=16, **kw))
+        try:
+            done = eng.generate_all([(str(i), {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts)])
+            return [(done[str(i)].outputs[0].token_ids,
+                     [{t: lp.logprob for t, lp in d.items()} for d in done[str(i)].outputs[0].logprobs])
+                    for i in range(len(prompts))], eng.stats().extra
+        finally:
+            eng.close()
+
+    want, _ = run()
+    got, st = run(pack_dir=str(tmp_path / "packs"), expert_cache_slots=20)
+    assert got == want
+    assert st["expert_cache_slots"] == 20 and st["expert_rows_fetched_total"] > 0 and st["expert_cache_hit_rate"] < 1
