@@ -117,20 +117,28 @@ def test_paged_forward_as_sequences_outgrow_top_k():
 
 
 def test_quantized_cache_keeps_the_selection_close():
-    """With an fp8 cache the index keys are e4m3 too: the paged forward stays close to the float32
-    contiguous one (both the MLA rows and the keys quantized), and really went through e4m3."""
+    """With an fp8 cache the index keys are e4m3 with a per-token scale. Layer 0's indexer sees the
+    same input either way (the embeddings), so its selection differs only through the keys'
+    rounding: nearly every selected position stays (seen: 96-100% per prompt, a row at worst 3 of
+    4; keys read from wrong slots pick unrelated positions). The keys' own round trip, scale
+    included, is checked above. The logits stay O(0.1) from the float32 cache's (seen up to 0.54
+    over random prompts: MLA rows in fp8 too, and tiny random models flip expert choices), not O(1)."""
     g = _gen()
     model = _model()
     seq = torch.randint(0, VOCAB, (14,), generator=g)
-    with torch.no_grad():
-        want = model.forward(seq, 0, model.new_cache(14, "cpu"))
-        kv = model.new_kv_cache(6, BS, KVFormat("fp8_e4m3", "block", group=16, dtype=torch.float32), "cpu")
+    keeps, logits = [], []
+    for fmt in (F32, KVFormat("fp8_e4m3", "block", group=16, dtype=torch.float32)):
+        kv = model.new_kv_cache(6, BS, fmt, "cpu")
         batch = AttentionBatch.build(block_tables=[[3, 1, 5, 0]], context_lens=[0], query_lens=[14], block_size=BS,
                                      device="cpu")
-        got = model.logits(model.forward_paged(seq, batch, kv))
+        with torch.no_grad():
+            logits.append(model.logits(model.forward_paged(seq, batch, kv)))
+        keeps.append(model.model.layers[0].self_attn.selection.keep[0].clone())
     assert kv[0].index_keys.data.dtype == torch.float8_e4m3fn
-    rel = float((got - want).norm() / want.norm())
-    assert 1e-6 < rel < 0.4, rel
+    overlap = ((keeps[0] & keeps[1]).sum(1).float() / keeps[0].sum(1)).mean()
+    assert overlap >= 0.9, overlap
+    rel = float((logits[1] - logits[0]).norm() / logits[0].norm())
+    assert 1e-6 < rel < 1.0, rel
 
 
 def test_graphs_do_not_serve_sequences_past_top_k():
