@@ -14,8 +14,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 HEADER = "| device | date | commit | shape | config | tok/s | GB/s | % of roofline | peer ratio | notes |"
 
 
-def bench(tmp_path, *args, shape="micro") -> dict:
-    assert main(["bench", *args, "--shape", shape, "--device", "cpu", "--prompt-len", "16",
+def bench(tmp_path, *args, shape="micro", prompt_len=16) -> dict:
+    assert main(["bench", *args, "--shape", shape, "--device", "cpu", "--prompt-len", str(prompt_len),
                  "--out", str(tmp_path)]) == 0
     return json.loads((tmp_path / "bench.json").read_text())
 
@@ -133,3 +133,14 @@ def test_decode_under_a_grammar(tmp_path):
     constrained = [r for r in rows if "JSON-like grammar" in r["config"]]
     assert len(constrained) == 2 and all(r["details"]["grammar_accepts_outputs"] for r in constrained)
     assert sum("output free" in r["config"] for r in rows) == 2
+
+
+def test_long_prompts_are_prefilled_first(tmp_path):
+    """Prompts longer than one step prefills for the whole batch (2 x 300 > 512 tokens a step):
+    unprimed, chunked prefill staggers the sequences and the first finishes before the last
+    decodes (no batch-2 decode step: no rate). Primed into the prefix cache, both decode together."""
+    pytest.importorskip("matplotlib")
+    res = bench(tmp_path, "decode", "--batch", "2", "--decode-tokens", "2", prompt_len=300)
+    (row,) = [r for r in res["rows"] if r["system"] == "moet"]
+    assert row["tok_s"] > 0 and row["details"]["generated"] == 4
+    assert "prompts prefilled first" in row["notes"]

@@ -231,6 +231,8 @@ def test_repair_widths():
     assert repair_widths(0) == [1]
     assert repair_widths(5) == [1, 2, 4, 6]
     assert repair_widths(3) == [1, 2, 4]
+    # no width past the longest sequence a replay may serve (--max-model-len, or DSA's top-k)
+    assert repair_widths(32, 13) == [1, 2, 4, 8] and repair_widths(32, 33) == [1, 2, 4, 8, 16, 33]
 
 
 def test_confidence_gate_repairs_moet_tiny_arithmetic(tiny):

@@ -195,9 +195,12 @@ def test_verify_steps_replay_captured_graphs(fmt):
     sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
     got, want = generate(graphs, PROMPTS, sp, logprobs=True), generate(eager, PROMPTS, sp, logprobs=True)
     assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, a), (_, b) in zip(got, want):
-        for pa, pb in zip(a, b):
-            assert pa.keys() == pb.keys() and all(abs(pa[k] - pb[k]) < 1e-3 for k in pa)
+    # W2's MoE kernels run the same tiles eager and captured; FP4's eager launch may pick another
+    # kernel form from the host's token counts (another summation order of its bf16 products)
+    tol = 1e-3 if fmt == "w2" else 1e-2
+    diff = max(abs(pa[k] - pb[k]) for (_, a), (_, b) in zip(got, want) for pa, pb in zip(a, b) for k in pa)
+    assert all(pa.keys() == pb.keys() for (_, a), (_, b) in zip(got, want) for pa, pb in zip(a, b))
+    assert diff < tol, diff
     assert graphs.runner.spec_graphs[3].replays > 0
     assert sorted(graphs.runner.draft_graphs) == [(False, 1), (True, 1), (True, 3)] and not eager.runner.draft_graphs
     assert graphs.runner.draft_graphs[(True, 3)].replays > 0 and graphs.runner.draft_graphs[(False, 1)].replays > 0

@@ -179,7 +179,9 @@ def run(args) -> int:
             print(f"roofline: {report.roofline['what']}: {report.roofline['GBps']:.0f} GB/s", flush=True)
         longest = max([s.prompt_len + s.decode_tokens + 16, 336]
                       + ([max(s.tokens) + 16] if "prefill" in s.scenarios else []))
-        batched = max(512, max(s.tokens) if "prefill" in s.scenarios else 0)
+        # long decode prompts prefill in steps of up to 8K tokens (priming takes a step per prompt)
+        batched = max(512, max(s.tokens) if "prefill" in s.scenarios else 0,
+                      min(s.prompt_len, 8192) if "decode" in s.scenarios else 0)
         t = open_target(s, longest, max(s.batches) if "decode" in s.scenarios else 1, batched)
         report.note(engine_scenarios[0], "engine", t.facts)
         peer_args = (t.cfg, t.expert_format, t.checkpoint, next(t.model.parameters()).dtype, t.label)

@@ -226,6 +226,7 @@ class ConfidenceGate:
                                      pad_blocks_to=self.runner.table_width,
                                      read_only_rows=[first - start for (_, _, first, _), start in zip(plan, starts)])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.runner.device)
+        replays = self.runner.repair_replays
         hidden = self.runner.repair_forward(input_ids, batch)
         repaired = self.runner.logits(hidden[batch.logits_indices])
         if self.repair_pool is not None:
@@ -236,7 +237,7 @@ class ConfidenceGate:
         c.repaired += len(plan)
         c.recomputed_rows += sum(last - first + 1 for _, _, first, last in plan)
         c.read_only_rows += len(ids) - sum(last - first + 1 for _, _, first, last in plan)
-        c.graph_passes += width is not None
+        c.graph_passes += self.runner.repair_replays - replays
         self.last_repaired_rows = {row for row, *_ in plan}
         for _, seq, first, last in plan:
             c.kv_blocks_unregistered += self.block_manager.unregister_rewritten(seq, first, last)

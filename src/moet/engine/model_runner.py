@@ -49,17 +49,19 @@ CPU_DEFAULT_KV_BYTES = 4 << 30
 REPAIR_GRAPH_MAX_ROWS = 256
 
 
-def repair_widths(reach: int) -> list[int]:
+def repair_widths(reach: int, longest: int | None = None) -> list[int]:
     """Rows per sequence of the captured repair passes for --gate-reach `reach` (a repair computes
     at most reach + 1 positions): powers of two below reach + 1, then reach + 1 itself (which
-    replaces the power just below it when that is within a quarter of it)."""
+    replaces the power just below it when that is within a quarter of it). `longest`: the longest
+    sequence a replay may serve; a wider pass would need a sequence longer than that (and its
+    capture would attend past the block table's width), so none is listed."""
     top, out, w = reach + 1, [], 1
     while w < top:
         out.append(w)
         w *= 2
     if out and 4 * top <= 5 * out[-1]:
         out.pop()
-    return out + [top]
+    return [q for q in out + [top] if longest is None or q <= longest]
 
 
 def cpu_decoded_experts_budget() -> int:
@@ -386,6 +388,12 @@ class ModelRunner:
                                       self.device, "decode")
         self.decode_graphs.capture(self._forward_for_capture, self.device)
 
+    @property
+    def repair_replays(self) -> int:
+        """Repair passes that replayed a captured graph so far (the gate counts its graph passes
+        by it: a pass the gate did not widen replays too when its rows match a captured width)."""
+        return sum(gs.replays for gs in self.repair_graphs.values())
+
     def repair_graph_width(self, rows: int, num_seqs: int) -> int | None:
         """The narrowest captured repair width that holds `rows` rows per sequence for `num_seqs`
         sequences, or None (the pass runs eager)."""
@@ -410,7 +418,7 @@ class ModelRunner:
         if not all(m.experts.repair_complete for m in self.model.moe_blocks().values()):
             return "the FP4 pool holds part of the experts"
         cap = self.config.scheduler.max_num_seqs
-        for q in repair_widths(reach):
+        for q in repair_widths(reach, self.graph_context):
             gs = GraphSet(q, max(1, min(cap, REPAIR_GRAPH_MAX_ROWS // q)), self.table_width, self.graph_context,
                           self.device, f"FP4 repair ({q} rows per sequence)")
             gs.capture(self._repair_forward_for_capture, self.device)
@@ -423,8 +431,8 @@ class ModelRunner:
         """Captures the graphs of MTP verify steps with q rows per sequence (k drafts + 1) once, on
         CUDA with decode graphs (a process whose decode graphs failed runs verify steps eager too),
         and the MTP layer's drafting passes (ensure_draft_graphs)."""
-        if self.decode_graphs is None or self.decode_graphs.error is not None:
-            return
+        if self.decode_graphs is None or self.decode_graphs.error is not None or q > self.graph_context:
+            return                        # (a verify step of q rows needs a sequence of q tokens)
         if q not in self.spec_graphs:
             gs = GraphSet(q, self.config.scheduler.max_num_seqs, self.table_width, self.graph_context, self.device,
                           f"MTP verify ({q - 1} drafts)")
@@ -441,7 +449,7 @@ class ModelRunner:
             return
         shape = (self.model.spec.hidden_size, self.model.dtype)
         for from_main, width in ((True, q), (True, 1), (False, 1)):
-            if (from_main, width) in self.draft_graphs:
+            if (from_main, width) in self.draft_graphs or width > self.graph_context:
                 continue
             gs = GraphSet(width, self.config.scheduler.max_num_seqs, self.table_width, self.graph_context,
                           self.device, f"MTP drafting ({'main model' if from_main else 'chained'}, {width} rows)",

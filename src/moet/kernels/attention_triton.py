@@ -193,16 +193,20 @@ def _e2m1_f32(code):
 def _nvfp4_tile(ptr, sc_ptr, row, srow, rmask, N: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
     """[N, BLOCK] fp32 of N nvfp4 rows of DIM elements (DIM % 16 == 0, BLOCK = a power of two >= DIM):
     row / srow [N, 1] are each row's offsets of its code bytes (ptr) and e4m3 block scales (sc_ptr),
-    rmask [N, 1] the rows to read (others and columns past DIM give 0). Decoded in registers: each
-    code byte loaded once, its two nibbles joined into elements 2i, 2i + 1, and the [N, BLOCK / 16]
-    scales broadcast over their 16 (no per-element scale gather). e2m1 x e4m3 is exact in fp32, and
-    in bf16 (at most 5 significant bits); the layer's scale_2 is folded in by the caller."""
-    c = tl.arange(0, BLOCK // 2)
-    byte = tl.load(ptr + row + c[None, :], mask=rmask & (c[None, :] < DIM // 2), other=0).to(tl.int32)
-    x = tl.reshape(tl.join(_e2m1_f32(byte & 15), _e2m1_f32(byte >> 4)), [N, BLOCK])
-    gi = tl.arange(0, BLOCK // 16)
-    sc = tl.load(sc_ptr + srow + gi[None, :], mask=rmask & (gi[None, :] < DIM // 16), other=0.0).to(tl.float32)
-    return tl.reshape(tl.reshape(x, [N, BLOCK // 16, 16]) * sc[:, :, None], [N, BLOCK])
+    rmask [N, 1] the rows to read (others and columns past DIM give 0). Decoded in registers, element
+    d from nibble d % 2 of byte d // 2 times scale d // 16: each byte and scale is read by the 2 and
+    16 elements it serves (the repeats hit L1). Not the cheaper join of a byte's two nibbles into
+    elements 2i, 2i + 1 (tl.join + tl.reshape): compiled on Hopper, a tile built that way and fed to
+    a bf16 tensor-core dot as its shared-memory operand gave wrong scores (tests/kernels/
+    test_kv_nvfp4.py's bf16 prefill and heads-as-M decode cases), while the same tile as the
+    register operand, or in the fp32 dots, was right. e2m1 x e4m3 is exact in fp32, and in bf16 (at
+    most 5 significant bits); the layer's scale_2 is folded in by the caller."""
+    d = tl.arange(0, BLOCK)
+    m = rmask & (d[None, :] < DIM)
+    byte = tl.load(ptr + row + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
+    code = (byte >> ((d & 1) * 4)[None, :]) & 15
+    sc = tl.load(sc_ptr + srow + (d // 16)[None, :], mask=m, other=0.0).to(tl.float32)
+    return _e2m1_f32(code) * sc
 
 
 @triton.jit
