@@ -234,6 +234,7 @@ class LLMEngine:
         st.last_step_time_s = 0.0
         if self.gate is not None:
             self.gate.counters = GateCounters()
+        self.runner.reset_replay_counts()
         log.info("compile warm-up: %d requests (prefills of 1-%d tokens, 2-%d concurrent) in %.1f s", n_req,
                  sizes[-1] if sizes else 0, seqs[-1] if seqs else 1, time.perf_counter() - t0)
         return n_req

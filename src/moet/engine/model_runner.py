@@ -388,6 +388,15 @@ class ModelRunner:
                                       self.device, "decode")
         self.decode_graphs.capture(self._forward_for_capture, self.device)
 
+    def reset_replay_counts(self) -> None:
+        """Every graph set's replay count back to 0 (after the engine's compile warm-up, whose
+        steps are not served work)."""
+        sets = [self.decode_graphs, *self.spec_graphs.values(), *self.repair_graphs.values(),
+                *self.draft_graphs.values()]
+        for gs in sets:
+            if gs is not None:
+                gs.replays = 0
+
     @property
     def repair_replays(self) -> int:
         """Repair passes that replayed a captured graph so far (the gate counts its graph passes

@@ -190,36 +190,48 @@ def _e2m1_f32(code):
 
 
 @triton.jit
-def _nvfp4_tile(ptr, sc_ptr, row, srow, rmask, N: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _nvfp4_tile(ptr, sc_ptr, row, srow, rmask, N: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+                JOIN: tl.constexpr = False):
     """[N, BLOCK] fp32 of N nvfp4 rows of DIM elements (DIM % 16 == 0, BLOCK = a power of two >= DIM):
     row / srow [N, 1] are each row's offsets of its code bytes (ptr) and e4m3 block scales (sc_ptr),
-    rmask [N, 1] the rows to read (others and columns past DIM give 0). Decoded in registers, element
-    d from nibble d % 2 of byte d // 2 times scale d // 16: each byte and scale is read by the 2 and
-    16 elements it serves (the repeats hit L1). Not the cheaper join of a byte's two nibbles into
-    elements 2i, 2i + 1 (tl.join + tl.reshape): compiled on Hopper, a tile built that way and fed to
-    a bf16 tensor-core dot as its shared-memory operand gave wrong scores (tests/kernels/
-    test_kv_nvfp4.py's bf16 prefill and heads-as-M decode cases), while the same tile as the
-    register operand, or in the fp32 dots, was right. e2m1 x e4m3 is exact in fp32, and in bf16 (at
-    most 5 significant bits); the layer's scale_2 is folded in by the caller."""
-    d = tl.arange(0, BLOCK)
-    m = rmask & (d[None, :] < DIM)
-    byte = tl.load(ptr + row + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
-    code = (byte >> ((d & 1) * 4)[None, :]) & 15
-    sc = tl.load(sc_ptr + srow + (d // 16)[None, :], mask=m, other=0.0).to(tl.float32)
-    return _e2m1_f32(code) * sc
+    rmask [N, 1] the rows to read (others and columns past DIM give 0). Decoded in registers; e2m1 x
+    e4m3 is exact in fp32, and in bf16 (at most 5 significant bits); the layer's scale_2 is folded
+    in by the caller. Two forms:
+      JOIN   each code byte loaded once, its two nibbles joined into elements 2i, 2i + 1 (tl.join +
+             tl.reshape), the [N, BLOCK / 16] scales broadcast by a reshape: vector loads. Compiled
+             on Hopper (Triton 3.6), a tile built this way and fed to a bf16 tensor-core dot as its
+             shared-memory operand gave wrong scores (the GQA prefill's K / V, the heads-as-M MLA
+             decode's latent: tests/kernels/test_kv_nvfp4.py on the GPU), so only the GQA split-K
+             decode, where it was right and faster, takes it.
+      else   element d is nibble d % 2 of byte d // 2 times scale d // 16: each byte is read by its
+             2 elements and each scale by its 16 (the repeats hit L1), byte-wide loads."""
+    if JOIN:
+        c = tl.arange(0, BLOCK // 2)
+        byte = tl.load(ptr + row + c[None, :], mask=rmask & (c[None, :] < DIM // 2), other=0).to(tl.int32)
+        x = tl.reshape(tl.join(_e2m1_f32(byte & 15), _e2m1_f32(byte >> 4)), [N, BLOCK])
+        gi = tl.arange(0, BLOCK // 16)
+        sc = tl.load(sc_ptr + srow + gi[None, :], mask=rmask & (gi[None, :] < DIM // 16), other=0.0).to(tl.float32)
+        return tl.reshape(tl.reshape(x, [N, BLOCK // 16, 16]) * sc[:, :, None], [N, BLOCK])
+    else:
+        d = tl.arange(0, BLOCK)
+        m = rmask & (d[None, :] < DIM)
+        byte = tl.load(ptr + row + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
+        code = (byte >> ((d & 1) * 4)[None, :]) & 15
+        sc = tl.load(sc_ptr + srow + (d // 16)[None, :], mask=m, other=0.0).to(tl.float32)
+        return _e2m1_f32(code) * sc
 
 
 @triton.jit
 def _gqa_load_operand(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
                       DIM: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr, BF16_DOT: tl.constexpr,
-                      OP_F16: tl.constexpr):
+                      OP_F16: tl.constexpr, NVFP4_JOIN: tl.constexpr = False):
     """[BLOCK_SIZE, BLOCK_D] of one page for head h in the dot operand dtype. Stored values as
     they are (e4m3 -> bf16 is exact) except a per-group scale finer than the head, which is
     applied here per element; per-tensor and per-token-head scales are folded in by the caller.
     nvfp4: codes and block scales decoded here (_nvfp4_tile), scale_2 folded in by the caller."""
     if SCALE_KIND == 3:
         x = _nvfp4_tile(ptr + h * s_h, scale_ptr + h * ss_h, blk * s_b + tok[:, None] * s_t,
-                        blk * ss_b + tok[:, None] * ss_t, tmask[:, None], tmask.shape[0], DIM, d.shape[0])
+                        blk * ss_b + tok[:, None] * ss_t, tmask[:, None], tmask.shape[0], DIM, d.shape[0], NVFP4_JOIN)
     elif (SCALE_KIND == 2) & (GROUP < DIM):
         x = _load_dequant(ptr, scale_ptr, blk, tok, tmask, h, d, s_b, s_t, s_h, ss_b, ss_t, ss_h,
                           DIM, SCALE_KIND, GROUP)
@@ -276,7 +288,7 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
     head (group = head dim) multiplies the score columns (K) and P's columns (V)."""
     blk, tok, tmask = _gqa_step_tokens(page0, last, n, lo_tok, b, bt_ptr, s_btb, BLOCK_SIZE, PAGES)
     k = _gqa_load_operand(k_ptr, ks_ptr, blk[:, None], tok, tmask, h, d, s_kb, s_kt, s_kh, ss_kb, ss_kt, ss_kh,
-                          D, SCALE_KIND, GROUP_K, BF16_DOT, OP_F16)
+                          D, SCALE_KIND, GROUP_K, BF16_DOT, OP_F16, True)
     if SWAP_AB:     # (not an early return: Triton's frontend rejects a return inside an if)
         m_i, l_i, acc = _gqa_decode_tile_t(q, m_i, l_i, acc, k, blk, tok, tmask, h, v_ptr, ks_ptr, vs_ptr, dv,
                                            s_vb, s_vt, s_vh, ss_kb, ss_kt, ss_kh, ss_vb, ss_vt, ss_vh, qk_scale,
@@ -290,7 +302,7 @@ def _gqa_decode_tile(q, m_i, l_i, acc, page0, last, n, lo_tok, b, h, k_ptr, v_pt
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
-                              DV, SCALE_KIND, GROUP_V, BF16_DOT, OP_F16)
+                              DV, SCALE_KIND, GROUP_V, BF16_DOT, OP_F16, True)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if (SCALE_KIND == 2) & (GROUP_V == DV):
             pv = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[None, :]
@@ -316,7 +328,7 @@ def _gqa_decode_tile_t(q_t, m_i, l_i, acc_t, k, blk, tok, tmask, h, v_ptr, ks_pt
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[None, :])
     v = _gqa_load_operand(v_ptr, vs_ptr, blk[:, None], tok, tmask, h, dv, s_vb, s_vt, s_vh, ss_vb, ss_vt, ss_vh,
-                          DV, SCALE_KIND, GROUP_V, BF16_DOT, OP_F16)
+                          DV, SCALE_KIND, GROUP_V, BF16_DOT, OP_F16, True)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     if (SCALE_KIND == 2) & (GROUP_V == DV):
         pv = p * tl.load(vs_ptr + blk * ss_vb + tok * ss_vt + h * ss_vh, mask=tmask, other=0.0)[:, None]

@@ -20,7 +20,7 @@ from moet.checkpoint import Checkpoint
 from moet.checkpoint import weight_format as wf
 from moet.checkpoint.spec import ExpertRef, expert_ref
 from moet.errors import CheckpointError
-from moet.model import fp8_dense
+from moet.model import kept_dense
 from moet.model.layers.moe import MoE
 from moet.model.model import CausalLM
 from moet.quant.decode import decode
@@ -88,18 +88,20 @@ def _moe_of(model: CausalLM, ref: ExpertRef, where: str) -> MoE:
 
 def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_mode: str = "auto",
                  scale_rule: str = "published", device: torch.device | str = "cpu", progress: bool = False,
-                 keep_fp8: bool | None = None, routed_experts: bool = True, repair_tier: bool = False,
+                 keep_quantized_dense: bool | None = None, routed_experts: bool = True, repair_tier: bool = False,
                  repair_slots: int | None = None) -> None:
     """Fill `model` from `ckpt`; progress=True shows a bar (bytes, rate, ETA) on stderr.
     repair_tier: every MoE block also gets the FP4 repair tier (ExpertSlots.add_repair_tier), filled
     from the same tensors: the checkpoint's NVFP4 bytes unchanged, other formats quantized to NVFP4;
     repair_slots: FP4 device slots per layer when fewer than the experts (allocate_pool).
-    keep_fp8: FP8 block-128 dense weights stay e4m3 (model/fp8_dense.py); None = where the
-    device can run the FP8 kernel. routed_experts=False skips routed-expert tensors and leaves
+    keep_quantized_dense: FP8 block-128 / NVFP4 dense weights keep their bytes (model/kept_dense.py);
+    None = where the device can run the format's kernel. routed_experts=False skips routed-expert tensors and leaves
     the MoE blocks without a pool: the store (moet.store: pack -> arena -> device cache) provides them."""
     spec, reader = ckpt.spec, ckpt.reader
-    if keep_fp8 if keep_fp8 is not None else (ckpt.weight_format == "fp8_block" and fp8_dense.available(device)):
-        fp8_dense.use_fp8_linears(model, fp8_dense.fp8_linear_names(ckpt))
+    dense_fmt = ckpt.weight_format
+    keep = keep_quantized_dense if keep_quantized_dense is not None else kept_dense.available(dense_fmt, device)
+    if keep and dense_fmt in kept_dense.FORMATS:
+        kept_dense.use_kept_linears(model, kept_dense.kept_linear_names(ckpt, dense_fmt), dense_fmt)
     moes = [m for m in model.modules() if isinstance(m, MoE)] if routed_experts else []
     for moe in moes:
         allocate_pool(moe, expert_format, model.dtype, device, repair=repair_tier, repair_slots=repair_slots)
@@ -161,7 +163,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
             if param is None:
                 raise CheckpointError(f"{where}: unexpected tensor (no {spec.architecture} parameter named {name}); "
                                       "config.json and the weights disagree")
-            if tuple(shape) != tuple(param.shape):
+            if tuple(shape) != tuple(getattr(param, "logical_shape", param.shape)):
                 raise CheckpointError(f"{where}: shape {list(shape)} does not match the {list(param.shape)} "
                                       "that config.json implies")
             parts = {r: reader.get(n, copy=False) for r, n in names.items()}

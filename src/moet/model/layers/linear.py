@@ -1,10 +1,10 @@
-"""Dense linear layers in the model dtype.
+"""Dense linear layers.
 
-Checkpoint precision is kept where the dtype allows: BF16 weights load as is; NVFP4 weights,
-and FP8 block-128 weights on CPU, are decoded once at load (moet.quant.decode).
-On a GPU (sm_89+) FP8 block-128 weights stay e4m3 + block scales in an `Fp8BlockLinear`
-(model/fp8_dense.py decides which Linears are swapped for one before loading) and run
-moet.kernels.fp8_gemm_triton: half the bytes of bf16 per decode step.
+Checkpoint precision is kept where the device allows: BF16 weights load as is. On a GPU, FP8
+block-128 weights (sm_89+) stay e4m3 + block scales in an `Fp8BlockLinear` (moet.kernels.
+fp8_gemm_triton: half the bytes of bf16 per decode step) and NVFP4 weights (sm_80+) stay codes +
+scales in an `Nvfp4Linear` (moet.kernels.nvfp4_gemm_triton: 0.28x); model/kept_dense.py decides
+which Linears are swapped before loading. On CPU both are decoded once at load (moet.quant.decode).
 """
 from __future__ import annotations
 
@@ -123,6 +123,51 @@ class Fp8BlockLinear(nn.Module):
         else:
             from moet.kernels.fp8_gemm_reference import fp8_block_gemm_reference as gemm
         return gemm(x, self.weight, self.weight_scale_inv, mode=self.mode, bias=self.bias)
+
+
+class Nvfp4Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W kept as modelopt's NVFP4 stores it: weight uint8 [N, K/2] (two
+    e2m1 codes a byte), weight_scale e4m3 [N, K/16] and weight_scale_2 fp32 [] (buffers, loaded
+    with the weight); the numerics in moet.kernels.nvfp4_gemm_reference (W4A16: the checkpoint's
+    input_scale is not used). backend: "triton" (the GPU kernel; on CPU only under
+    TRITON_INTERPRET, for tests) or "reference" (the torch reference of the same math)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, *,
+                 backend: str = "triton"):
+        super().__init__()
+        if backend not in ("triton", "reference") or in_features % 16:
+            raise ValueError(f"Nvfp4Linear backend {backend!r} / in_features {in_features} (a multiple of 16)")
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.uint8), requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.weight.logical_shape = (out_features, in_features)      # what the loader checks the checkpoint against
+        self.register_buffer("weight_scale", torch.empty(out_features, in_features // 16, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_2", torch.empty((), dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def _load(self, param: nn.Parameter, fmt: str, parts: dict[str, torch.Tensor], where: str) -> None:
+        """The loader's weight_loader hook: copy codes and scales as they are."""
+        if fmt != "nvfp4":
+            raise CheckpointError(f"{where}: stored as {fmt}, but this layer was set up for NVFP4 "
+                                  "(the checkpoint mixes formats for one parameter?)")
+        w, s, s2 = parts["weight"], parts["weight_scale"], parts["weight_scale_2"]
+        if w.dtype != torch.uint8 or tuple(w.shape) != tuple(param.shape) or s.dtype != torch.float8_e4m3fn \
+                or tuple(s.shape) != tuple(self.weight_scale.shape) or s2.numel() != 1:
+            raise CheckpointError(f"{where}: NVFP4 weight {w.dtype} {list(w.shape)} / scales {s.dtype} "
+                                  f"{list(s.shape)} / scale_2 {list(s2.shape)} do not match uint8 "
+                                  f"{list(param.shape)} / e4m3 {list(self.weight_scale.shape)} / one float32")
+        require_finite(s.float(), f"{where} weight_scale")
+        require_finite(s2.float(), f"{where} weight_scale_2")
+        param.data.copy_(w)
+        self.weight_scale.copy_(s)
+        self.weight_scale_2.copy_(s2.reshape(()).float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from moet.kernels.nvfp4_gemm_triton import nvfp4_gemm_triton as gemm
+        else:
+            from moet.kernels.nvfp4_gemm_reference import nvfp4_gemm_reference as gemm
+        return gemm(x, self.weight, self.weight_scale, self.weight_scale_2, bias=self.bias)
 
 
 class MLP(nn.Module):
