@@ -49,3 +49,36 @@ def test_placement_depends_on_gpu_memory(capsys):
     assert tight["w2_expert_slots"] == (s.moe_layers * s.experts) // 2
     text = _run(capsys, path, "--gpu-memory", "80")
     assert "deepseek_v3" in text and "W2 all resident: yes" in text
+
+
+@pytest.mark.parametrize("family,fmt", [("deepseek_v3", "fp8"), ("deepseek_v3", "nvfp4"), ("deepseek_v3", "bf16")])
+def test_dense_bytes_on_a_gpu_keep_fp8_and_nvfp4(family, fmt):
+    """On a GPU, FP8 / NVFP4 dense weights keep their stored bytes (model/kept_dense.py; MLA's
+    kv_b_proj is decoded): the summary's dense_gpu_bytes is what the kept model holds, tensor by
+    tensor, and `moet plan`'s dense stack is that."""
+    import torch
+
+    from moet.checkpoint import open_checkpoint
+    from moet.model import load_weights
+    from moet.model.model import CausalLM
+    from moet.store.plan import facts_from_summary
+
+    path = cached_checkpoint(family, fmt)
+    s = inspect_cli.summarize(path)
+    ckpt = open_checkpoint(path)
+    dtype = torch.bfloat16 if s.dense_loaded_bytes == 2 * s.dense_params else torch.float32   # as inspect assumes
+    model = CausalLM(ckpt.spec, dtype, load_mtp=False)
+    load_weights(model, ckpt, expert_format="bf16", keep_quantized_dense=True, routed_experts=False)
+    mtp = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n.startswith("mtp."))
+    held = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()) - mtp
+    # inspect counts every float tensor at the serving dtype; the model keeps its router in fp32
+    fp32_extra = sum(t.numel() * 2 for n, t in model.state_dict().items()
+                     if dtype == torch.bfloat16 and t.dtype == torch.float32 and not n.startswith("mtp.")
+                     and not n.endswith(("weight_scale_inv", "weight_scale_2")))        # (stored fp32 scales)
+    assert s.dense_gpu_bytes + fp32_extra == held
+    if fmt == "bf16":
+        assert s.dense_gpu_bytes == s.dense_loaded_bytes
+    else:
+        assert s.dense_gpu_bytes < s.dense_loaded_bytes
+    assert facts_from_summary(s, spec=ckpt.spec).dense_bytes == s.dense_gpu_bytes
+    assert facts_from_summary(s, spec=ckpt.spec, dtype="bfloat16").dense_bytes == 2 * s.dense_params

@@ -45,6 +45,9 @@ class Summary:
     dense_loaded_bytes: int
     w2_expert_bytes: int
     fp4_expert_bytes: int
+    # the dense stack on a GPU, where FP8 / NVFP4 dense weights keep their stored bytes
+    # (model/kept_dense.py) and the rest loads as dense_loaded_bytes does
+    dense_gpu_bytes: int = 0
 
 
 def _elements(fmt: str, shape: tuple[int, ...]) -> int:
@@ -59,6 +62,8 @@ def summarize(path: str) -> Summary:
     spec, reader = ckpt.spec, ckpt.reader
     params = {"dense": 0, "expert": 0, "mtp": 0}
     native = {"dense": 0, "expert": 0, "mtp": 0}
+    loaded_bytes = 2 if spec.torch_dtype in ("bfloat16", "float16") or ckpt.weight_format != "float" else 4
+    dense_gpu = 0
     for name, info in reader.tensors.items():
         primary = wf.primary_name(name)
         base = name if primary is None else primary
@@ -70,12 +75,16 @@ def summarize(path: str) -> Summary:
         is_expert = expert_ref(canon) is not None
         kind = "mtp" if canon.startswith("mtp.") else "expert" if is_expert else "dense"
         native[kind] += info.nbytes
+        fmt = wf.tensor_format(base, reader.tensors)
+        kept = fmt in wf.KEPT_DENSE_FORMATS and not canon[: -len(".weight")].endswith(wf.KEEP_DECODED)
         if primary is None:
-            fmt = wf.tensor_format(base, reader.tensors)
             n = _elements(fmt, info.shape)
             params[kind] += n
+            if kind == "dense":
+                dense_gpu += info.nbytes if kept else n * loaded_bytes
+        elif kind == "dense" and kept and not name.endswith(wf.IGNORED_SUFFIXES):
+            dense_gpu += info.nbytes                 # a kept weight's scales
     active = params["dense"] + len(spec.moe_layers) * spec.router.top_k * spec.expert_params()
-    loaded_bytes = 2 if spec.torch_dtype in ("bfloat16", "float16") or ckpt.weight_format != "float" else 4
     return Summary(
         path=ckpt.path, architecture=spec.architecture, family=spec.family, weight_format=ckpt.weight_format,
         dtype=spec.torch_dtype, layers=spec.num_layers, dense_layers=spec.num_layers - len(spec.moe_layers),
@@ -85,12 +94,13 @@ def summarize(path: str) -> Summary:
         native_expert_bytes=native["expert"], native_mtp_bytes=native["mtp"],
         dense_loaded_bytes=params["dense"] * loaded_bytes,
         w2_expert_bytes=int(params["expert"] * W2_BITS / 8), fp4_expert_bytes=int(params["expert"] * FP4_BITS / 8),
+        dense_gpu_bytes=dense_gpu,
     )
 
 
 def placement(s: Summary, gpu_memory_gib: float, reserve_gib: float) -> dict:
     """What fits in `gpu_memory_gib` after the dense stack and a reserve (KV cache, activations)."""
-    free = gpu_memory_gib * GiB - s.dense_loaded_bytes - reserve_gib * GiB
+    free = gpu_memory_gib * GiB - (s.dense_gpu_bytes or s.dense_loaded_bytes) - reserve_gib * GiB
     per_expert_w2 = s.w2_expert_bytes / max(1, s.moe_layers * s.experts)
     return {
         "gpu_memory_gib": gpu_memory_gib,
@@ -130,12 +140,14 @@ def render(s: Summary, place: dict | None) -> str:
         f"bytes        native: dense {_fmt_b(s.native_dense_bytes)}, experts {_fmt_b(s.native_expert_bytes)}, "
         f"MTP {_fmt_b(s.native_mtp_bytes)}",
         f"             experts as W2 (2.25 b/w) {_fmt_b(s.w2_expert_bytes)}, as FP4 (4.5 b/w) "
-        f"{_fmt_b(s.fp4_expert_bytes)}; dense as loaded {_fmt_b(s.dense_loaded_bytes)}",
+        f"{_fmt_b(s.fp4_expert_bytes)}; dense as loaded {_fmt_b(s.dense_loaded_bytes)}"
+        + (f" (on a GPU {_fmt_b(s.dense_gpu_bytes)}: {s.weight_format} dense weights kept)"
+           if s.dense_gpu_bytes and s.dense_gpu_bytes != s.dense_loaded_bytes else ""),
     ]
     if place is not None:
         if not place["dense_fits"]:
             lines.append(f"fit          {place['gpu_memory_gib']:g} GiB: the dense stack alone "
-                         f"({_fmt_b(s.dense_loaded_bytes)}) plus the {place['reserve_gib']:g} GiB reserve does not fit")
+                         f"({_fmt_b(s.dense_gpu_bytes or s.dense_loaded_bytes)}) plus the {place['reserve_gib']:g} GiB reserve does not fit")
         else:
             lines.append(
                 f"fit          {place['gpu_memory_gib']:g} GiB (reserve {place['reserve_gib']:g} GiB): "

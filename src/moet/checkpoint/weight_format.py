@@ -24,6 +24,10 @@ NVFP4_SCALE, NVFP4_SCALE_2, NVFP4_INPUT_SCALE = ".weight_scale", ".weight_scale_
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 # Activation / KV calibration scalars some exporters add; weight-only inference ignores them.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".q_scale", ".activation_scale")
+# Dense weights a GPU keeps in their stored format (model/kept_dense.py), and the modules that
+# are decoded even then (MLA's kv_b_proj: the absorbed attention reads it as a float matrix).
+KEPT_DENSE_FORMATS = ("fp8_block", "nvfp4")
+KEEP_DECODED = ("kv_b_proj",)
 # Tensors some checkpoints carry that no computation needs (matched against canonical names).
 IGNORED_NAMES = (re.compile(r"rotary_emb\.inv_freq$"),)
 

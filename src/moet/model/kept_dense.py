@@ -24,8 +24,8 @@ from moet.model.layers.linear import Fp8BlockLinear, Linear, Nvfp4Linear
 # feeds e4m3 straight to the FP8 tensor cores (2x bf16 in prefill); moet.bench.fp8_gemm_bench
 # measures both modes at decode and prefill shapes.
 DEFAULT_MODE = "w8a8"
-KEEP_DECODED = ("kv_b_proj",)
-FORMATS = ("fp8_block", "nvfp4")
+KEEP_DECODED = wf.KEEP_DECODED
+FORMATS = wf.KEPT_DENSE_FORMATS
 _MIN_CAPABILITY = {"fp8_block": (8, 9), "nvfp4": (8, 0)}
 _SCALE_SUFFIX = {"fp8_block": wf.FP8_SCALE, "nvfp4": wf.NVFP4_SCALE_2}
 

@@ -233,7 +233,9 @@ def facts_from_summary(s, *, spec=None, dtype: str = "auto", kv_bytes_per_token:
         if kv_bytes_per_token is None:
             kv_bytes_per_token = kv_bytes_per_token_of(spec)
     return ModelFacts(name=f"{s.family} ({s.path})", moe_layers=s.moe_layers, experts=s.experts, top_k=s.top_k,
-                      row_bytes=row, dense_bytes=s.dense_params * elem, embedding_bytes=embedding_bytes or 0,
+                      row_bytes=row, embedding_bytes=embedding_bytes or 0,
+                      # auto: FP8 / NVFP4 dense weights keep their bytes on the GPU (model/kept_dense.py)
+                      dense_bytes=s.dense_gpu_bytes if dtype == "auto" and s.dense_gpu_bytes else s.dense_params * elem,
                       kv_bytes_per_token=kv_bytes_per_token or 0, fp4_row_bytes=fp4_row)
 
 
