@@ -145,3 +145,33 @@ def test_cli_kv_cache_dtype_reaches_the_engine(ckpt, capsys):
         m.close()
     assert main(["probe", "--device", "cpu", "--kv-cache-dtype", "fp8", "--expert-activations", "e4m3"]) == 2
     assert "--kv-cache-dtype sets moet's engine" in capsys.readouterr().err
+
+
+def test_cli_needle_grid_table_and_heat_map(tmp_path, capsys):
+    """--needle-lengths / --needle-depths / --needle-trials set the needle grid; --markdown adds its
+    depth x length table, --needle-map draws it; a length past the model's context, a depth outside
+    [0, 1] or a bad list is one line naming the flag."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    from moet.cli import main
+
+    out, md, png = tmp_path / "p.json", tmp_path / "p.md", tmp_path / "needle.png"
+    rc = main(["probe", "--device", "cpu", "--experts", "nvfp4", "--only", "needle", "--no-progress",
+               "--needle-lengths", "320,160", "--needle-depths", "0.1,0.9", "--needle-trials", "1",
+               "--json", str(out), "--markdown", str(md), "--needle-map", str(png)])
+    assert rc == 0
+    r = json.loads(out.read_text())["formats"]["nvfp4"]["needle"]
+    assert r["n"] == 4 and set(r["by_length_depth"]) == {"160", "320"}
+    assert all(set(v) == {"0.1", "0.9"} for v in r["by_length_depth"].values())
+    text = md.read_text()
+    assert "needle pass rate, NVFP4 (FP4)" in text and "| depth | 160 | 320 |" in text and "| 0.9 |" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["probe", "--device", "cpu", "--only", "needle", "--needle-lengths", "8192", "--no-progress"]) == 2
+    assert "longer than this model's context (4,096 tokens)" in capsys.readouterr().err
+    for flag, value, msg in (("--needle-depths", "0.5,1.5", "a depth is in [0, 1]"),
+                             ("--needle-lengths", "1k", "comma-separated list of numbers"),
+                             ("--needle-lengths", "32", "at least 64 tokens")):
+        assert main(["probe", "--device", "cpu", "--only", "needle", flag, value]) == 2
+        assert msg in capsys.readouterr().err

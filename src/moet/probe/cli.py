@@ -49,6 +49,14 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--budget", default="quick", choices=["tiny", "quick", "full"],
                    help="probe sizes: tiny (seconds on CPU), quick, full (the model card's)")
+    p.add_argument("--needle-lengths", default=None, metavar="N,N",
+                   help="needle prompt lengths in tokens (default: the budget's)")
+    p.add_argument("--needle-depths", default=None, metavar="D,D",
+                   help="needle depths in [0, 1] (default: the budget's)")
+    p.add_argument("--needle-trials", type=int, default=None, metavar="N",
+                   help="needle prompts per length and depth")
+    p.add_argument("--needle-map", default=None, metavar="FILE.png",
+                   help="also draw needle pass rate, depth x length")
     p.add_argument("--only", action="append", choices=["code", "facts", "arithmetic", "needle", "tools"],
                    help="run only these probes (repeatable)")
     p.add_argument("--json", dest="json_out", default=None, metavar="FILE",
@@ -97,18 +105,55 @@ def formats(requested: list[str] | None, taus: list[float] | None = None) -> lis
     return sorted(dict.fromkeys(out), key=lambda f: f != "bf16")
 
 
+def budget_of(args):
+    """--budget with the --needle-* overrides: a run_all Budget (or the budget's name when none is
+    given); bad values are one ConfigError naming the flag."""
+    import dataclasses
+
+    from moet.errors import ConfigError
+    from moet.probe.run import BUDGETS
+
+    if args.needle_lengths is None and args.needle_depths is None and args.needle_trials is None:
+        return args.budget
+    b = BUDGETS[args.budget]
+
+    def values(flag, text, kind):
+        try:
+            out = tuple(kind(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise ConfigError(f"{flag} {text}: a comma-separated list of numbers") from None
+        if not out:
+            raise ConfigError(f"{flag} {text}: empty")
+        return tuple(dict.fromkeys(out))
+
+    lengths = b.needle_lengths if args.needle_lengths is None else values("--needle-lengths", args.needle_lengths, int)
+    depths = b.needle_depths if args.needle_depths is None else values("--needle-depths", args.needle_depths, float)
+    trials = b.needle_trials if args.needle_trials is None else args.needle_trials
+    if min(lengths) < 64:
+        raise ConfigError(f"--needle-lengths {args.needle_lengths}: a length is at least 64 tokens (the question "
+                          "and the needle need room)")
+    if not all(0.0 <= d <= 1.0 for d in depths):
+        raise ConfigError(f"--needle-depths {args.needle_depths}: a depth is in [0, 1] (0 = the start)")
+    if trials < 1:
+        raise ConfigError(f"--needle-trials {trials}: at least 1")
+    return dataclasses.replace(b, needle_lengths=tuple(sorted(lengths)), needle_depths=tuple(sorted(depths)),
+                               needle_trials=trials)
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
     from moet.checkpoint.resolve import resolve_checkpoint
     from moet.probe.distributions import FormatComparison
     from moet.probe.loader import default_checkpoint
-    from moet.probe.run import count_tasks, run_all
+    from moet.probe.run import check_needle_lengths, count_tasks, run_all
 
     ckpt = Path(resolve_checkpoint(args.checkpoint)) if args.checkpoint else default_checkpoint()
     fmts = formats(args.experts, args.gate_tau)
     device = _device(args.device)
-    for flag, path in (("--json", args.json_out), ("--markdown", args.markdown), ("--plot", args.plot)):
+    budget = budget_of(args)
+    for flag, path in (("--json", args.json_out), ("--markdown", args.markdown), ("--plot", args.plot),
+                       ("--needle-map", args.needle_map)):
         if path and not Path(path).absolute().parent.is_dir():
             from moet.errors import ConfigError
             raise ConfigError(f"{flag} {path}: its directory does not exist")
@@ -137,11 +182,13 @@ def run(args) -> int:
         for fmt in fmts:
             m = open_model(fmt)
             try:
+                if not only or "needle" in only:
+                    check_needle_lengths(m, budget)
                 if bar is None:                         # every format runs the same tasks
-                    bar = tqdm(total=count_tasks(m.tokenizer, args.budget, only) * len(fmts), unit="task",
+                    bar = tqdm(total=count_tasks(m.tokenizer, budget, only) * len(fmts), unit="task",
                                desc=fmt, file=sys.stderr, dynamic_ncols=True, disable=args.no_progress)
                 bar.set_description_str(fmt)
-                results["formats"][fmt] = run_all(m, args.budget, only, progress=bar, comparison=comparison,
+                results["formats"][fmt] = run_all(m, budget, only, progress=bar, comparison=comparison,
                                                   log=lambda rec: _print_line(bar, json.dumps(rec)))
             finally:
                 m.close()
@@ -151,12 +198,14 @@ def run(args) -> int:
             bar.close()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
-    if args.markdown or args.plot:
-        from moet.probe.report import markdown_table, plot_tradeoff
+    if args.markdown or args.plot or args.needle_map:
+        from moet.probe.report import markdown_table, plot_needle_map, plot_tradeoff
         if args.markdown:
             Path(args.markdown).write_text(markdown_table(results))
         if args.plot:
             plot_tradeoff(results, args.plot)
+        if args.needle_map:
+            plot_needle_map(results, args.needle_map)
     return 0
 
 

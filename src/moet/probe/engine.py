@@ -69,6 +69,11 @@ class EngineModel:
     activations: str = "bf16"    # the engine's routed experts read the model's activations, unquantized
     backend: str = field(default="moet", init=False)
 
+    @property
+    def max_context(self) -> int:
+        """The longest prompt + generation the engine serves (its max_model_len)."""
+        return self.llm.engine.max_model_len
+
     def close(self) -> None:
         self.llm.close()
 

@@ -1,6 +1,7 @@
-"""`moet probe`'s results as a markdown table (one row per expert format / gate threshold) and a
-plot of accuracy against the confidence gate's fire rate: the trade-off a user picks --gate-tau
-from. Input: the dict `moet probe --json` writes ({"formats": {variant: run_all's output}})."""
+"""`moet probe`'s results as a markdown table (one row per expert format / gate threshold), a
+plot of accuracy against the confidence gate's fire rate (the trade-off a user picks --gate-tau
+from), and the needle probe's pass rate by depth x prompt length (a table per variant and a heat
+map). Input: the dict `moet probe --json` writes ({"formats": {variant: run_all's output}})."""
 from __future__ import annotations
 
 import math
@@ -53,7 +54,68 @@ def markdown_table(results: dict) -> str:
         for p in mtp:
             row.append(_cell((r.get(p) or {}).get("mtp_tokens_per_step"), False))
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + needle_tables(results)
+
+
+def _needle_grids(results: dict) -> dict[str, tuple[list[int], list[float], dict]]:
+    """variant -> (lengths, depths, {length str: {depth str: pass rate}}) of the variants whose
+    needle probe ran over more than one cell."""
+    out = {}
+    for variant, r in results.get("formats", {}).items():
+        grid = (r.get("needle") or {}).get("by_length_depth") or {}
+        lengths = sorted(int(k) for k in grid)
+        depths = sorted({float(d) for row in grid.values() for d in row})
+        if len(lengths) * len(depths) > 1:
+            out[variant] = (lengths, depths, grid)
+    return out
+
+
+def needle_tables(results: dict) -> str:
+    """Per variant, the needle pass rate by depth (rows) x prompt length in tokens (columns)."""
+    text = ""
+    for variant, (lengths, depths, grid) in _needle_grids(results).items():
+        text += f"\nneedle pass rate, {_label(variant)}, KV {results.get('kv_cache_dtype', 'auto')}\n\n"
+        text += "| depth | " + " | ".join(f"{n:,}" for n in lengths) + " |\n|" + "---|" * (len(lengths) + 1) + "\n"
+        for d in depths:
+            cells = [_cell(grid.get(str(n), {}).get(str(d)), True) for n in lengths]
+            text += f"| {d:g} | " + " | ".join(cells) + " |\n"
+    return text
+
+
+def plot_needle_map(results: dict, path: str) -> None:
+    """Heat map of the needle pass rate, depth x prompt length, one panel per variant."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from moet.errors import ConfigError
+        raise ConfigError("--needle-map needs matplotlib: pip install 'moet[bench]'") from None
+    grids = _needle_grids(results)
+    if not grids:
+        from moet.errors import ConfigError
+        raise ConfigError("--needle-map: no needle grid to draw (the needle probe ran over one length and depth, "
+                          "or not at all; see --needle-lengths / --needle-depths)")
+    cols = max(len(g[0]) for g in grids.values())
+    fig, axes = plt.subplots(1, len(grids), figsize=(1.5 + (1.0 + 0.8 * cols) * len(grids),
+                                                     1.8 + 0.45 * max(len(g[1]) for g in grids.values())),
+                             squeeze=False, constrained_layout=True)
+    for k, (ax, (variant, (lengths, depths, grid))) in enumerate(zip(axes[0], grids.items())):
+        z = [[grid.get(str(n), {}).get(str(d), float("nan")) for n in lengths] for d in depths]
+        im = ax.imshow(z, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(z):
+            for j, v in enumerate(row):
+                if not math.isnan(v):
+                    ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("prompt tokens")
+        if k == 0:
+            ax.set_ylabel("needle depth")
+        ax.set_title(f"{_label(variant)}, KV {results.get('kv_cache_dtype', 'auto')}", fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), label="pass rate")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_tradeoff(results: dict, path: str) -> None:

@@ -167,7 +167,19 @@ def needle_cases(tok, budget: Budget) -> list[chat_format.Conversation]:
     return cases
 
 
+def check_needle_lengths(m: ProbeModel, budget: str | Budget) -> None:
+    """A ConfigError when a needle prompt would be longer than the model serves (its max_context,
+    where it has one): said before any probe runs, not after the others' minutes."""
+    b = BUDGETS[budget] if isinstance(budget, str) else budget
+    longest = getattr(m, "max_context", None)
+    if longest is not None and max(b.needle_lengths) > longest:
+        from moet.errors import ConfigError
+        raise ConfigError(f"needle length {max(b.needle_lengths):,} tokens: longer than this model's context "
+                          f"({longest:,} tokens); pick --needle-lengths within it, or a long-context checkpoint")
+
+
 def needle_probe(m: ProbeModel, budget: Budget, tick=_no_tick) -> dict:
+    check_needle_lengths(m, budget)
     cases = needle_cases(m.tokenizer, budget)
     outs = []
     for length in budget.needle_lengths:  # batch by length: long prompts need small batches
