@@ -45,6 +45,33 @@ def test_select_top_k_equals_float64_brute_force():
     assert short.tolist() == [True] * 4
 
 
+def test_positions_form_and_row_groups_equal_the_mask_form(monkeypatch):
+    """The paged path's selection as positions (top_k_positions) names the mask form's set for
+    every query, rows before top-k with their future positions invalid; split into row groups
+    (a tiny ROW_CHUNK_BYTES) it gives the same positions, and attention over the selected rows
+    equals the masked dense attention."""
+    from moet.kernels.attention_reference import attend_latent
+    g = _gen()
+    t, n, heads, d, top_k = 9, 21, 16, 24, 12
+    q, keys = torch.randn(t, heads, d, generator=g), torch.randn(n, d, generator=g)
+    w = torch.randn(t, heads, generator=g)
+    keep = dsa.select_top_k(q, w, keys, top_k, d ** -0.5)
+    index, valid = dsa.top_k_positions(q, w, keys, top_k, d ** -0.5)
+    assert torch.equal(torch.zeros(t, n, dtype=torch.bool).scatter_(1, index, valid), keep)
+    # the first 3 queries (positions 12..14) are past top-k; a query at 11 or before keeps all it has
+    monkeypatch.setattr(dsa, "ROW_CHUNK_BYTES", 4 * heads * n * 2)          # two rows a group
+    index2, valid2 = dsa.top_k_positions(q, w, keys, top_k, d ** -0.5)
+    assert torch.equal(index2, index) and torch.equal(valid2, valid)
+    r, p, h = 16, 8, 4
+    lat, rope = torch.randn(n, r, generator=g), torch.randn(n, p, generator=g)
+    ql = torch.randn(t, h, r + p, generator=g)
+    want = attend_latent(ql, lat, rope, 0.3, keep)
+    got = dsa.attend_selected(ql, lat, rope, 0.3, index, valid)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    early = dsa.top_k_positions(q[:2], w[:2], keys[:5], top_k, d ** -0.5)     # 5 positions < top-k
+    assert early[0].shape == (2, 5) and early[1].sum(1).tolist() == [4, 5]    # causal: the rest invalid
+
+
 @pytest.mark.parametrize("fmt", [F32, KVFormat("fp8_e4m3", "block", dtype=torch.float32)], ids=["auto", "fp8"])
 def test_index_keys_write_skips_slot_minus_one_and_reads_by_page(fmt):
     g = _gen()
@@ -106,7 +133,7 @@ def test_paged_forward_as_sequences_outgrow_top_k():
         keep = model.model.layers[0].self_attn.selection.keep
         if max(batch.seq_lens_host) > 8:
             sparse_steps += 1
-            assert keep[0] is not None and keep[0].sum(1).tolist() == [8] * step[0][1]
+            assert keep[0] is not None and keep[0][1].sum(1).tolist() == [8] * step[0][1]      # (index, valid)
             if len(step) > 1:
                 assert keep[1] is None                            # sequence 1 is within top-k
         ref = torch.cat([want[b][done[b]:done[b] + n] for b, n in step])
@@ -133,7 +160,8 @@ def test_quantized_cache_keeps_the_selection_close():
                                      device="cpu")
         with torch.no_grad():
             logits.append(model.logits(model.forward_paged(seq, batch, kv)))
-        keeps.append(model.model.layers[0].self_attn.selection.keep[0].clone())
+        index, valid = model.model.layers[0].self_attn.selection.keep[0]
+        keeps.append(torch.zeros(14, 14, dtype=torch.bool).scatter_(1, index, valid))
     assert kv[0].index_keys.data.dtype == torch.float8_e4m3fn
     overlap = ((keeps[0] & keeps[1]).sum(1).float() / keeps[0].sum(1)).mean()
     assert overlap >= 0.9, overlap

@@ -96,27 +96,80 @@ def select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, top
     return keep & causal
 
 
+# Bytes the [rows, heads, positions] float32 intermediates of one sequence may take at a time: a
+# long prompt's chunk is split into row groups under it (8K rows x 32 index heads x 32K positions
+# would be 32 GiB at once).
+ROW_CHUNK_BYTES = 256 << 20
+
+
+def _row_groups(t: int, bytes_per_row: int):
+    step = max(1, ROW_CHUNK_BYTES // max(1, bytes_per_row))
+    return [(r, min(t, r + step)) for r in range(0, t, step)]
+
+
+def top_k_positions(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, top_k: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_top_k as positions: q [t, Hi, Di], weights [t, Hi], keys [n, Di] (the t queries are
+    the last t of n positions) -> (index [t, K] int64, valid [t, K] bool), K = min(top_k, n): each
+    query's K best positions, valid where the position is not in its future (a query with fewer
+    than K positions before it fills the rest with future ones, invalid). The same scores and
+    torch.topk as select_top_k, computed for row groups under ROW_CHUNK_BYTES."""
+    t, n = q.shape[0], keys.shape[0]
+    k = min(top_k, n)
+    kf = keys.float().t()
+    index = torch.empty(t, k, dtype=torch.long, device=q.device)
+    valid = torch.empty(t, k, dtype=torch.bool, device=q.device)
+    for lo, hi in _row_groups(t, 4 * q.shape[1] * n):
+        scores = torch.relu(torch.matmul(q[lo:hi].float(), kf) * scale)               # [c, Hi, n]
+        score = torch.matmul(weights[lo:hi].float()[:, None, :], scores)[:, 0]       # [c, n]
+        qpos = torch.arange(n - t + lo, n - t + hi, device=q.device)[:, None]
+        score = score.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos, float("-inf"))
+        top = score.topk(k, dim=-1).indices
+        index[lo:hi] = top
+        valid[lo:hi] = top <= qpos
+    return index, valid
+
+
 def paged_select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: IndexKeys, block_size: int,
                        block_tables: torch.Tensor, cu_seqlens_q: list[int], seq_lens: list[int],
-                       top_k: int, scale: float) -> list[torch.Tensor | None]:
-    """select_top_k per sequence of a varlen batch (host cu_seqlens_q / seq_lens) -> one keep
-    mask [q_b, n_b] per sequence, or None where n_b <= top_k (every position kept)."""
-    out: list[torch.Tensor | None] = []
+                       top_k: int, scale: float) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """top_k_positions per sequence of a varlen batch (host cu_seqlens_q / seq_lens) -> one
+    (index [q_b, K], valid [q_b, K]) per sequence, or None where n_b <= top_k (every position kept)."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for b, n in enumerate(seq_lens):
         lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
         if n <= top_k or hi == lo:
             out.append(None)
             continue
         k = read_index_keys(keys, block_size, block_tables[b], n)
-        out.append(select_top_k(q[lo:hi], weights[lo:hi], k, top_k, scale))
+        out.append(top_k_positions(q[lo:hi], weights[lo:hi], k, top_k, scale))
+    return out
+
+
+def attend_selected(q: torch.Tensor, lat: torch.Tensor, rope: torch.Tensor, scale: float,
+                    index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Latent-space MQA of one sequence over each query's own positions: q [t, H, R + P], its cached
+    rows lat [n, R] and rope [n, P] (float32), index / valid [t, K] (top_k_positions) -> [t, H, R]
+    float32. Reads K rows a query, not n; row groups under ROW_CHUNK_BYTES."""
+    t, h = q.shape[0], q.shape[1]
+    r = lat.shape[1]
+    rows = torch.cat([lat, rope], dim=-1)                                        # [n, R + P]
+    out = torch.empty(t, h, r, dtype=torch.float32, device=q.device)
+    k = index.shape[1]
+    for lo, hi in _row_groups(t, 4 * k * (rows.shape[1] + 2 * h)):
+        sel = rows[index[lo:hi]]                                                 # [c, K, R + P]
+        s = torch.einsum("chd,ckd->chk", q[lo:hi].float(), sel) * scale
+        s = s.masked_fill(~valid[lo:hi, None, :], float("-inf"))
+        out[lo:hi] = torch.einsum("chk,ckr->chr", torch.softmax(s, dim=-1), sel[..., :r])
     return out
 
 
 def paged_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV, block_tables: torch.Tensor,
                      cu_seqlens_q: list[int], seq_lens: list[int], scale: float,
-                     keep: list[torch.Tensor | None]) -> torch.Tensor:
+                     selected: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
     """Absorbed MLA (attention_reference.paged_prefill_mla) where query rows of sequence b see
-    only the positions keep[b] marks (None: all, causal). -> [Tq, H, R] in q_latent.dtype."""
+    only the positions selected[b] names (paged_select_top_k; None: all, causal). -> [Tq, H, R]
+    in q_latent.dtype."""
     out = torch.empty(q_latent.shape, dtype=torch.float32, device=q_latent.device)
     q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
     for b, n in enumerate(seq_lens):
@@ -124,5 +177,8 @@ def paged_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
         if hi == lo:
             continue
         lat, rope = read_mla_kv(cache, block_tables[b], n)
-        out[lo:hi] = attend_latent(q[lo:hi], lat, rope, scale, keep[b])
+        if selected[b] is None:
+            out[lo:hi] = attend_latent(q[lo:hi], lat, rope, scale)
+        else:
+            out[lo:hi] = attend_selected(q[lo:hi], lat, rope, scale, *selected[b])
     return out.to(q_latent.dtype)

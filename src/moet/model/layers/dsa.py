@@ -23,7 +23,8 @@ from moet.model.layers.rope import Rotary
 class TopKSelection:
     """The positions the last full indexer layer selected in the current forward, for the shared
     layers after it (GLM-5's cross-layer sharing): contiguous forward [T, S] bool; paged forward
-    one [q_b, n_b] mask per sequence (None: every position). None: nothing selected (dense)."""
+    one (index, valid) [q_b, K] pair per sequence (sparse_attention.top_k_positions; None: every
+    position). None: nothing selected (dense)."""
 
     def __init__(self) -> None:
         self.keep = None
