@@ -279,3 +279,22 @@ def test_expert_store_with_a_capped_cache_is_the_resident_engine(tmp_path, monke
     got, st = run(pack_dir=str(tmp_path / "packs"), expert_cache_slots=20)
     assert got == want
     assert st["expert_cache_slots"] == 20 and st["expert_rows_fetched_total"] > 0 and st["expert_cache_hit_rate"] < 1
+
+
+@pytest.mark.parametrize("fmt", [F32, KVFormat("fp8_e4m3", "block", dtype=torch.float32), KVFormat("nvfp4", dtype=torch.float32)],
+                         ids=["auto", "fp8", "nvfp4"])
+def test_reading_selected_positions_equals_reading_the_sequence(fmt):
+    """The decode path reads only the selected rows (kv_cache.read_mla_positions): for every cache
+    format they equal the whole sequence read and indexed, for positions on any page."""
+    from moet.kernels import kv_cache
+    g = _gen()
+    cache = kv_cache.new_mla_layer(6, BS, 32, 16, fmt, "cpu")
+    if cache.scale_2 is not None:
+        cache.scale_2.copy_(torch.tensor([0.5, 0.25]))
+    blocks, n = torch.tensor([4, 1, 5, 2]), 3 * BS + 2
+    slots = blocks.repeat_interleave(BS)[:n] * BS + torch.arange(n) % BS
+    kv_cache.write_mla_kv(cache, torch.randn(n, 32, generator=g), torch.randn(n, 16, generator=g), slots)
+    lat, rope = kv_cache.read_mla_kv(cache, blocks, n)
+    pos = torch.randint(0, n, (3, 5), generator=g)
+    got_lat, got_rope = kv_cache.read_mla_positions(cache, blocks, pos)
+    assert torch.equal(got_lat, lat[pos]) and torch.equal(got_rope, rope[pos])

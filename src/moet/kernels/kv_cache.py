@@ -417,12 +417,26 @@ def read_gqa_kv(cache: GQALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.
 
 def read_mla_kv(cache: MLALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first n tokens, dequantized to float32: (latent [n, R], rope [n, P])."""
-    lat, rope = _gather(cache.latent, blocks, n), _gather(cache.rope, blocks, n)
+    return _dequantize_mla(cache, lambda t: _gather(t, blocks, n))
+
+
+def read_mla_positions(cache: MLALayerKV, blocks: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens at `positions` (int64, any shape [...]), dequantized to float32:
+    (latent [..., R], rope [..., P]); only those rows are read."""
+    bs = cache.latent.shape[1]
+    pages, rows = blocks.long()[positions // bs], positions % bs
+    return _dequantize_mla(cache, lambda t: t[pages, rows])
+
+
+def _dequantize_mla(cache: MLALayerKV, take) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent, rope) float32 of the rows `take` picks out of each [NB, BS, ...] cache tensor."""
+    lat, rope = take(cache.latent), take(cache.rope)
     if cache.fmt.is_nvfp4:
-        return (dequantize_nvfp4(lat, _gather(cache.latent_scale, blocks, n), cache.scale_2[0:1]),
+        return (dequantize_nvfp4(lat, take(cache.latent_scale), cache.scale_2[0:1]),
                 dequantize_fp8(rope, cache.scale_2[1:2]))
     if not cache.fmt.is_fp8:
         return lat.float(), rope.float()
     if cache.fmt.block_scaled:
-        return dequantize_fp8(lat, _gather(cache.latent_scale, blocks, n)), rope.float()
+        return dequantize_fp8(lat, take(cache.latent_scale)), rope.float()
     return dequantize_fp8(lat, cache.latent_scale), dequantize_fp8(rope, cache.latent_scale)

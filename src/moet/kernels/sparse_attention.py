@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from moet.kernels.attention_reference import attend_latent
-from moet.kernels.kv_cache import KVFormat, MLALayerKV, dequantize_fp8, quantize_fp8, read_mla_kv
+from moet.kernels.kv_cache import (KVFormat, MLALayerKV, dequantize_fp8, quantize_fp8, read_mla_kv,
+                                   read_mla_positions)
 
 
 @dataclass(slots=True)
@@ -151,13 +152,16 @@ def attend_selected(q: torch.Tensor, lat: torch.Tensor, rope: torch.Tensor, scal
     """Latent-space MQA of one sequence over each query's own positions: q [t, H, R + P], its cached
     rows lat [n, R] and rope [n, P] (float32), index / valid [t, K] (top_k_positions) -> [t, H, R]
     float32. Reads K rows a query, not n; row groups under ROW_CHUNK_BYTES."""
-    t, h = q.shape[0], q.shape[1]
-    r = lat.shape[1]
     rows = torch.cat([lat, rope], dim=-1)                                        # [n, R + P]
+    return _attend_rows(q, lambda lo, hi: rows[index[lo:hi]], lat.shape[1], index.shape[1], valid, scale)
+
+
+def _attend_rows(q: torch.Tensor, rows_of, r: int, k: int, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [t, H, R + P] over rows_of(lo, hi) [c, K, R + P] (float32) per row group, masked by valid."""
+    t, h = q.shape[0], q.shape[1]
     out = torch.empty(t, h, r, dtype=torch.float32, device=q.device)
-    k = index.shape[1]
-    for lo, hi in _row_groups(t, 4 * k * (rows.shape[1] + 2 * h)):
-        sel = rows[index[lo:hi]]                                                 # [c, K, R + P]
+    for lo, hi in _row_groups(t, 4 * k * (q.shape[2] + 2 * h)):
+        sel = rows_of(lo, hi)
         s = torch.einsum("chd,ckd->chk", q[lo:hi].float(), sel) * scale
         s = s.masked_fill(~valid[lo:hi, None, :], float("-inf"))
         out[lo:hi] = torch.einsum("chk,ckr->chr", torch.softmax(s, dim=-1), sel[..., :r])
@@ -169,12 +173,21 @@ def paged_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
                      selected: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
     """Absorbed MLA (attention_reference.paged_prefill_mla) where query rows of sequence b see
     only the positions selected[b] names (paged_select_top_k; None: all, causal). -> [Tq, H, R]
-    in q_latent.dtype."""
+    in q_latent.dtype. A sequence with fewer query rows x K than positions (decode) reads only
+    the selected rows from the cache; a long chunk reads the sequence once and indexes it."""
     out = torch.empty(q_latent.shape, dtype=torch.float32, device=q_latent.device)
     q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
+    r = q_latent.shape[-1]
     for b, n in enumerate(seq_lens):
         lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
         if hi == lo:
+            continue
+        if selected[b] is not None and (hi - lo) * selected[b][0].shape[1] < n:
+            index, valid = selected[b]
+
+            def rows_of(a, z, index=index, blocks=block_tables[b]):
+                return torch.cat(read_mla_positions(cache, blocks, index[a:z]), dim=-1)
+            out[lo:hi] = _attend_rows(q[lo:hi], rows_of, r, index.shape[1], valid, scale)
             continue
         lat, rope = read_mla_kv(cache, block_tables[b], n)
         if selected[b] is None:
