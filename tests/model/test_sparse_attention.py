@@ -143,6 +143,47 @@ def test_paged_forward_as_sequences_outgrow_top_k():
     assert sparse_steps == 5
 
 
+def test_decode_rows_past_top_k_run_as_one_batch(monkeypatch):
+    """Three sequences past top-k 8 (lengths 11, 14, 17 at their first decode) decode together
+    beside one that prefills: the decode rows are selected and attended as one batch
+    (batched_top_k_positions, called once per full layer a step), every row's logits equal the
+    contiguous forward's."""
+    g = _gen()
+    model = _model(index_topk=8)
+    prompts = [10, 13, 16, 5]
+    seqs = [torch.randint(0, VOCAB, (n + 3,), generator=g) for n in prompts]
+    perm = torch.randperm(40, generator=g).tolist()          # pages in no order, none shared
+    tables, at = [], 0
+    for s in seqs:
+        need = -(-s.shape[0] // BS)
+        tables.append(perm[at:at + need])
+        at += need
+    want = []
+    with torch.no_grad():
+        for s in seqs:
+            want.append(model.forward(s, 0, model.new_cache(s.shape[0], "cpu")))
+    kv = model.new_kv_cache(40, BS, F32, "cpu")
+    calls = []
+    real = dsa.batched_top_k_positions
+    monkeypatch.setattr(dsa, "batched_top_k_positions", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
+    done = [0, 0, 0, 0]
+    schedule = [[(0, 10), (1, 13), (2, 16)], [(0, 1), (1, 1), (2, 1), (3, 5)], [(0, 1), (1, 1), (2, 1), (3, 1)],
+                [(0, 1), (1, 1), (2, 1)]]
+    for step in schedule:
+        order = [b for b, _ in step]
+        batch = AttentionBatch.build(block_tables=[tables[b] for b in order], context_lens=[done[b] for b in order],
+                                     query_lens=[n for _, n in step], block_size=BS, device="cpu")
+        ids = torch.cat([seqs[b][done[b]:done[b] + n] for b, n in step])
+        with torch.no_grad():
+            logits = model.logits(model.forward_paged(ids, batch, kv))
+        ref = torch.cat([want[b][done[b]:done[b] + n] for b, n in step])
+        assert float((logits - ref).norm() / ref.norm()) < 1e-5, step
+        for b, n in step:
+            done[b] += n
+    full = sum(t == "full" for t in model.spec.sparse_attention.layer_types)
+    assert calls == [3] * (3 * full)            # the three decode steps, each full layer once, 3 rows
+
+
 def test_quantized_cache_keeps_the_selection_close():
     """With an fp8 cache the index keys are e4m3 with a per-token scale. Layer 0's indexer sees the
     same input either way (the embeddings), so its selection differs only through the keys'

@@ -417,7 +417,7 @@ def read_gqa_kv(cache: GQALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.
 
 def read_mla_kv(cache: MLALayerKV, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first n tokens, dequantized to float32: (latent [n, R], rope [n, P])."""
-    return _dequantize_mla(cache, lambda t: _gather(t, blocks, n))
+    return dequantize_mla_rows(cache, lambda t: _gather(t, blocks, n))
 
 
 def read_mla_positions(cache: MLALayerKV, blocks: torch.Tensor, positions: torch.Tensor
@@ -426,11 +426,12 @@ def read_mla_positions(cache: MLALayerKV, blocks: torch.Tensor, positions: torch
     (latent [..., R], rope [..., P]); only those rows are read."""
     bs = cache.latent.shape[1]
     pages, rows = blocks.long()[positions // bs], positions % bs
-    return _dequantize_mla(cache, lambda t: t[pages, rows])
+    return dequantize_mla_rows(cache, lambda t: t[pages, rows])
 
 
-def _dequantize_mla(cache: MLALayerKV, take) -> tuple[torch.Tensor, torch.Tensor]:
-    """(latent, rope) float32 of the rows `take` picks out of each [NB, BS, ...] cache tensor."""
+def dequantize_mla_rows(cache: MLALayerKV, take) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent, rope) float32 of the rows `take` picks out of each [NB, BS, ...] cache tensor (a
+    function of the tensor: the same rows of the latent, its scales and the rope)."""
     lat, rope = take(cache.latent), take(cache.rope)
     if cache.fmt.is_nvfp4:
         return (dequantize_nvfp4(lat, take(cache.latent_scale), cache.scale_2[0:1]),

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from moet.kernels.attention_reference import attend_latent
-from moet.kernels.kv_cache import (KVFormat, MLALayerKV, dequantize_fp8, quantize_fp8, read_mla_kv,
-                                   read_mla_positions)
+from moet.kernels.kv_cache import (KVFormat, MLALayerKV, dequantize_fp8, dequantize_mla_rows, quantize_fp8,
+                                   read_mla_kv, read_mla_positions)
 
 
 @dataclass(slots=True)
@@ -131,19 +131,65 @@ def top_k_positions(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, 
     return index, valid
 
 
+def _decode_rows(cu_seqlens_q: list[int], seq_lens: list[int], top_k: int) -> list[int]:
+    """The sequences of a step that bring one query row and are longer than top_k: decode rows,
+    selected and attended as one batch (the other sequences one at a time)."""
+    return [b for b, n in enumerate(seq_lens) if n > top_k and cu_seqlens_q[b + 1] - cu_seqlens_q[b] == 1]
+
+
+def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of positions [B, L] of the sequences whose pages are block_tables [B, W]."""
+    pages = block_tables.long().gather(1, (positions // block_size).clamp(max=block_tables.shape[1] - 1))
+    return pages * block_size + positions % block_size
+
+
+def batched_top_k_positions(q: torch.Tensor, weights: torch.Tensor, keys: IndexKeys, block_size: int,
+                            block_tables: torch.Tensor, seq_lens: list[int], top_k: int, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k_positions for B decode rows at once: q [B, Hi, Di], weights [B, Hi], each row the last
+    position of its sequence (block_tables [B, W], host seq_lens) -> (index [B, K], valid [B, K]),
+    K = min(top_k, the longest). The keys of every sequence are read up to the longest, masked past
+    its own length; row groups under ROW_CHUNK_BYTES."""
+    bsz, longest = q.shape[0], max(seq_lens)
+    k = min(top_k, longest)
+    pos = torch.arange(longest, device=q.device)
+    lens = torch.tensor(seq_lens, device=q.device)
+    index = torch.empty(bsz, k, dtype=torch.long, device=q.device)
+    valid = torch.empty(bsz, k, dtype=torch.bool, device=q.device)
+    for lo, hi in _row_groups(bsz, 4 * longest * (q.shape[1] + keys.data.shape[1] + 2)):
+        slots = _slots(block_tables[lo:hi], pos.expand(hi - lo, longest), block_size)
+        kk = keys.data[slots].float() if keys.scale is None else dequantize_fp8(keys.data[slots], keys.scale[slots])
+        scores = torch.relu(torch.einsum("bhd,bld->bhl", q[lo:hi].float(), kk) * scale)    # [c, Hi, L]
+        score = torch.einsum("bh,bhl->bl", weights[lo:hi].float(), scores)
+        mine = pos[None, :] < lens[lo:hi, None]
+        score = score.masked_fill(~mine, float("-inf"))
+        top = score.topk(k, dim=-1).indices
+        index[lo:hi] = top
+        valid[lo:hi] = top < lens[lo:hi, None]
+    return index, valid
+
+
 def paged_select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: IndexKeys, block_size: int,
                        block_tables: torch.Tensor, cu_seqlens_q: list[int], seq_lens: list[int],
                        top_k: int, scale: float) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """top_k_positions per sequence of a varlen batch (host cu_seqlens_q / seq_lens) -> one
-    (index [q_b, K], valid [q_b, K]) per sequence, or None where n_b <= top_k (every position kept)."""
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    (index [q_b, K], valid [q_b, K]) per sequence, or None where n_b <= top_k (every position kept).
+    The decode rows (_decode_rows) are selected as one batch (their K is the batch's; a shorter
+    sequence's extra positions are invalid)."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(seq_lens)
+    dec = _decode_rows(cu_seqlens_q, seq_lens, top_k)
+    if dec:
+        rows = torch.tensor([cu_seqlens_q[b] for b in dec], device=q.device)
+        index, valid = batched_top_k_positions(q[rows], weights[rows], keys, block_size, block_tables[dec],
+                                               [seq_lens[b] for b in dec], top_k, scale)
+        for i, b in enumerate(dec):
+            out[b] = (index[i:i + 1], valid[i:i + 1])
     for b, n in enumerate(seq_lens):
         lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
-        if n <= top_k or hi == lo:
-            out.append(None)
+        if n <= top_k or hi == lo or out[b] is not None:
             continue
         k = read_index_keys(keys, block_size, block_tables[b], n)
-        out.append(top_k_positions(q[lo:hi], weights[lo:hi], k, top_k, scale))
+        out[b] = top_k_positions(q[lo:hi], weights[lo:hi], k, top_k, scale)
     return out
 
 
@@ -178,9 +224,23 @@ def paged_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     out = torch.empty(q_latent.shape, dtype=torch.float32, device=q_latent.device)
     q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
     r = q_latent.shape[-1]
+    dec = [b for b in _decode_rows(cu_seqlens_q, seq_lens, 0) if selected[b] is not None]
+    if dec:                 # decode rows: one batched gather of their selected rows and one attention
+        rows = torch.tensor([cu_seqlens_q[b] for b in dec], device=q.device)
+        index = torch.cat([selected[b][0] for b in dec])          # [B, K]: K = top_k for every decode row
+        valid = torch.cat([selected[b][1] for b in dec])
+        width = index.shape[1]
+        tables = block_tables[dec]
+        bs = cache.latent.shape[1]
+
+        def batch_rows(a, z):
+            pages = tables[a:z].long().gather(1, index[a:z] // bs)
+            take = lambda t: t[pages, index[a:z] % bs]  # noqa: E731
+            return torch.cat(dequantize_mla_rows(cache, take), dim=-1)
+        out[rows] = _attend_rows(q[rows], batch_rows, r, width, valid, scale)
     for b, n in enumerate(seq_lens):
         lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
-        if hi == lo:
+        if hi == lo or b in dec:
             continue
         if selected[b] is not None and (hi - lo) * selected[b][0].shape[1] < n:
             index, valid = selected[b]
