@@ -133,9 +133,11 @@ def test_paged_forward_as_sequences_outgrow_top_k():
         keep = model.model.layers[0].self_attn.selection.keep
         if max(batch.seq_lens_host) > 8:
             sparse_steps += 1
-            assert keep[0] is not None and keep[0][1].sum(1).tolist() == [8] * step[0][1]      # (index, valid)
-            if len(step) > 1:
+            if len(step) > 1:                                     # (index, valid) per sequence
+                assert keep[0] is not None and keep[0][1].sum(1).tolist() == [8] * step[0][1]
                 assert keep[1] is None                            # sequence 1 is within top-k
+            else:                                                 # an all-decode step: on the device
+                assert isinstance(keep, dsa.DecodeSelection) and keep.valid.sum(1).tolist() == [8]
         ref = torch.cat([want[b][done[b]:done[b] + n] for b, n in step])
         assert float((logits - ref).norm() / ref.norm()) < 1e-5, step
         for b, n in step:
@@ -146,12 +148,15 @@ def test_paged_forward_as_sequences_outgrow_top_k():
 def test_decode_rows_past_top_k_run_as_one_batch(monkeypatch):
     """Three sequences past top-k 8 (lengths 11, 14, 17 at their first decode) decode together
     beside one that prefills: the decode rows are selected and attended as one batch
-    (batched_top_k_positions, called once per full layer a step), every row's logits equal the
-    contiguous forward's."""
+    (batched_top_k_positions, called once per full layer a step); in an all-decode step every
+    row is in it, the short sequence too. Then a step as a graph replay sees it: the host lengths
+    are the capture's worst case (the table's width), only the device lengths are true. Every
+    row's logits equal the contiguous forward's."""
+    import dataclasses
     g = _gen()
     model = _model(index_topk=8)
     prompts = [10, 13, 16, 5]
-    seqs = [torch.randint(0, VOCAB, (n + 3,), generator=g) for n in prompts]
+    seqs = [torch.randint(0, VOCAB, (n + 4,), generator=g) for n in prompts]
     perm = torch.randperm(40, generator=g).tolist()          # pages in no order, none shared
     tables, at = [], 0
     for s in seqs:
@@ -168,11 +173,15 @@ def test_decode_rows_past_top_k_run_as_one_batch(monkeypatch):
     monkeypatch.setattr(dsa, "batched_top_k_positions", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
     done = [0, 0, 0, 0]
     schedule = [[(0, 10), (1, 13), (2, 16)], [(0, 1), (1, 1), (2, 1), (3, 5)], [(0, 1), (1, 1), (2, 1), (3, 1)],
-                [(0, 1), (1, 1), (2, 1)]]
-    for step in schedule:
+                [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (2, 1), (3, 1)]]
+    width = max(len(t) for t in tables)
+    for i, step in enumerate(schedule):
         order = [b for b, _ in step]
         batch = AttentionBatch.build(block_tables=[tables[b] for b in order], context_lens=[done[b] for b in order],
-                                     query_lens=[n for _, n in step], block_size=BS, device="cpu")
+                                     query_lens=[n for _, n in step], block_size=BS, device="cpu",
+                                     pad_blocks_to=width)
+        if i == len(schedule) - 1:                   # as captured: worst-case host lengths
+            batch = dataclasses.replace(batch, seq_lens_host=[width * BS] * len(step))
         ids = torch.cat([seqs[b][done[b]:done[b] + n] for b, n in step])
         with torch.no_grad():
             logits = model.logits(model.forward_paged(ids, batch, kv))
@@ -181,7 +190,7 @@ def test_decode_rows_past_top_k_run_as_one_batch(monkeypatch):
         for b, n in step:
             done[b] += n
     full = sum(t == "full" for t in model.spec.sparse_attention.layer_types)
-    assert calls == [3] * (3 * full)            # the three decode steps, each full layer once, 3 rows
+    assert calls == [3] * full + [4] * full + [3] * full + [4] * full     # each full layer once a step
 
 
 def test_quantized_cache_keeps_the_selection_close():
@@ -211,13 +220,16 @@ def test_quantized_cache_keeps_the_selection_close():
 
 
 def test_graphs_do_not_serve_sequences_past_top_k():
+    """A DSA model's verify / repair / drafting graphs hold the dense path (max_context = top-k):
+    a step with a longer sequence runs eager. (Its decode graphs serve every length: the
+    all-decode selection is graph-safe, test_decode_rows_past_top_k_run_as_one_batch.)"""
     from moet.engine.cuda_graphs import GraphSet
-    gs = GraphSet(1, 4, 8, 8, "cpu", "decode")                  # max_context 8: a DSA model's top-k
+    gs = GraphSet(3, 4, 8, 8, "cpu", "MTP verify")               # max_context 8: a DSA model's top-k
     gs.graphs[4] = object()                                      # as if bucket 4 were captured
 
     def batch(lens):
-        return AttentionBatch.build(block_tables=[[0, 1, 2]] * len(lens), context_lens=[n - 1 for n in lens],
-                                    query_lens=[1] * len(lens), block_size=BS, device="cpu")
+        return AttentionBatch.build(block_tables=[[0, 1, 2]] * len(lens), context_lens=[n - 3 for n in lens],
+                                    query_lens=[3] * len(lens), block_size=BS, device="cpu")
     assert gs.bucket_for(batch([3, 8])) == 4
     assert gs.bucket_for(batch([3, 9])) is None
     assert gs.batch(2).seq_lens_host == [8, 8]                  # the capture stays on the dense path

@@ -175,10 +175,13 @@ class ModelRunner:
             if n:
                 log.info("routed experts repacked for the CPU: %.0f MiB", n / 2**20)
         self.max_model_len = max_model_len
-        # captured graphs serve sequences up to this length: a DSA model's attention is dense (one
-        # graph-safe path) only while no sequence is longer than its indexer's top-k
+        # captured graphs serve sequences up to this length. A DSA model's decode step past its
+        # indexer's top-k selects on the device with static shapes (sparse_attention.DecodeSelection),
+        # so its decode graphs, captured at the worst case, serve every length; its other passes
+        # (verify, repair, drafting from the main model) are graph-safe only while dense
         dsa = model.spec.sparse_attention
         self.graph_context = max_model_len if dsa is None else min(max_model_len, dsa.top_k)
+        self.decode_graph_context = max_model_len
         self.block_size = config.cache.block_size
         self.kv_format = kv_format_for(config.cache.kv_cache_dtype, model.dtype, model.spec.attention)
         self.bytes_per_token = model.kv_bytes_per_token(self.kv_format)
@@ -384,8 +387,8 @@ class ModelRunner:
         return self.model.forward_paged(ids, batch, self.kv)
 
     def _capture_decode_graphs(self) -> None:
-        self.decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width, self.graph_context,
-                                      self.device, "decode")
+        self.decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width,
+                                      self.decode_graph_context, self.device, "decode")
         self.decode_graphs.capture(self._forward_for_capture, self.device)
 
     def reset_replay_counts(self) -> None:

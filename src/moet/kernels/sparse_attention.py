@@ -143,30 +143,56 @@ def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int)
     return pages * block_size + positions % block_size
 
 
+@dataclass(slots=True)
+class DecodeSelection:
+    """The positions the B rows of an all-decode step keep (batched_top_k_positions): index and
+    valid [B, K], row b the last position of sequence b. Device tensors only, so a decode step
+    past top-k is capturable in a CUDA graph."""
+    index: torch.Tensor
+    valid: torch.Tensor
+
+
 def batched_top_k_positions(q: torch.Tensor, weights: torch.Tensor, keys: IndexKeys, block_size: int,
-                            block_tables: torch.Tensor, seq_lens: list[int], top_k: int, scale: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, longest: int, top_k: int,
+                            scale: float) -> DecodeSelection:
     """top_k_positions for B decode rows at once: q [B, Hi, Di], weights [B, Hi], each row the last
-    position of its sequence (block_tables [B, W], host seq_lens) -> (index [B, K], valid [B, K]),
-    K = min(top_k, the longest). The keys of every sequence are read up to the longest, masked past
-    its own length; row groups under ROW_CHUNK_BYTES."""
-    bsz, longest = q.shape[0], max(seq_lens)
-    k = min(top_k, longest)
-    pos = torch.arange(longest, device=q.device)
-    lens = torch.tensor(seq_lens, device=q.device)
+    position of its sequence (block_tables [B, W]; seq_lens int [B] on the device) -> K = min(top_k,
+    L) positions a row, L = `longest` (a host bound on seq_lens, e.g. a graph capture's worst case)
+    rounded up to whole pages and at most the table's width. Every sequence's keys are read up to
+    L, masked past its own length; no host sync and static shapes (capturable). Row groups under
+    ROW_CHUNK_BYTES."""
+    bsz = q.shape[0]
+    length = min(-(-longest // block_size) * block_size, block_tables.shape[1] * block_size)
+    k = min(top_k, length)
+    pos = torch.arange(length, device=q.device)
+    lens = seq_lens.to(torch.long)
     index = torch.empty(bsz, k, dtype=torch.long, device=q.device)
     valid = torch.empty(bsz, k, dtype=torch.bool, device=q.device)
-    for lo, hi in _row_groups(bsz, 4 * longest * (q.shape[1] + keys.data.shape[1] + 2)):
-        slots = _slots(block_tables[lo:hi], pos.expand(hi - lo, longest), block_size)
+    for lo, hi in _row_groups(bsz, 4 * length * (q.shape[1] + keys.data.shape[1] + 2)):
+        slots = _slots(block_tables[lo:hi], pos.expand(hi - lo, length), block_size)
         kk = keys.data[slots].float() if keys.scale is None else dequantize_fp8(keys.data[slots], keys.scale[slots])
         scores = torch.relu(torch.einsum("bhd,bld->bhl", q[lo:hi].float(), kk) * scale)    # [c, Hi, L]
         score = torch.einsum("bh,bhl->bl", weights[lo:hi].float(), scores)
-        mine = pos[None, :] < lens[lo:hi, None]
-        score = score.masked_fill(~mine, float("-inf"))
+        score = score.masked_fill(pos[None, :] >= lens[lo:hi, None], float("-inf"))
         top = score.topk(k, dim=-1).indices
         index[lo:hi] = top
         valid[lo:hi] = top < lens[lo:hi, None]
-    return index, valid
+    return DecodeSelection(index, valid)
+
+
+def decode_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV, block_tables: torch.Tensor,
+                      sel: DecodeSelection, scale: float) -> torch.Tensor:
+    """Absorbed MLA of B decode rows over their selected positions: q_latent [B, H, R], q_rope
+    [B, H, P] -> [B, H, R] float32; one gather of the B x K selected rows (only those are read),
+    static shapes, no host sync."""
+    q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)
+    bs = cache.latent.shape[1]
+
+    def rows_of(a, z):
+        pages = block_tables[a:z].long().gather(1, sel.index[a:z] // bs)
+        offsets = sel.index[a:z] % bs
+        return torch.cat(dequantize_mla_rows(cache, lambda t: t[pages, offsets]), dim=-1)
+    return _attend_rows(q, rows_of, q_latent.shape[-1], sel.index.shape[1], sel.valid, scale)
 
 
 def paged_select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: IndexKeys, block_size: int,
@@ -180,10 +206,11 @@ def paged_select_top_k(q: torch.Tensor, weights: torch.Tensor, keys: IndexKeys, 
     dec = _decode_rows(cu_seqlens_q, seq_lens, top_k)
     if dec:
         rows = torch.tensor([cu_seqlens_q[b] for b in dec], device=q.device)
-        index, valid = batched_top_k_positions(q[rows], weights[rows], keys, block_size, block_tables[dec],
-                                               [seq_lens[b] for b in dec], top_k, scale)
+        lens = [seq_lens[b] for b in dec]
+        sel = batched_top_k_positions(q[rows], weights[rows], keys, block_size, block_tables[dec],
+                                      torch.tensor(lens, device=q.device), max(lens), top_k, scale)
         for i, b in enumerate(dec):
-            out[b] = (index[i:i + 1], valid[i:i + 1])
+            out[b] = (sel.index[i:i + 1], sel.valid[i:i + 1])
     for b, n in enumerate(seq_lens):
         lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
         if n <= top_k or hi == lo or out[b] is not None:
@@ -227,17 +254,9 @@ def paged_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALay
     dec = [b for b in _decode_rows(cu_seqlens_q, seq_lens, 0) if selected[b] is not None]
     if dec:                 # decode rows: one batched gather of their selected rows and one attention
         rows = torch.tensor([cu_seqlens_q[b] for b in dec], device=q.device)
-        index = torch.cat([selected[b][0] for b in dec])          # [B, K]: K = top_k for every decode row
-        valid = torch.cat([selected[b][1] for b in dec])
-        width = index.shape[1]
-        tables = block_tables[dec]
-        bs = cache.latent.shape[1]
-
-        def batch_rows(a, z):
-            pages = tables[a:z].long().gather(1, index[a:z] // bs)
-            take = lambda t: t[pages, index[a:z] % bs]  # noqa: E731
-            return torch.cat(dequantize_mla_rows(cache, take), dim=-1)
-        out[rows] = _attend_rows(q[rows], batch_rows, r, width, valid, scale)
+        sel = DecodeSelection(torch.cat([selected[b][0] for b in dec]),    # [B, K]: K = top_k for each
+                              torch.cat([selected[b][1] for b in dec]))
+        out[rows] = decode_sparse_mla(q_latent[rows], q_rope[rows], cache, block_tables[dec], sel, scale)
     for b, n in enumerate(seq_lens):
         lo, hi = cu_seqlens_q[b], cu_seqlens_q[b + 1]
         if hi == lo or b in dec:

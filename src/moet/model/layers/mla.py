@@ -124,7 +124,9 @@ class MLAttention(nn.Module):
             keep = self._select_paged(x, q_resid, cos, sin, batch, kv)
         w = self.kv_b_proj.weight if self.kv_b_f32 is None else self.kv_b_f32
         q_latent = ops.mla_absorb_q(q_pass, w, s.qk_nope_head_dim)
-        if keep is not None:
+        if isinstance(keep, dsa_ops.DecodeSelection):
+            out = dsa_ops.decode_sparse_mla(q_latent, q_rot, kv, batch.block_tables, keep, s.scale)
+        elif keep is not None:
             out = dsa_ops.paged_sparse_mla(q_latent, q_rot, kv, batch.block_tables, batch.cu_seqlens_q_host,
                                            batch.seq_lens_host, s.scale, keep)
         else:
@@ -132,17 +134,23 @@ class MLAttention(nn.Module):
         out = ops.mla_output(out, w, s.qk_nope_head_dim).to(x.dtype)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def _select_paged(self, x, q_resid, cos, sin, batch: AttentionBatch, kv: MLALayerKV) -> list | None:
-        """Paged forward: writes this layer's index keys (own indexer), then the positions each
-        sequence's rows keep (kernels/sparse_attention.paged_select_top_k), or None when no
-        sequence of the step is longer than top-k: every layer of the step then runs dense. The
-        test is on the host's sequence lengths, so a captured graph (whose capture batch stays
-        within top-k, ModelRunner.graph_context) never holds the sparse path."""
+    def _select_paged(self, x, q_resid, cos, sin, batch: AttentionBatch, kv: MLALayerKV):
+        """Paged forward: writes this layer's index keys (own indexer), then the positions the
+        step's rows keep, or None when no sequence of the step is longer than top-k (a test on the
+        host's lengths): every layer of the step then runs dense. An all-decode step selects on the
+        device only (sparse_attention.DecodeSelection: static shapes, so a decode graph captured at
+        the worst-case lengths holds this path and serves every length, ModelRunner.graph_context);
+        a step with prompt rows per sequence (paged_select_top_k), eager."""
         if self.indexer is not None:
             dsa_ops.write_index_keys(kv.index_keys, self.indexer.keys(x, cos, sin), batch.slot_mapping)
         if max(batch.seq_lens_host, default=0) <= self.dsa.top_k:
             return None
-        if self.indexer is not None:
+        if self.indexer is not None and batch.is_pure_decode:
+            q, w = self.indexer.queries(x, q_resid, cos, sin)
+            self.selection.keep = dsa_ops.batched_top_k_positions(
+                q, w, kv.index_keys, kv.block_size, batch.block_tables, batch.seq_lens, max(batch.seq_lens_host),
+                self.dsa.top_k, self.dsa.scale)
+        elif self.indexer is not None:
             q, w = self.indexer.queries(x, q_resid, cos, sin)
             self.selection.keep = dsa_ops.paged_select_top_k(
                 q, w, kv.index_keys, kv.block_size, batch.block_tables, batch.cu_seqlens_q_host,
