@@ -5,6 +5,8 @@ MAGNITUDES = (0, 0.5, 1, 1.5, 2, 3, 4, 6). All 16 codes are valid; code 8 is -0.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -16,7 +18,15 @@ _MIDPOINTS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def value_table(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-    """The 16 code values as a tensor (index = code); -0.0 at index 8."""
+    """The 16 code values as a tensor (index = code); -0.0 at index 8. One tensor per (dtype,
+    device), made on first use: a decode inside a CUDA graph capture (the nvfp4 KV read of a
+    sparse-attention decode step) must not copy from the host; the capture's warm-up pass makes it.
+    Read-only: callers index it."""
+    return _value_table(dtype, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def _value_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(VALUES, dtype=dtype, device=device)
 
 
