@@ -74,10 +74,44 @@ class SparseAttentionSpec:
 
 
 @dataclass(frozen=True)
+class CompressedAttentionSpec:
+    """DeepSeek-V4's attention schedule. Every layer attends to a sliding window of its own keys
+    (K = V: one shared head, rope'd, `window` positions including the query's own) with a per-head
+    attention sink; `layer_types[i]` "sliding" stops there, "csa" (compressed sparse attention)
+    adds one compressed key per `csa_rate` tokens, built from two overlapping windows and chosen
+    per query by a lightning indexer (`index_top_k` of them), "hca" (heavily compressed) adds one
+    per `hca_rate` tokens, all of them. Compressed keys and CSA / HCA layers' own q / kv rotate
+    with `compress_rope` (its own theta, YaRN); sliding layers with the model's rope. The output
+    is de-rotated at the query's position and projected in `o_groups` groups of rank
+    `o_lora_rank` before o_b. See model/deepseek_v4.py."""
+    layer_types: tuple[str, ...]      # per layer: "sliding" | "csa" | "hca"
+    window: int
+    csa_rate: int
+    hca_rate: int
+    index_heads: int
+    index_head_dim: int
+    index_top_k: int
+    o_groups: int
+    o_lora_rank: int
+    compress_rope: RopeSpec
+    hash_layers: tuple[int, ...]      # MoE layers routed by a token-id table (tid2eid), not learned
+
+
+@dataclass(frozen=True)
+class HyperConnectionSpec:
+    """Manifold-constrained hyper-connections (DeepSeek-V4): `streams` copies of the residual
+    stream, mixed around every sublayer by a Sinkhorn-normalised matrix (`sinkhorn_iters`)."""
+    streams: int
+    sinkhorn_iters: int
+    eps: float
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     num_experts: int
     top_k: int
     scoring: str                      # "softmax" (Mixtral, Qwen3-MoE) | "sigmoid" (DeepSeek-V3, GLM)
+    #                                   | "sqrtsoftplus" (DeepSeek-V4: sqrt(softplus(logit)))
     norm_topk_prob: bool
     routed_scaling_factor: float = 1.0
     n_group: int = 1                  # group-limited top-k (DeepSeek-V3): keep topk_group groups
@@ -89,6 +123,7 @@ class RouterSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     family: str                       # "deepseek_v3" | "glm4_moe" | "qwen3_moe" | "mixtral" | "glm_moe_dsa" | "deepseek_v32"
+    #                                   | "deepseek_v4"
     architecture: str                 # config.json's architectures[0]
     vocab_size: int
     hidden_size: int
@@ -105,6 +140,8 @@ class ModelSpec:
     router: RouterSpec
     num_mtp_layers: int = 0
     sparse_attention: SparseAttentionSpec | None = None   # DSA (GLM-5); None = dense attention
+    compressed_attention: CompressedAttentionSpec | None = None   # DeepSeek-V4
+    hyper_connections: HyperConnectionSpec | None = None          # DeepSeek-V4
     hidden_act: str = "silu"
     swiglu_limit: float | None = None  # clamp gate (max) and up (+-) in fp32 before SiLU-mul
     torch_dtype: str = "bfloat16"
@@ -479,6 +516,98 @@ def mixtral_spec(cfg: dict) -> ModelSpec:
     )
 
 
+# DeepSeek-V4 checkpoints name tensors as DeepSeek's reference code does (transformers writes them so
+# too, under "model."): moet's modules keep those names inside a layer, with moet's conventions for
+# the layer / MoE / norm parts (experts per expert as gate / up / down, the router under mlp.gate)
+_V4_RENAMES = (
+    (r"^(?:model\.)?embed(?:_tokens)?\.weight$", "model.embed_tokens.weight"),
+    (r"^(?:model\.)?head\.weight$", "lm_head.weight"),
+    (r"^(?:model\.)?norm\.weight$", "model.norm.weight"),
+    (r"^(?:model\.)?hc_head[._](?:hc_)?(fn|base|scale)$", r"model.hc_head.\1"),
+    (r"^(?:model\.)?layers\.(\d+)\.", r"model.layers.\1."),
+    (r"\.ffn\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+    (r"\.ffn\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
+    (r"\.ffn\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
+    (r"\.ffn\.shared_experts\.w1\.", ".mlp.shared_experts.gate_proj."),
+    (r"\.ffn\.shared_experts\.w3\.", ".mlp.shared_experts.up_proj."),
+    (r"\.ffn\.shared_experts\.w2\.", ".mlp.shared_experts.down_proj."),
+    (r"\.ffn\.gate\.bias$", ".mlp.gate.e_score_correction_bias"),
+    (r"\.ffn\.gate\.", ".mlp.gate."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+)
+_V4_LAYER_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+                   "heavily_compressed_attention": "hca"}
+
+
+def deepseek_v4_spec(cfg: dict) -> ModelSpec:
+    """DeepSeek-V4 (transformers' deepseek_v4 config; legacy `compress_ratios` / `num_hash_layers`
+    / `qk_rope_head_dim` / `rope_scaling` keys as the released config.json has them)."""
+    base = _common(cfg, "deepseek_v4")
+    n = base["num_layers"]
+    heads, head_dim = _cint(cfg, "num_attention_heads"), _cint(cfg, "head_dim", 512)
+    rd = _cint(cfg, "qk_rope_head_dim", None)
+    if rd is None:
+        rd = int(head_dim * _float(cfg, "partial_rotary_factor", 64 / 512, positive=True))
+    rates = _dict(cfg, "compress_rates")
+    csa = _cint(rates, "compressed_sparse_attention", None) or _cint(cfg, "compress_rate_csa", 4)
+    hca = _cint(rates, "heavily_compressed_attention", None) or _cint(cfg, "compress_rate_hca", 128)
+    if cfg.get("layer_types") is not None:
+        raw = cfg["layer_types"]
+        if not isinstance(raw, list) or len(raw) < n or any(t not in _V4_LAYER_TYPES for t in raw[:n]):
+            raise _bad("layer_types", raw, f"a list of {n} of {', '.join(_V4_LAYER_TYPES)}")
+        types = tuple(_V4_LAYER_TYPES[t] for t in raw[:n])
+    elif cfg.get("compress_ratios") is not None:
+        raw = cfg["compress_ratios"]
+        by_ratio = {0: "sliding", 4: "csa", 128: "hca"}
+        if not isinstance(raw, list) or len(raw) < n or any(r not in by_ratio for r in raw[:n]):
+            raise _bad("compress_ratios", raw, f"a list of at least {n} of 0, 4, 128")
+        types = tuple(by_ratio[r] for r in raw[:n])
+    else:                                   # transformers' default schedule
+        types = ("hca", "hca")[:n] + tuple("csa" if i % 2 else "hca" for i in range(max(0, n - 2)))
+    if cfg.get("mlp_layer_types") is not None:
+        raw = cfg["mlp_layer_types"]
+        if not isinstance(raw, list) or len(raw) < n or any(t not in ("hash_moe", "moe") for t in raw[:n]):
+            raise _bad("mlp_layer_types", raw, f"a list of {n} of hash_moe, moe")
+        hashed = tuple(i for i in range(n) if raw[i] == "hash_moe")
+    else:
+        hashed = tuple(range(min(n, _cint(cfg, "num_hash_layers", 3, lo=0))))
+    rope_cfg = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling")}
+    params = _dict(cfg, "rope_parameters")
+    nested = "main" in params or "compress" in params
+    main = _rope({**rope_cfg, "rope_parameters": params.get("main", {}) if nested else {}}, rd, interleave=True)
+    scaling = params.get("compress", {}) if nested else {**_dict(cfg, "rope_scaling"), **params}
+    scaling = {**scaling, "rope_theta": scaling.get("rope_theta") or _float(cfg, "compress_rope_theta", 160000.0)}
+    scaling.setdefault("attention_factor", 1.0)         # V4 keeps cos / sin unscaled under YaRN
+    compress = _rope({**rope_cfg, "rope_parameters": scaling}, rd, interleave=True)
+    window = _cint(cfg, "sliding_window", 128, lo=2)
+    attn = AttentionSpec(kind="v4", num_heads=heads, num_kv_heads=1, head_dim=head_dim, v_head_dim=head_dim,
+                         sliding_window=window, scale=head_dim ** -0.5, q_lora_rank=_cint(cfg, "q_lora_rank", 1024),
+                         qk_rope_head_dim=rd)
+    comp = CompressedAttentionSpec(
+        layer_types=types, window=window, csa_rate=csa, hca_rate=hca, index_heads=_cint(cfg, "index_n_heads", 64),
+        index_head_dim=_cint(cfg, "index_head_dim", 128), index_top_k=_cint(cfg, "index_topk", 512),
+        o_groups=_cint(cfg, "o_groups", 8), o_lora_rank=_cint(cfg, "o_lora_rank", 1024), compress_rope=compress,
+        hash_layers=hashed)
+    if heads % comp.o_groups:
+        raise _bad("o_groups", comp.o_groups, f"must divide num_attention_heads={heads}")
+    if comp.index_head_dim < rd:
+        raise _bad("index_head_dim", comp.index_head_dim, f"must be at least the rope dim {rd}")
+    experts = _first_int(cfg, "n_routed_experts", "num_local_experts")
+    inter = _first_int(cfg, "moe_intermediate_size", "intermediate_size")
+    router = RouterSpec(num_experts=experts, top_k=_cint(cfg, "num_experts_per_tok", 6), scoring="sqrtsoftplus",
+                        norm_topk_prob=True, routed_scaling_factor=_float(cfg, "routed_scaling_factor", 1.5,
+                                                                          positive=True),
+                        correction_bias=True, fp32_weight=True)
+    hc = HyperConnectionSpec(streams=_cint(cfg, "hc_mult", 4), sinkhorn_iters=_cint(cfg, "hc_sinkhorn_iters", 20),
+                             eps=_float(cfg, "hc_eps", 1e-6, positive=True))
+    return ModelSpec(**{**base, "swiglu_limit": _float(cfg, "swiglu_limit", 10.0, positive=True)},
+                     layer_kinds=("moe",) * n, intermediate_size=0, moe_intermediate_size=inter,
+                     shared_intermediate_size=inter, attention=attn, rope=main, router=router,
+                     num_mtp_layers=0, compressed_attention=comp, hyper_connections=hc, renames=_V4_RENAMES)
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     import math
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -492,13 +621,15 @@ FAMILIES = {
     "MixtralForCausalLM": mixtral_spec,
     "GlmMoeDsaForCausalLM": glm_moe_dsa_spec,
     "DeepseekV32ForCausalLM": deepseek_v32_spec,
+    "DeepseekV4ForCausalLM": deepseek_v4_spec,
 }
 
 
 # model_type -> architecture, for configs without an `architectures` field
 MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+               "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+               "deepseek_v4": "DeepseekV4ForCausalLM"}
 
 
 def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:

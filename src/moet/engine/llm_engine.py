@@ -273,6 +273,10 @@ class LLMEngine:
         from moet.model import load_model
 
         ckpt = open_checkpoint(config.model)
+        if ckpt.spec.compressed_attention is not None:
+            raise ConfigError(f"{ckpt.path}: {ckpt.spec.architecture} (DeepSeek-V4) loads for its contiguous forward "
+                              "(moet.model.load_model) but cannot be served yet: the paged cache of its compressed "
+                              "attention is not built")
         device = resolve_device(config.load.device)
         dtype = resolve_dtype(config.load.dtype, ckpt.spec.torch_dtype, ckpt.weight_format)
         # config.json and the flags against each other, before any weight is read

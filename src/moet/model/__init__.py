@@ -17,7 +17,11 @@ def load_model(ckpt: Checkpoint, *, expert_format: str = "w2", dtype: torch.dtyp
                load_mtp: bool = True, progress: bool = False, routed_experts: bool = True,
                repair_tier: bool = False, repair_slots: int | None = None) -> CausalLM:
     with torch.device(device):
-        model = CausalLM(ckpt.spec, dtype, load_mtp=load_mtp)
+        if ckpt.spec.compressed_attention is not None:      # DeepSeek-V4: its own module tree
+            from moet.model.deepseek_v4 import DeepseekV4LM
+            model = DeepseekV4LM(ckpt.spec, dtype, load_mtp=load_mtp)
+        else:
+            model = CausalLM(ckpt.spec, dtype, load_mtp=load_mtp)
     load_weights(model, ckpt, expert_format=expert_format, zero_mode=zero_mode, scale_rule=scale_rule,
                  device=device, progress=progress, routed_experts=routed_experts, repair_tier=repair_tier,
                  repair_slots=repair_slots)

@@ -41,6 +41,9 @@ def _transformers_has(cls: str) -> bool:
 FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral") + (
     ("glm_moe_dsa", "deepseek_v32") if _transformers_has("GlmMoeDsaConfig") and _transformers_has("DeepseekV32Config")
     else ())
+# DeepSeek-V4 (transformers >= 5.23): contiguous forward only so far (moet/model/deepseek_v4.py), so
+# not among FAMILIES, whose tests run every family through the engine
+V4_FAMILIES = ("deepseek_v4",) if _transformers_has("DeepseekV4Config") else ()
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 VOCAB = 260
 BOS, EOS, PAD = 256, 257, 258
@@ -99,13 +102,28 @@ def tiny_config(family: str, **overrides):
                                        original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
                                        mscale=0.707, mscale_all_dim=1.0))
         cls = tf.DeepseekV32Config
+    elif family == "deepseek_v4":
+        # every path: sliding / CSA / HCA layers, hash and learned routing, YaRN on the compress rope
+        # (its ramp spans pair indices 0..2), 16 indexer heads (no exact score ties), a window of 8
+        # and compression 4 / 8 so a 40-token prompt evicts, keeps open windows and selects
+        kw = dict(common, num_hidden_layers=4, head_dim=32, partial_rotary_factor=0.5, q_lora_rank=32, o_groups=2,
+                  o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  index_n_heads=16, index_head_dim=16, index_topk=3, sliding_window=8,
+                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                  layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                               "compressed_sparse_attention"],
+                  mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], hc_mult=4, hc_sinkhorn_iters=20,
+                  rope_theta=10000.0, compress_rope_theta=160000.0, num_nextn_predict_layers=0,
+                  rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                                "beta_fast": 32, "beta_slow": 1})
+        cls = tf.DeepseekV4Config
     elif family == "mixtral":
         kw = dict(common, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, sliding_window=12,
                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))
         cls = tf.MixtralConfig
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + V4_FAMILIES}")
     kw.update(overrides)
     return cls(**kw)
 
@@ -126,6 +144,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
+            elif name.endswith("tid2eid"):               # DeepSeek-V4's hash routing: k distinct experts a token
+                experts = int(model.config.n_routed_experts)
+                b.copy_(torch.stack([torch.randperm(experts, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def _is_expert(name: str) -> bool:
@@ -328,6 +349,9 @@ def dequantized_tensors(path: str, dtype: torch.dtype = torch.float32, expert_fn
         elif name.endswith("_blocks"):
             w = mxfp4.dequantize(t, raw[name[: -len("_blocks")] + "_scales"], dtype=torch.float64)
             name = name[: -len("_blocks")]
+        elif not t.dtype.is_floating_point:              # an integer table (DeepSeek-V4's tid2eid)
+            out[name] = t
+            continue
         else:
             w = t.double()
         w = w.to(dtype if expert_fn is None else torch.float64)
@@ -344,7 +368,7 @@ def dequantized_tensors(path: str, dtype: torch.dtype = torch.float32, expert_fn
     if expert_fn is not None:
         for name in [n for n in out if _is_expert(n)]:
             out[name] = expert_fn(out[name].double()).to(dtype)
-        out = {n: t.to(dtype) for n, t in out.items()}
+        out = {n: t.to(dtype) if t.dtype.is_floating_point else t for n, t in out.items()}
     return out
 
 

@@ -171,10 +171,12 @@ class Nvfp4Linear(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x)); with swiglu_limit
+    (DeepSeek-V4) gate clamped from above and up to +-limit first, as the routed experts."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, swiglu_limit: float | None = None):
         super().__init__()
+        self.swiglu_limit = swiglu_limit
         self.gate_proj = Linear(hidden, intermediate, False, dtype)
         self.up_proj = Linear(hidden, intermediate, False, dtype)
         self.down_proj = Linear(intermediate, hidden, False, dtype)
@@ -187,6 +189,10 @@ class MLP(nn.Module):
         return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu_limit is not None:
+            lim = self.swiglu_limit
+            g, u = self.gate_proj(x).clamp(max=lim), self.up_proj(x).clamp(-lim, lim)
+            return self.down_proj(F.silu(g) * u)
         if self.gate_up is not None:
             gu = F.linear(x, *self.gate_up)
             if gu.is_cuda:          # silu and the product in one kernel (torch's roundings)

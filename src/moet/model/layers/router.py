@@ -37,6 +37,14 @@ def _fused(logits: torch.Tensor) -> bool:
 def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
           correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router weight [E, H] -> (topk_ids int64 [T, k], topk_weights [T, k])."""
+    if spec.scoring == "sqrtsoftplus":
+        # DeepSeek-V4: sqrt(softplus(logit)) in fp32; the bias steers the choice only; the chosen
+        # scores renormalised (+1e-20) and scaled
+        scores = F.softplus(F.linear(x.float(), weight.float())).sqrt()
+        choice = scores + correction_bias if correction_bias is not None else scores
+        ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * spec.routed_scaling_factor
     if spec.scoring == "softmax":
         # Mixtral / Qwen3-MoE: softmax over all experts (fp32), top-k, optional renormalise
         bf16 = x.dtype == weight.dtype == torch.bfloat16

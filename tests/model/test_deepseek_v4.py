@@ -1,0 +1,113 @@
+"""DeepSeek-V4 (moet/model/deepseek_v4.py): its config read into a ModelSpec (the schedule from
+layer_types, from the released config's compress_ratios, or transformers' default; bad values
+named), and the contiguous forward against transformers in float32 on a tiny random checkpoint
+(tiny_config's deepseek_v4: sliding, CSA and HCA layers, hash and learned routing, YaRN): the
+same logits, every part of it load-bearing, W2 experts equal to a float64 W2 reference; the
+engine refuses to serve it in one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moet.checkpoint import open_checkpoint
+from moet.checkpoint.spec import spec_from_config
+from moet.errors import CheckpointError, ConfigError
+from moet.model import load_model
+from moet.testing.tiny_checkpoint import V4_FAMILIES, cached_checkpoint, reference_model
+
+pytestmark = pytest.mark.skipif(not V4_FAMILIES, reason="this transformers has no DeepseekV4Config (needs >= 5.23)")
+
+
+def _config(path) -> dict:
+    with open(f"{path}/config.json") as f:
+        return json.load(f)
+
+
+def _prompt(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_schedule_from_layer_types_compress_ratios_and_the_default():
+    cfg = _config(cached_checkpoint("deepseek_v4"))
+    s = spec_from_config(cfg)
+    c = s.compressed_attention
+    assert c.layer_types == ("sliding", "csa", "hca", "csa") and (c.csa_rate, c.hca_rate, c.window) == (4, 8, 8)
+    assert c.hash_layers == (0, 1) and s.router.scoring == "sqrtsoftplus" and s.swiglu_limit == 10.0
+    assert s.rope.theta == 10000.0 and s.rope.rope_type == "default"
+    assert c.compress_rope.theta == 160000.0 and c.compress_rope.rope_type == "yarn"
+    assert c.compress_rope.attention_factor == 1.0 and s.hyper_connections.streams == 4
+    # the released config.json: legacy keys (compress_ratios with the MTP slot last, num_hash_layers)
+    legacy = {k: v for k, v in cfg.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
+    legacy.update(compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, qk_rope_head_dim=16)
+    s2 = spec_from_config(legacy)
+    assert s2.compressed_attention.layer_types == ("sliding", "csa", "hca", "csa")
+    assert s2.compressed_attention.hash_layers == (0,) and s2.compressed_attention.hca_rate == 128
+    default = {k: v for k, v in legacy.items() if k != "compress_ratios"}
+    assert spec_from_config(default).compressed_attention.layer_types == ("hca", "hca", "hca", "csa")
+    for key, value, msg in (("compress_ratios", [0, 4, 3, 4], "compress_ratios"),
+                            ("o_groups", 3, "o_groups"), ("index_head_dim", 8, "index_head_dim"),
+                            ("mlp_layer_types", ["moe"], "mlp_layer_types")):
+        with pytest.raises(CheckpointError, match=msg):
+            spec_from_config({**legacy, key: value})
+
+
+@pytest.fixture(scope="module")
+def v4():
+    path = cached_checkpoint("deepseek_v4")
+    return path, load_model(open_checkpoint(path), expert_format="bf16", dtype=torch.float32), reference_model(path)
+
+
+@pytest.mark.parametrize("n", [1, 7, 13, 40])
+def test_logits_equal_transformers(v4, n):
+    """Prompts shorter than a window, across the sliding window and the compression windows, and
+    long enough for the indexer to choose 3 of 10 CSA keys."""
+    _, model, ref = v4
+    ids = _prompt(n, n)
+    with torch.no_grad():
+        got, want = model(ids), ref(ids[None]).logits[0].float()
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_every_part_moves_the_logits(v4):
+    """Each V4-specific part, changed in moet's model alone, moves the 40-token logits by O(1):
+    the indexer's choice, the sinks, the hash table, an HCA compressor's pooling bias and the
+    hyper-connections' weights."""
+    path, _, ref = v4
+    ids = _prompt(40, 40)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0].float()
+    edits = {
+        "indexer top-k": lambda m: setattr(m.model.layers[1].attn.indexer, "top_k", 100),
+        "sinks": lambda m: m.model.layers[2].attn.attn_sink.data.zero_(),
+        "hash table": lambda m: m.model.layers[0].mlp.gate.tid2eid.data.copy_(
+            m.model.layers[0].mlp.gate.tid2eid.data.roll(1, 0)),
+        "HCA pooling": lambda m: m.model.layers[2].attn.compressor.ape.data.mul_(-1),
+        "HC weights": lambda m: m.model.layers[1].attn_hc.fn.data.mul_(-1),
+    }
+    for what, edit in edits.items():
+        model = load_model(open_checkpoint(path), expert_format="bf16", dtype=torch.float32)
+        edit(model)
+        with torch.no_grad():
+            assert (model(ids) - want).abs().max() > 0.05, what
+
+
+def test_w2_experts_equal_float64_w2_reference(v4):
+    from moet.formats import w2
+    path, model, _ = v4
+    ref = reference_model(path, dtype=torch.float64,
+                          expert_fn=lambda w: w2.dequantize(w2.quantize(w, zero_mode="auto"), dtype=torch.float64))
+    moet_w2 = load_model(open_checkpoint(path), expert_format="w2", dtype=torch.float32)
+    ids = _prompt(24, 3)
+    with torch.no_grad():
+        got, want = moet_w2(ids), ref(ids[None]).logits[0].float()
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        assert (got - model(ids)).abs().max() > 1e-3          # W2 is really in use
+
+
+def test_the_engine_refuses_to_serve_it():
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    with pytest.raises(ConfigError, match="cannot be served yet"):
+        LLMEngine.from_config(EngineConfig(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32"))
