@@ -111,3 +111,43 @@ def test_the_engine_refuses_to_serve_it():
     from moet.engine.llm_engine import LLMEngine
     with pytest.raises(ConfigError, match="cannot be served yet"):
         LLMEngine.from_config(EngineConfig(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32"))
+
+
+def test_paged_forward_equals_the_contiguous_one(v4):
+    """Three sequences over a paged cache (pages of 4 in no order), prefilled in chunks that cut
+    the sliding window and the 4- and 8-token compression windows anywhere, then decoded a token
+    a step beside each other and beside a prefill: every row's logits equal the contiguous
+    forward's at that position (windows that end inside a chunk, in a later chunk, or at a decode
+    step give the same compressed keys; the indexer chooses the same)."""
+    from moet.kernels.kv_cache import KVFormat
+    from moet.model.attention_batch import AttentionBatch
+    _, model, _ = v4
+    bs = 4
+    seqs = [_prompt(n, 100 + n) for n in (37, 23, 30)]
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(7)).tolist()
+    tables, at = [], 0
+    for s in seqs:
+        need = -(-s.shape[0] // bs)
+        tables.append(perm[at:at + need])
+        at += need
+    with torch.no_grad():
+        want = [model(s) for s in seqs]
+    kv = model.new_kv_cache(40, bs, KVFormat("auto", dtype=torch.float32), "cpu")
+    schedule = [[(0, 7), (1, 3)], [(0, 11), (1, 9)], [(0, 13), (1, 1), (2, 17)], [(0, 1), (1, 6), (2, 5)],
+                [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (2, 6)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1)],
+                [(0, 1)]]
+    done = [0, 0, 0]
+    for step in schedule:
+        order = [b for b, _ in step]
+        batch = AttentionBatch.build(block_tables=[tables[b] for b in order], context_lens=[done[b] for b in order],
+                                     query_lens=[n for _, n in step], block_size=bs, device="cpu")
+        ids = torch.cat([seqs[b][done[b]:done[b] + n] for b, n in step])
+        with torch.no_grad():
+            got = model.logits(model.forward_paged(ids, batch, kv))
+        ref = torch.cat([want[b][done[b]:done[b] + n] for b, n in step])
+        assert (got - ref).abs().max() < 1e-4 * ref.abs().max(), step
+        for b, n in step:
+            done[b] += n
+    assert done == [37, 23, 30]
+    with pytest.raises(ConfigError, match="kv-cache-dtype fp8"):
+        model.new_kv_cache(4, bs, KVFormat("fp8_e4m3", "block", dtype=torch.float32), "cpu")

@@ -15,11 +15,16 @@ is not built yet: the engine refuses the model with a message saying so.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moet.checkpoint.spec import HyperConnectionSpec, ModelSpec, RopeSpec
+from moet.errors import ConfigError
+from moet.kernels.kv_cache import KVFormat
+from moet.model.attention_batch import AttentionBatch
 from moet.model.layers.linear import MLP, Linear
 from moet.model.layers.moe import MoE
 from moet.model.layers.norm import RMSNorm
@@ -49,6 +54,31 @@ class TailRope:
         head, r = x[..., :-self.dim], x[..., -self.dim:]
         x0, x1 = r[..., 0::2], r[..., 1::2]
         return torch.cat([head, torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)], dim=-1)
+
+
+@dataclass
+class V4LayerKV:
+    """One DeepSeek-V4 layer's paged cache, every tensor addressed by token slot (block * block_size
+    + offset, as the other families' KV; the last row a sink for slot -1): "kv" the sliding keys
+    [D]; with a compressor, "entries_kv" / "entries_gate" its per-token projections and "entries"
+    the compressed keys at each window's first position; with an indexer the same three for it
+    ("index_entries*"). Keeping the projections of every token (not only the open window's) costs
+    memory but makes the cache a pure function of the tokens in each block: prefix caching,
+    chunked prefill and preemption need nothing else."""
+    block_size: int
+    tensors: dict[str, torch.Tensor]
+
+    @staticmethod
+    def slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        return table.long()[positions // block_size] * block_size + positions % block_size
+
+    def write(self, name: str, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        t = self.tensors[name]
+        sink = torch.full_like(slot_mapping, t.shape[0] - 1)
+        t.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, sink), rows.to(t.dtype))
+
+    def read(self, name: str, table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        return self.tensors[name][self.slots(table, positions, block_size)]
 
 
 class HyperConnection(nn.Module):
@@ -120,22 +150,39 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(rate, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(dim, eps, dtype)
 
-    def forward(self, x: torch.Tensor, rope: TailRope) -> torch.Tensor:
-        """x [T, hidden] (positions 0 .. T - 1) -> keys [T // rate, dim]."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token inputs of the pooling (what a paged cache keeps per token): (kv, gate)."""
+        return self.wkv(x), self.wgate(x)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, rope: TailRope) -> torch.Tensor:
+        """Keys of windows first, first + 1, ... from their tokens' projections (kv / gate rows,
+        whole windows; with overlap and first > 0 led by window first - 1's rows) -> [n, dim]."""
         m, d = self.rate, self.dim
-        n = x.shape[0] // m
-        if n == 0:                       # no window complete yet
-            return x.new_zeros(0, d)
-        kv = self.wkv(x[:n * m]).float().view(n, m, -1)
-        gate = self.wgate(x[:n * m]).float().view(n, m, -1) + self.ape
+        prev = self.overlap and first > 0
+        if prev:
+            prev_kv, prev_gate = kv[:m].float(), gate[:m].float() + self.ape
+            kv, gate = kv[m:], gate[m:]
+        n = kv.shape[0] // m
+        if n == 0:
+            return kv.new_zeros(0, d)
+        kv = kv.float().view(n, m, -1)
+        gate = gate.float().view(n, m, -1) + self.ape
         if self.overlap:
             pooled_kv = kv.new_zeros(n, 2 * m, d)
             pooled_gate = gate.new_full((n, 2 * m, d), float("-inf"))
             pooled_kv[:, m:], pooled_gate[:, m:] = kv[..., d:], gate[..., d:]
             pooled_kv[1:, :m], pooled_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+            if prev:
+                pooled_kv[0, :m], pooled_gate[0, :m] = prev_kv[:, :d], prev_gate[:, :d]
             kv, gate = pooled_kv, pooled_gate
-        keys = self.norm((kv * torch.softmax(gate, dim=1)).sum(dim=1).to(x.dtype))
-        return rope(keys, torch.arange(n, device=x.device) * m)
+        keys = self.norm((kv * torch.softmax(gate, dim=1)).sum(dim=1).to(self.norm.weight.dtype))
+        return rope(keys, (first + torch.arange(n, device=keys.device)) * m)
+
+    def forward(self, x: torch.Tensor, rope: TailRope) -> torch.Tensor:
+        """x [T, hidden] (positions 0 .. T - 1) -> keys [T // rate, dim]."""
+        n = x.shape[0] // self.rate
+        kv, gate = self.project(x[:n * self.rate])
+        return self.pool(kv, gate, 0, rope)
 
 
 class Indexer(nn.Module):
@@ -151,15 +198,16 @@ class Indexer(nn.Module):
         self.wq_b = Linear(spec.attention.q_lora_rank, c.index_heads * c.index_head_dim, False, dtype)
         self.weights_proj = Linear(spec.hidden_size, c.index_heads, False, dtype)
 
-    def select(self, x: torch.Tensor, q_res: torch.Tensor, rope: TailRope, visible: torch.Tensor) -> torch.Tensor:
-        """-> [T, n] bool: the compressed keys each query attends to (visible [T, n]: causal)."""
+    def select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               rope: TailRope, visible: torch.Tensor) -> torch.Tensor:
+        """Rows x / q_res at `positions`, index keys [n, Di] -> [T, n] bool: the compressed keys each
+        query attends to (visible [T, n]: the causal ones)."""
         t, n = visible.shape
         keep = torch.zeros(t, n, dtype=torch.bool, device=x.device)
         if n == 0:
             return keep
-        keys = self.compressor(x, rope).float()                                          # [n, Di]
-        q = rope(self.wq_b(q_res).view(t, self.heads, self.dim), torch.arange(t, device=x.device)).float()
-        scores = torch.relu(torch.einsum("thd,nd->thn", q, keys)) * self.dim ** -0.5
+        q = rope(self.wq_b(q_res).view(t, self.heads, self.dim), positions).float()
+        scores = torch.relu(torch.einsum("thd,nd->thn", q, keys.float())) * self.dim ** -0.5
         w = self.weights_proj(x).float() * self.heads ** -0.5
         score = (scores * w[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
         top = score.topk(min(self.top_k, n), dim=-1).indices
@@ -192,31 +240,99 @@ class V4Attention(nn.Module):
                            if self.rate else None)
         self.indexer = Indexer(spec, eps, dtype) if self.kind == "csa" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (the normed collapse of the streams, positions 0 .. T - 1) -> [T, hidden]."""
-        t, h, d = x.shape[0], self.heads, self.head_dim
-        pos = torch.arange(t, device=x.device)
+    def _project(self, x: torch.Tensor, pos: torch.Tensor):
+        """(q_res [T, q_lora], q [T, H, D], kv [T, D]) of rows x at positions pos."""
+        t = x.shape[0]
         q_res = self.q_norm(self.wq_a(x))
-        q = self.rope(_rms(self.wq_b(q_res).view(t, h, d), self.eps), pos)
-        kv = self.rope(self.norm(self.wkv(x)), pos)                                       # [T, D]
-        near = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-        keys, allowed = kv, near
-        if self.compressor is not None:
-            entries = self.compressor(x, self.rope)                                       # [n, D]
-            visible = torch.arange(entries.shape[0], device=x.device)[None, :] < ((pos + 1) // self.rate)[:, None]
-            if self.indexer is not None:
-                visible = self.indexer.select(x, q_res, self.rope, visible)
-            keys, allowed = torch.cat([kv, entries]), torch.cat([near, visible], dim=1)
+        q = self.rope(_rms(self.wq_b(q_res).view(t, self.heads, self.head_dim), self.eps), pos)
+        return q_res, q, self.rope(self.norm(self.wkv(x)), pos)
+
+    def _attend(self, q: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
+                entries: torch.Tensor | None, chosen: torch.Tensor | None) -> torch.Tensor:
+        """Queries q [t, H, D] at positions pos over the sliding keys kv [L, D] (at kv_pos, the window
+        masked here) and compressed keys entries [n, D] where chosen [t, n] -> the output rows [t, hidden]."""
+        t, h, d = q.shape
+        keys = kv
+        allowed = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] > pos[:, None] - self.window)
+        if entries is not None:
+            keys, allowed = torch.cat([kv, entries]), torch.cat([allowed, chosen], dim=1)
         kf = keys.float()
         scores = torch.einsum("thd,nd->htn", q.float(), kf) * d ** -0.5
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         sink = self.attn_sink[:, None, None].expand(h, t, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        out = torch.einsum("htn,nd->thd", probs, kf).to(x.dtype)
-        out = self.rope(out, pos, sign=-1.0).reshape(t, self.groups, -1)                  # [T, G, H * D / G]
+        out = torch.einsum("htn,nd->thd", probs, kf).to(q.dtype)
+        out = self.rope(out, pos, sign=-1.0).reshape(t, self.groups, -1)                  # [t, G, H * D / G]
         w = self.wo_a.weight.view(self.groups, self.rank, -1)
-        grouped = torch.einsum("tgi,gri->tgr", out, w).reshape(t, self.groups * self.rank)
-        return self.wo_b(grouped)
+        return self.wo_b(torch.einsum("tgi,gri->tgr", out, w).reshape(t, self.groups * self.rank))
+
+    def _visible(self, n: int, pos: torch.Tensor) -> torch.Tensor:
+        """[t, n]: compressed key e is visible to a query at p once its window has ended by p."""
+        return torch.arange(n, device=pos.device)[None, :] < ((pos + 1) // self.rate)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (the normed collapse of the streams, positions 0 .. T - 1) -> [T, hidden]."""
+        pos = torch.arange(x.shape[0], device=x.device)
+        q_res, q, kv = self._project(x, pos)
+        entries = chosen = None
+        if self.compressor is not None:
+            entries = self.compressor(x, self.rope)
+            chosen = self._visible(entries.shape[0], pos)
+            if self.indexer is not None:
+                keys = self.indexer.compressor(x, self.rope)
+                chosen = self.indexer.select(x, q_res, pos, keys, self.rope, chosen)
+        return self._attend(q, pos, kv, pos, entries, chosen)
+
+    def forward_paged(self, x: torch.Tensor, batch: AttentionBatch, kv: V4LayerKV) -> torch.Tensor:
+        """x [N, hidden]: a flat varlen batch (AttentionBatch). Writes the rows' keys and the
+        compressors' per-token projections by slot, makes the compressed keys of every window
+        that ends in this step, then attends per sequence over its cached rows. Torch, eager."""
+        pos = batch.positions
+        q_res, q, rows = self._project(x, pos)
+        kv.write("kv", rows, batch.slot_mapping)
+        if self.compressor is not None:
+            for name, comp in self._compressors():
+                proj_kv, proj_gate = comp.project(x)
+                kv.write(name + "_kv", proj_kv, batch.slot_mapping)
+                kv.write(name + "_gate", proj_gate, batch.slot_mapping)
+        out = torch.empty_like(x)
+        bs = kv.block_size
+        for b in range(batch.num_seqs):
+            lo, hi = batch.cu_seqlens_q_host[b], batch.cu_seqlens_q_host[b + 1]
+            if hi == lo:
+                continue
+            n = batch.seq_lens_host[b]
+            first = n - (hi - lo)
+            table = batch.block_tables[b]
+            entries = chosen = None
+            if self.compressor is not None:
+                done = n // self.rate
+                for name, comp in self._compressors():
+                    self._compress(kv, name, comp, table, first // self.rate, done)
+                entries = kv.read("entries", table, torch.arange(done, device=x.device) * self.rate, bs)
+                chosen = self._visible(done, pos[lo:hi])
+                if self.indexer is not None:
+                    keys = kv.read("index_entries", table, torch.arange(done, device=x.device) * self.rate, bs)
+                    chosen = self.indexer.select(x[lo:hi], q_res[lo:hi], pos[lo:hi], keys, self.rope, chosen)
+            kv_pos = torch.arange(max(0, first - self.window + 1), n, device=x.device)
+            out[lo:hi] = self._attend(q[lo:hi], pos[lo:hi], kv.read("kv", table, kv_pos, bs), kv_pos, entries, chosen)
+        return out
+
+    def _compressors(self):
+        yield "entries", self.compressor
+        if self.indexer is not None:
+            yield "index_entries", self.indexer.compressor
+
+    def _compress(self, kv: V4LayerKV, name: str, comp: Compressor, table: torch.Tensor, e0: int, e1: int) -> None:
+        """The keys of windows e0 .. e1 - 1 (those that ended in this step) from the projections
+        cached by slot, written at each window's first position."""
+        if e1 <= e0:
+            return
+        m, bs = self.rate, kv.block_size
+        start = (e0 - 1) * m if comp.overlap and e0 > 0 else e0 * m
+        src = torch.arange(start, e1 * m, device=table.device)
+        keys = comp.pool(kv.read(name + "_kv", table, src, bs), kv.read(name + "_gate", table, src, bs), e0, self.rope)
+        kv.write(name, keys, kv.slots(table, torch.arange(e0, e1, device=table.device) * m, bs))
 
 
 class HashRouter(nn.Module):
@@ -275,6 +391,15 @@ class V4Layer(nn.Module):
         routed, shared = self.mlp.forward_parts(self.post_attention_layernorm(h))
         return HyperConnection.spread(x, routed.to(h.dtype) + shared, post, comb)
 
+    def forward_paged(self, x: torch.Tensor, token_ids: torch.Tensor, batch: AttentionBatch,
+                      kv: V4LayerKV) -> torch.Tensor:
+        post, comb, h = self.attn_hc(x)
+        x = HyperConnection.spread(x, self.attn.forward_paged(self.input_layernorm(h), batch, kv), post, comb)
+        post, comb, h = self.ffn_hc(x)
+        self.mlp.token_ids = token_ids
+        routed, shared = self.mlp.forward_parts(self.post_attention_layernorm(h))
+        return HyperConnection.spread(x, routed.to(h.dtype) + shared, post, comb)
+
 
 class V4Backbone(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype):
@@ -303,18 +428,63 @@ class DeepseekV4LM(nn.Module):
         self.mtp = nn.ModuleList()      # the checkpoint's MTP layer is not read yet
 
     def moe_blocks(self) -> dict[str, MoE]:
-        return {n: m for n, m in self.named_modules() if isinstance(m, MoE)}
+        """{decoder layer's module name: its MoE block} (every layer is MoE)."""
+        return {f"model.layers.{i}": layer.mlp for i, layer in enumerate(self.model.layers)}
+
+    def _streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        n = self.spec.hyper_connections.streams
+        return self.model.embed_tokens(input_ids)[:, None, :].expand(-1, n, -1)
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] (positions 0 .. T - 1) -> the final normed hidden states [T, hidden]."""
-        n = self.spec.hyper_connections.streams
-        x = self.model.embed_tokens(input_ids)[:, None, :].expand(-1, n, -1)
+        """input_ids [T] (positions 0 .. T - 1) -> hidden states [T, hidden] before the final norm."""
+        x = self._streams(input_ids)
         for layer in self.model.layers:
             x = layer(x, input_ids)
-        return self.model.norm(self.model.hc_head(x))
+        return self.model.hc_head(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(self.model.norm(hidden))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids))
+
+    # ------------------------------------------------------------------ paged cache
+
+    def _layer_widths(self, layer: int) -> dict[str, int]:
+        """The per-token rows of layer `layer`'s cache (V4LayerKV), by name: their widths."""
+        a, c = self.spec.attention, self.spec.compressed_attention
+        kind, d, di = c.layer_types[layer], a.head_dim, c.index_head_dim
+        out = {"kv": d}
+        if kind != "sliding":
+            w = 2 * d if kind == "csa" else d
+            out.update(entries_kv=w, entries_gate=w, entries=d)
+        if kind == "csa":
+            out.update(index_entries_kv=2 * di, index_entries_gate=2 * di, index_entries=di)
+        return out
+
+    def kv_bytes_per_token(self, kv_format: KVFormat) -> int:
+        """Cache bytes one token occupies across every layer (V4LayerKV's rows)."""
+        _check_format(kv_format)
+        return kv_format.dtype.itemsize * sum(sum(self._layer_widths(i).values()) for i in range(self.spec.num_layers))
+
+    def new_kv_cache(self, num_blocks: int, block_size: int, kv_format: KVFormat,
+                     device: torch.device | str) -> list[V4LayerKV]:
+        _check_format(kv_format)
+        rows = num_blocks * block_size + 1
+        return [V4LayerKV(block_size, {name: torch.zeros(rows, w, dtype=kv_format.dtype, device=device)
+                                       for name, w in self._layer_widths(i).items()})
+                for i in range(self.spec.num_layers)]
+
+    def forward_paged(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: list[V4LayerKV]) -> torch.Tensor:
+        """input_ids [N]: a flat varlen batch of several sequences' new tokens (AttentionBatch) ->
+        hidden states [N, hidden] before the final norm; logits: self.logits(hidden[logits_indices])."""
+        x = self._streams(input_ids)
+        for layer, cache in zip(self.model.layers, kv):
+            x = layer.forward_paged(x, input_ids, batch, cache)
+        return self.model.hc_head(x)
+
+
+def _check_format(kv_format: KVFormat) -> None:
+    if kv_format.name != "auto":
+        raise ConfigError(f"--kv-cache-dtype {kv_format.name}: DeepSeek-V4's cache keeps the model dtype for now "
+                          "(auto or bf16)")
