@@ -3,7 +3,7 @@ layer_types, from the released config's compress_ratios, or transformers' defaul
 named), and the contiguous forward against transformers in float32 on a tiny random checkpoint
 (tiny_config's deepseek_v4: sliding, CSA and HCA layers, hash and learned routing, YaRN): the
 same logits, every part of it load-bearing, W2 experts equal to a float64 W2 reference; the
-engine refuses to serve it in one line."""
+paged forward equal to the contiguous one; the engine's greedy decode equal to it."""
 from __future__ import annotations
 
 import json
@@ -106,11 +106,41 @@ def test_w2_experts_equal_float64_w2_reference(v4):
         assert (got - model(ids)).abs().max() > 1e-3          # W2 is really in use
 
 
-def test_the_engine_refuses_to_serve_it():
+@pytest.mark.parametrize("experts", ["bf16", "w2"])
+def test_the_engine_decodes_as_the_contiguous_forward(v4, experts):
+    """Through the engine (paged cache, continuous batching): greedy tokens equal an argmax loop over
+    the contiguous forward, with prompts chunked at 16 tokens a step, three sequences at once, a
+    fourth sharing the first's prompt prefix (prefix caching), and a cache too small for all of
+    them at once (preemption); W2 experts as well."""
     from moet.config import EngineConfig
     from moet.engine.llm_engine import LLMEngine
-    with pytest.raises(ConfigError, match="cannot be served yet"):
-        LLMEngine.from_config(EngineConfig(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32"))
+    from moet.sampling_params import SamplingParams
+    path = v4[0]
+    model = v4[1] if experts == "bf16" else load_model(open_checkpoint(path), expert_format="w2", dtype=torch.float32)
+    prompts = [_prompt(n, n).tolist() for n in (21, 9, 35)]
+    prompts.append(prompts[0][:17] + _prompt(6, 99).tolist())
+    eng = LLMEngine.from_config(EngineConfig(model=path, device="cpu", dtype="float32", expert_format=experts,
+                                             max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
+                                             num_kv_blocks=24, max_model_len=64))
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    out = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(10):
+                ids.append(int(model(torch.tensor(ids))[-1].argmax()))
+        assert out[str(i)].outputs[0].token_ids == ids[len(p):], i
+    st = eng.stats()
+    assert eng.scheduler.num_preemptions > 0 and eng.block_manager.prefix_hits > 0, st
+    eng.close()
+
+
+def test_quantized_kv_is_refused_in_one_line():
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    with pytest.raises(ConfigError, match="V4 attention.*it can use auto, bf16"):
+        LLMEngine.from_config(EngineConfig(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32",
+                                           kv_cache_dtype="fp8"))
 
 
 def test_paged_forward_equals_the_contiguous_one(v4):

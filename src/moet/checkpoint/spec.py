@@ -96,6 +96,22 @@ class CompressedAttentionSpec:
     compress_rope: RopeSpec
     hash_layers: tuple[int, ...]      # MoE layers routed by a token-id table (tid2eid), not learned
 
+    def cache_widths(self, layer: int, head_dim: int) -> dict[str, int]:
+        """The per-token rows of layer `layer`'s paged cache (model/deepseek_v4.py V4LayerKV), by
+        name: the sliding key; a compressor's two projections and its compressed key (kept at
+        each window's first slot); the indexer's three likewise."""
+        kind, d, di = self.layer_types[layer], head_dim, self.index_head_dim
+        out = {"kv": d}
+        if kind != "sliding":
+            w = 2 * d if kind == "csa" else d
+            out.update(entries_kv=w, entries_gate=w, entries=d)
+        if kind == "csa":
+            out.update(index_entries_kv=2 * di, index_entries_gate=2 * di, index_entries=di)
+        return out
+
+    def cache_elements_per_token(self, head_dim: int) -> int:
+        return sum(sum(self.cache_widths(i, head_dim).values()) for i in range(len(self.layer_types)))
+
 
 @dataclass(frozen=True)
 class HyperConnectionSpec:

@@ -37,7 +37,7 @@ from moet.engine.cuda_graphs import GraphSet
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.attention_ops import set_gqa_fused_merge
-from moet.kernels.kv_cache import KVFormat, kv_format_for, kv_layer_bytes_per_token
+from moet.kernels.kv_cache import KVFormat, check_kv_format, kv_format_for, kv_layer_bytes_per_token
 from moet.kernels.sparse_attention import index_key_bytes_of
 from moet.kernels.pdl_flag import set_small_kernel_pdl
 from moet.model.attention_batch import AttentionBatch
@@ -86,6 +86,9 @@ def available_kv_bytes(device: torch.device) -> int:
 def kv_bytes_per_token_of(spec, kv_format: KVFormat, load_mtp: bool) -> int:
     """CausalLM.kv_bytes_per_token from the spec alone (every attention layer, the MTP layers when
     loaded): the KV checks that run before the weights are read."""
+    if spec.compressed_attention is not None:        # DeepSeek-V4: rows per layer type
+        check_kv_format(spec.attention, kv_format)
+        return kv_format.dtype.itemsize * spec.compressed_attention.cache_elements_per_token(spec.attention.head_dim)
     mtp = spec.num_mtp_layers if load_mtp else 0
     return kv_layer_bytes_per_token(spec.attention, kv_format) * (spec.num_layers + mtp) + \
         index_key_bytes_of(spec, kv_format, mtp)
@@ -208,7 +211,9 @@ class ModelRunner:
         self.repair_graphs: dict[int, GraphSet] = {}     # rows per sequence -> FP4 repair graphs
         # (input from the main model?, rows per sequence) -> the MTP layer's drafting graphs
         self.draft_graphs: dict[tuple[bool, int], GraphSet] = {}
-        if device.type == "cuda" and not config.kernels.enforce_eager:
+        # a model whose paged forward reads host lengths to shape its work (DeepSeek-V4's, for now)
+        # would replay a capture's worst case: it runs eager
+        if device.type == "cuda" and not config.kernels.enforce_eager and getattr(model, "graph_safe", True):
             self._capture_decode_graphs()
 
     # ------------------------------------------------------------------ sizing

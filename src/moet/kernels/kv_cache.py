@@ -170,6 +170,8 @@ def _attention_dims(attention) -> tuple[int, ...]:
 
 def _fits(attention, fmt: KVFormat) -> bool:
     """Whether this AttentionSpec's dims can hold `fmt` (the rules new_*_layer enforce)."""
+    if attention.kind == "v4":                  # DeepSeek-V4's cache keeps the model dtype for now
+        return not (fmt.is_fp8 or fmt.is_nvfp4)
     dims = _attention_dims(attention)
     if fmt.is_nvfp4:
         return all(d % NVFP4_BLOCK == 0 for d in dims)
@@ -227,6 +229,8 @@ def kv_layer_bytes_per_token(attention, fmt: KVFormat) -> int:
     a model exists (CausalLM.kv_bytes_per_token is this times its attention layers). A format
     the attention cannot hold is a ConfigError naming the dtypes it can (check_kv_format)."""
     check_kv_format(attention, fmt)
+    if attention.kind == "v4":
+        raise ValueError("DeepSeek-V4's cache differs per layer: CompressedAttentionSpec.cache_widths")
     if attention.kind == "mla":
         return mla_bytes_per_token(attention.kv_lora_rank, attention.qk_rope_head_dim, fmt)
     return gqa_bytes_per_token(attention.num_kv_heads, attention.head_dim, attention.v_head_dim, fmt)

@@ -6,12 +6,14 @@ token-id table; experts are clamped SwiGLUs (checkpoint/spec.py CompressedAttent
 HyperConnectionSpec). Numerics follow transformers' deepseek_v4 op for op (fp32 norms, mixing,
 pooling and softmax), so float32 logits match it.
 
-What is here is the contiguous forward: a whole sequence from position 0, every compressed key
-recomputed from the tokens (no cache). It is the model's reference and what the parity tests run;
-the routed experts go through the same MoE block, pools and formats (bf16 / W2 / FP4) as every
-other family. Serving needs the paged form of this attention (the sliding keys, the compressed
-keys and indexer keys at one slot per window, the open window's projections per sequence), which
-is not built yet: the engine refuses the model with a message saying so.
+Two forwards: the contiguous one (a whole sequence from position 0, every compressed key
+recomputed from the tokens; the reference the parity tests hold to transformers) and the paged
+one the engine runs (V4LayerKV: keys and the compressors' projections by token slot, windows
+pooled as they end), in torch, eager, a loop over the step's sequences: correct, not fast (no
+Triton kernels, no CUDA graphs, the cache keeps the model dtype). The routed experts go through
+the same MoE block, pools and formats (bf16 / W2 / FP4) as every other family. Not yet: the
+checkpoint's MTP layer, the FP4 gate, the expert store, FP8 / FP4 dense weights as the released
+checkpoints store them (`*.scale` names).
 """
 from __future__ import annotations
 
@@ -427,6 +429,22 @@ class DeepseekV4LM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype)
         self.mtp = nn.ModuleList()      # the checkpoint's MTP layer is not read yet
 
+    # the paged forward shapes its work from the batch's host lengths (per-sequence loops): a CUDA
+    # graph would replay the capture's; the model runner keeps every step eager
+    graph_safe = False
+
+    def fuse_projections(self) -> int:
+        return 0
+
+    def overlap_shared_experts(self, device: torch.device) -> int:
+        return 0
+
+    def prepare_cpu(self, expert_bytes: int) -> int:
+        return 0
+
+    def has_repair_tier(self) -> bool:
+        return False
+
     def moe_blocks(self) -> dict[str, MoE]:
         """{decoder layer's module name: its MoE block} (every layer is MoE)."""
         return {f"model.layers.{i}": layer.mlp for i, layer in enumerate(self.model.layers)}
@@ -451,21 +469,13 @@ class DeepseekV4LM(nn.Module):
     # ------------------------------------------------------------------ paged cache
 
     def _layer_widths(self, layer: int) -> dict[str, int]:
-        """The per-token rows of layer `layer`'s cache (V4LayerKV), by name: their widths."""
-        a, c = self.spec.attention, self.spec.compressed_attention
-        kind, d, di = c.layer_types[layer], a.head_dim, c.index_head_dim
-        out = {"kv": d}
-        if kind != "sliding":
-            w = 2 * d if kind == "csa" else d
-            out.update(entries_kv=w, entries_gate=w, entries=d)
-        if kind == "csa":
-            out.update(index_entries_kv=2 * di, index_entries_gate=2 * di, index_entries=di)
-        return out
+        return self.spec.compressed_attention.cache_widths(layer, self.spec.attention.head_dim)
 
     def kv_bytes_per_token(self, kv_format: KVFormat) -> int:
         """Cache bytes one token occupies across every layer (V4LayerKV's rows)."""
         _check_format(kv_format)
-        return kv_format.dtype.itemsize * sum(sum(self._layer_widths(i).values()) for i in range(self.spec.num_layers))
+        return kv_format.dtype.itemsize * self.spec.compressed_attention.cache_elements_per_token(
+            self.spec.attention.head_dim)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_format: KVFormat,
                      device: torch.device | str) -> list[V4LayerKV]:

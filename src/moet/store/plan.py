@@ -253,6 +253,8 @@ def kv_bytes_per_token_of(spec, kv_dtype_bytes: int = 2, *, kv_cache_dtype: str 
         fmt = KVFormat("auto", dtype=model_dtype)
     else:
         fmt = kv_format_for(kv_cache_dtype, model_dtype, spec.attention)
+    if getattr(spec, "compressed_attention", None) is not None:      # DeepSeek-V4: rows per layer type
+        return fmt.dtype.itemsize * spec.compressed_attention.cache_elements_per_token(spec.attention.head_dim)
     return kv_layer_bytes_per_token(spec.attention, fmt) * spec.num_layers + index_key_bytes_of(spec, fmt, 0)
 
 
