@@ -181,3 +181,28 @@ def test_paged_forward_equals_the_contiguous_one(v4):
     assert done == [37, 23, 30]
     with pytest.raises(ConfigError, match="kv-cache-dtype fp8"):
         model.new_kv_cache(4, bs, KVFormat("fp8_e4m3", "block", dtype=torch.float32), "cpu")
+
+
+def test_deepseek_reference_names_load_the_same(v4, tmp_path):
+    """The released checkpoints name tensors as DeepSeek's reference code (embed / head / norm at
+    the top, hc_head_fn, layers.{i}.attn.wq_a, ffn.experts.{e}.w1, ...; no "model." prefix);
+    transformers saves them under "model." with a few of its own: both load into the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path, model, _ = v4
+    out = tmp_path / "upstream"
+    shutil.copytree(path, out)
+    tensors = load_file(out / "model.safetensors")
+    renamed = {}
+    for name, t in tensors.items():
+        name = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}.get(name, name)
+        name = name.replace("model.hc_head.hc_", "hc_head_")
+        renamed[name[len("model."):] if name.startswith("model.layers.") else name] = t
+    assert "layers.0.attn.wq_a.weight" in renamed and "hc_head_fn" in renamed and "head.weight" in renamed
+    (out / "model.safetensors").unlink()
+    save_file(renamed, out / "model.safetensors")
+    upstream = load_model(open_checkpoint(str(out)), expert_format="bf16", dtype=torch.float32)
+    ids = _prompt(19, 5)
+    with torch.no_grad():
+        assert torch.equal(upstream(ids), model(ids))
