@@ -45,6 +45,9 @@ def decode_step_bytes(model, kv_bytes_per_token: int, context: int, batch: int =
                 return None
             r = mod.spec.router
             total += int(distinct_experts(r.num_experts, r.top_k, batch) * expert_bytes(pool))
+    per_sequence = getattr(model, "decode_cache_bytes", None)     # a cache not read whole (DeepSeek-V4)
+    if per_sequence is not None:
+        return total + per_sequence(context) * batch
     return total + kv_bytes_per_token * context * batch
 
 

@@ -47,6 +47,18 @@ GLM5 = dict(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", vo
 # DeepSeek-V3.2: DeepSeek-V3 plus DSA (every layer its own indexer)
 DSV32 = dict(DSV3, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=2048,
              index_head_dim=128, index_n_heads=64)
+# DeepSeek-V4-Flash (the released config.json's legacy keys): 43 layers, sliding / CSA / HCA, the first 3
+# hash-routed; W2 experts ~73 GiB, one H200
+DSV4 = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=129280, hidden_size=4096,
+            num_hidden_layers=43, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024,
+            o_groups=8, o_lora_rank=1024, n_routed_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048,
+            routed_scaling_factor=1.5, swiglu_limit=10.0, index_n_heads=64, index_head_dim=128, index_topk=512,
+            sliding_window=128, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], num_hash_layers=3, hc_mult=4,
+            hc_sinkhorn_iters=20, hc_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
+            rope_scaling=dict(type="yarn", factor=16, original_max_position_embeddings=65536, beta_fast=32,
+                              beta_slow=1),
+            max_position_embeddings=1048576, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16",
+            eos_token_id=1)
 # a few-MB Qwen3-MoE-shaped model: the benchmark's own tests on a CPU (its numbers mean nothing)
 MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -56,12 +68,18 @@ MICRO_MTP = dict(GLM45_AIR, vocab_size=260, hidden_size=64, num_hidden_layers=2,
                  num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
                  n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=4096, eos_token_id=257,
                  num_nextn_predict_layers=1)
+# and a DeepSeek-V4-shaped one (every attention kind, hash and learned routing)
+MICRO_V4 = dict(DSV4, vocab_size=260, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+                qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, index_n_heads=16, index_head_dim=16, index_topk=3,
+                sliding_window=8, compress_ratios=[0, 4, 128, 4], num_hash_layers=2, max_position_embeddings=4096,
+                eos_token_id=257)
 
 SHAPES: dict[str, tuple[str, dict]] = {
     "glm45air": ("GLM-4.5-Air", GLM45_AIR), "qwen3_30b": ("Qwen3-30B-A3B", QWEN3_30B),
     "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "glm5": ("GLM-5", GLM5),
-    "dsv32": ("DeepSeek-V3.2", DSV32),
-    "micro": ("micro (tests)", MICRO),
+    "dsv32": ("DeepSeek-V3.2", DSV32), "dsv4": ("DeepSeek-V4-Flash", DSV4),
+    "micro": ("micro (tests)", MICRO), "micro_v4": ("micro DeepSeek-V4 (tests)", MICRO_V4),
     "micro_mtp": ("micro with MTP (tests)", MICRO_MTP)}
 
 
@@ -94,7 +112,11 @@ def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", see
         cfg = dict(cfg, num_nextn_predict_layers=1)
     spec = spec_from_config(cfg, "bench shape")
     with torch.device(device):
-        model = CausalLM(spec, dtype, load_mtp=mtp)
+        if spec.compressed_attention is not None:
+            from moet.model.deepseek_v4 import DeepseekV4LM
+            model = DeepseekV4LM(spec, dtype)
+        else:
+            model = CausalLM(spec, dtype, load_mtp=mtp)
     gen = torch.Generator(device=device).manual_seed(seed)
     # Scaled the way trained models are (GPT-2 / Megatron init): weights ~N(0, 0.02), the
     # projections that write into the residual stream (o_proj, down_proj, expert down) smaller
@@ -102,12 +124,15 @@ def random_model(cfg: dict, device: torch.device, expert_format: str = "w2", see
     # grows so large that a 2^-9 relative perturbation of the embeddings decorrelates the final
     # hidden state: such a model could not tell a correct engine from a wrong one.
     depth = math.sqrt(2 * spec.num_layers)
+    experts = spec.router.num_experts
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if not p.dtype.is_floating_point:             # DeepSeek-V4's hash table: token -> k experts
+            p.copy_(torch.randint(0, experts, p.shape, device=device, generator=gen))
+        elif name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif "bias" in name:
             p.normal_(0.0, 0.02, generator=gen) if p.dim() else p.zero_()
-        elif "o_proj" in name or "down_proj" in name:
+        elif "o_proj" in name or "down_proj" in name or "wo_b" in name:
             p.normal_(0.0, 0.02 / depth, generator=gen)
         else:
             p.normal_(0.0, 0.02, generator=gen)

@@ -453,18 +453,31 @@ class DeepseekV4LM(nn.Module):
         n = self.spec.hyper_connections.streams
         return self.model.embed_tokens(input_ids)[:, None, :].expand(-1, n, -1)
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] (positions 0 .. T - 1) -> hidden states [T, hidden] before the final norm."""
-        x = self._streams(input_ids)
+    def new_cache(self, max_len: int, device: torch.device | str) -> list[torch.Tensor]:
+        """The contiguous forward's "cache": the sequence's tokens so far (it recomputes from
+        position 0 each call), so callers of CausalLM's incremental interface (the reference loop)
+        run unchanged."""
+        return [torch.empty(0, dtype=torch.long, device=device)]
+
+    def hidden_states(self, input_ids: torch.Tensor, start: int = 0, cache: list | None = None) -> torch.Tensor:
+        """input_ids [T] at positions start .. start + T - 1 -> hidden states [T, hidden] before the
+        final norm; `cache` (new_cache) holds the tokens before `start`, and then these too."""
+        ids = input_ids
+        if cache is not None:
+            ids = torch.cat([cache[0][:start], input_ids])
+            cache[0] = ids
+        elif start:
+            raise ValueError("a start past 0 needs the cache of the tokens before it")
+        x = self._streams(ids)
         for layer in self.model.layers:
-            x = layer(x, input_ids)
-        return self.model.hc_head(x)
+            x = layer(x, ids)
+        return self.model.hc_head(x)[start:]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.logits(self.hidden_states(input_ids))
+    def forward(self, input_ids: torch.Tensor, start: int = 0, cache: list | None = None) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, start, cache))
 
     # ------------------------------------------------------------------ paged cache
 
@@ -476,6 +489,20 @@ class DeepseekV4LM(nn.Module):
         _check_format(kv_format)
         return kv_format.dtype.itemsize * self.spec.compressed_attention.cache_elements_per_token(
             self.spec.attention.head_dim)
+
+    def decode_cache_bytes(self, context: int) -> int:
+        """Cache bytes a decode step of one sequence at `context` tokens reads: each layer's sliding
+        window of keys, and its compressed keys (CSA: with their index keys). The compressors'
+        per-token projections are read only when a window ends."""
+        a, c = self.spec.attention, self.spec.compressed_attention
+        d, total = a.head_dim, 0
+        for kind in c.layer_types:
+            total += min(c.window, context) * d
+            if kind == "hca":
+                total += context // c.hca_rate * d
+            elif kind == "csa":
+                total += context // c.csa_rate * (d + c.index_head_dim)
+        return total * self.dtype.itemsize
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_format: KVFormat,
                      device: torch.device | str) -> list[V4LayerKV]:
