@@ -149,6 +149,8 @@ def test_paged_forward_equals_the_contiguous_one(v4):
     a step beside each other and beside a prefill: every row's logits equal the contiguous
     forward's at that position (windows that end inside a chunk, in a later chunk, or at a decode
     step give the same compressed keys; the indexer chooses the same)."""
+    import dataclasses
+
     from moet.kernels.kv_cache import KVFormat
     from moet.model.attention_batch import AttentionBatch
     _, model, _ = v4
@@ -179,6 +181,25 @@ def test_paged_forward_equals_the_contiguous_one(v4):
         for b, n in step:
             done[b] += n
     assert done == [37, 23, 30]
+    # a decode step as a CUDA graph replays it: the host lengths are the capture's worst case (the
+    # tables' width), only the device's are true; seq 0 ends a CSA and an HCA window at position 39
+    extra = [torch.cat([s, _prompt(3, 200 + i)]) for i, s in enumerate(seqs)]
+    for b in range(3):
+        tables[b] = tables[b] + perm[at:at + 1]
+        at += 1
+    width = max(len(t) for t in tables)
+    with torch.no_grad():
+        want = [model(s_) for s_ in extra]
+    for _ in range(3):
+        batch = AttentionBatch.build(block_tables=tables, context_lens=done, query_lens=[1, 1, 1], block_size=bs,
+                                     device="cpu", pad_blocks_to=width)
+        batch = dataclasses.replace(batch, seq_lens_host=[width * bs] * 3)
+        ids = torch.stack([extra[b][done[b]] for b in range(3)])
+        with torch.no_grad():
+            got = model.logits(model.forward_paged(ids, batch, kv))
+        ref = torch.stack([want[b][done[b]] for b in range(3)])
+        assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+        done = [d + 1 for d in done]
     with pytest.raises(ConfigError, match="kv-cache-dtype fp8"):
         model.new_kv_cache(4, bs, KVFormat("fp8_e4m3", "block", dtype=torch.float32), "cpu")
 

@@ -9,8 +9,9 @@ pooling and softmax), so float32 logits match it.
 Two forwards: the contiguous one (a whole sequence from position 0, every compressed key
 recomputed from the tokens; the reference the parity tests hold to transformers) and the paged
 one the engine runs (V4LayerKV: keys and the compressors' projections by token slot, windows
-pooled as they end), in torch, eager, a loop over the step's sequences: correct, not fast (no
-Triton kernels, no CUDA graphs, the cache keeps the model dtype). The routed experts go through
+pooled as they end), in torch: prompt steps loop over their sequences on the host, decode steps
+run batched on the device (CUDA graphs capture them); correct, not fast (no Triton kernels; the
+cache keeps the model dtype). The routed experts go through
 the same MoE block, pools and formats (bf16 / W2 / FP4) as every other family. Not yet: the
 checkpoint's MTP layer, the FP4 gate, the expert store, FP8 / FP4 dense weights as the released
 checkpoints store them (`*.scale` names).
@@ -81,6 +82,15 @@ class V4LayerKV:
 
     def read(self, name: str, table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
         return self.tensors[name][self.slots(table, positions, block_size)]
+
+    @staticmethod
+    def batch_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Slots of positions [B, L] of the sequences whose pages are tables [B, W] (positions >= 0)."""
+        return tables.long().gather(1, positions // block_size) * block_size + positions % block_size
+
+    def read_batch(self, name: str, tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[B, L, width]: sequence b's rows at positions[b] (clamped to 0: mask the negative ones)."""
+        return self.tensors[name][self.batch_slots(tables, positions.clamp(min=0), block_size)]
 
 
 class HyperConnection(nn.Module):
@@ -180,6 +190,21 @@ class Compressor(nn.Module):
         keys = self.norm((kv * torch.softmax(gate, dim=1)).sum(dim=1).to(self.norm.weight.dtype))
         return rope(keys, (first + torch.arange(n, device=keys.device)) * m)
 
+    def pool_windows(self, kv: torch.Tensor, gate: torch.Tensor, window: torch.Tensor, rope: TailRope) -> torch.Tensor:
+        """One key per row b, of window window[b] >= 0 (static shapes: a decode step's B windows):
+        kv / gate [B, S, width] the projections of its tokens, S = rate (overlap: 2 * rate, window
+        - 1's tokens first, ignored where window is 0) -> [B, dim]. The same arithmetic as pool."""
+        m, d = self.rate, self.dim
+        kv, gate = kv.float(), gate.float()
+        if self.overlap:
+            prev_gate = (gate[:, :m, :d] + self.ape[:, :d]).masked_fill((window == 0)[:, None, None], float("-inf"))
+            kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[:, m:, d:] + self.ape[:, d:]], dim=1)
+        else:
+            gate = gate + self.ape
+        keys = self.norm((kv * torch.softmax(gate, dim=1)).sum(dim=1).to(self.norm.weight.dtype))
+        return rope(keys, window * m)
+
     def forward(self, x: torch.Tensor, rope: TailRope) -> torch.Tensor:
         """x [T, hidden] (positions 0 .. T - 1) -> keys [T // rate, dim]."""
         n = x.shape[0] // self.rate
@@ -213,6 +238,18 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.heads ** -0.5
         score = (scores * w[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
         top = score.topk(min(self.top_k, n), dim=-1).indices
+        return keep.scatter_(1, top, torch.gather(visible, 1, top))
+
+    def select_rows(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                    rope: TailRope, visible: torch.Tensor) -> torch.Tensor:
+        """select with each row's own index keys [B, n, Di] (a decode step's B sequences)."""
+        b, n = visible.shape
+        q = rope(self.wq_b(q_res).view(b, self.heads, self.dim), positions).float()
+        scores = torch.relu(torch.einsum("bhd,bnd->bhn", q, keys.float())) * self.dim ** -0.5
+        w = self.weights_proj(x).float() * self.heads ** -0.5
+        score = (scores * w[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        top = score.topk(min(self.top_k, n), dim=-1).indices
+        keep = torch.zeros(b, n, dtype=torch.bool, device=x.device)
         return keep.scatter_(1, top, torch.gather(visible, 1, top))
 
 
@@ -263,7 +300,21 @@ class V4Attention(nn.Module):
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         sink = self.attn_sink[:, None, None].expand(h, t, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        out = torch.einsum("htn,nd->thd", probs, kf).to(q.dtype)
+        return self._output(torch.einsum("htn,nd->thd", probs, kf).to(q.dtype), pos)
+
+    def _attend_rows(self, q: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """_attend with each query row's own keys [B, L, D] and mask [B, L] (a decode step)."""
+        b, h, d = q.shape
+        kf = keys.float()
+        scores = torch.einsum("bhd,bld->bhl", q.float(), kf) * d ** -0.5
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+        sink = self.attn_sink[None, :, None].expand(b, h, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return self._output(torch.einsum("bhl,bld->bhd", probs, kf).to(q.dtype), pos)
+
+    def _output(self, out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Attention output [t, H, D] -> de-rotated at the query positions, wo_a per group, wo_b."""
+        t = out.shape[0]
         out = self.rope(out, pos, sign=-1.0).reshape(t, self.groups, -1)                  # [t, G, H * D / G]
         w = self.wo_a.weight.view(self.groups, self.rank, -1)
         return self.wo_b(torch.einsum("tgi,gri->tgr", out, w).reshape(t, self.groups * self.rank))
@@ -297,6 +348,8 @@ class V4Attention(nn.Module):
                 proj_kv, proj_gate = comp.project(x)
                 kv.write(name + "_kv", proj_kv, batch.slot_mapping)
                 kv.write(name + "_gate", proj_gate, batch.slot_mapping)
+        if batch.is_pure_decode:
+            return self._decode_paged(x, q_res, q, batch, kv)
         out = torch.empty_like(x)
         bs = kv.block_size
         for b in range(batch.num_seqs):
@@ -319,6 +372,37 @@ class V4Attention(nn.Module):
             kv_pos = torch.arange(max(0, first - self.window + 1), n, device=x.device)
             out[lo:hi] = self._attend(q[lo:hi], pos[lo:hi], kv.read("kv", table, kv_pos, bs), kv_pos, entries, chosen)
         return out
+
+    def _decode_paged(self, x: torch.Tensor, q_res: torch.Tensor, q: torch.Tensor, batch: AttentionBatch,
+                      kv: V4LayerKV) -> torch.Tensor:
+        """An all-decode step (row b: sequence b's last position), on the device only: the windows
+        that end at these tokens pooled, every sequence's sliding window and compressed keys read up
+        to a host bound (the longest sequence; a graph capture's worst case), masked by its own
+        length. Static shapes, no host sync: a CUDA graph captured at the worst case replays it."""
+        bsz, dev, bs = x.shape[0], x.device, kv.block_size
+        pos, tables = batch.positions, batch.block_tables
+        kv_pos = pos[:, None] - (self.window - 1) + torch.arange(self.window, device=dev)[None, :]   # [B, W]
+        keys, allowed = kv.read_batch("kv", tables, kv_pos, bs), kv_pos >= 0
+        if self.compressor is not None:
+            m = self.rate
+            window = (pos + 1) // m - 1                                  # the window ending here, if any
+            ends = (pos + 1) % m == 0
+            for name, comp in self._compressors():
+                span = 2 * m if comp.overlap else m
+                src = (window - (1 if comp.overlap else 0))[:, None] * m + torch.arange(span, device=dev)[None, :]
+                made = comp.pool_windows(kv.read_batch(name + "_kv", tables, src, bs),
+                                         kv.read_batch(name + "_gate", tables, src, bs), window.clamp(min=0), self.rope)
+                at = V4LayerKV.batch_slots(tables, (window.clamp(min=0) * m)[:, None], bs)[:, 0]
+                kv.write(name, made, torch.where(ends, at, torch.full_like(at, -1)))
+            n = max(1, max(batch.seq_lens_host) // m)
+            e_pos = (torch.arange(n, device=dev) * m).expand(bsz, n)
+            chosen = torch.arange(n, device=dev)[None, :] < ((pos + 1) // m)[:, None]
+            if self.indexer is not None:
+                chosen = self.indexer.select_rows(x, q_res, pos, kv.read_batch("index_entries", tables, e_pos, bs),
+                                                  self.rope, chosen)
+            keys = torch.cat([keys, kv.read_batch("entries", tables, e_pos, bs)], dim=1)
+            allowed = torch.cat([allowed, chosen], dim=1)
+        return self._attend_rows(q, pos, keys, allowed)
 
     def _compressors(self):
         yield "entries", self.compressor
@@ -429,9 +513,11 @@ class DeepseekV4LM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype)
         self.mtp = nn.ModuleList()      # the checkpoint's MTP layer is not read yet
 
-    # the paged forward shapes its work from the batch's host lengths (per-sequence loops): a CUDA
-    # graph would replay the capture's; the model runner keeps every step eager
-    graph_safe = False
+    # decode steps run on the device only (V4Attention._decode_paged: host lengths only as an upper
+    # bound), so the runner may capture its decode graphs at the worst case; the other steps loop
+    # over sequences on the host and run eager (the only graphs a V4 model gets are decode graphs:
+    # it has no MTP verify or gate repair passes yet)
+    graph_safe = True
 
     def fuse_projections(self) -> int:
         return 0
