@@ -621,7 +621,10 @@ def deepseek_v4_spec(cfg: dict) -> ModelSpec:
     return ModelSpec(**{**base, "swiglu_limit": _float(cfg, "swiglu_limit", 10.0, positive=True)},
                      layer_kinds=("moe",) * n, intermediate_size=0, moe_intermediate_size=inter,
                      shared_intermediate_size=inter, attention=attn, rope=main, router=router,
-                     num_mtp_layers=0, compressed_attention=comp, hyper_connections=hc, renames=_V4_RENAMES)
+                     # the checkpoint's MTP layers: counted so the loader skips their tensors
+                     # (DeepseekV4LM builds none yet)
+                     num_mtp_layers=_cint(cfg, "num_nextn_predict_layers", 0, lo=0),
+                     compressed_attention=comp, hyper_connections=hc, renames=_V4_RENAMES)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -824,5 +824,8 @@ def check_speculative(config: EngineConfig, spec) -> None:
     if not spec.num_mtp_layers:
         raise ConfigError("--speculative-config asks for MTP drafts but this checkpoint has no MTP layer "
                           "(num_nextn_predict_layers is 0 or absent in its config.json); drop the flag")
+    if spec.compressed_attention is not None:
+        raise ConfigError("--speculative-config: DeepSeek-V4's MTP layer is not built in moet yet (its weights "
+                          "are skipped at load); drop the flag")
     if not config.load.load_mtp:
         raise ConfigError("--speculative-config needs the MTP layers loaded: drop --no-load-mtp")
