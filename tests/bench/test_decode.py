@@ -144,3 +144,17 @@ def test_long_prompts_are_prefilled_first(tmp_path):
     (row,) = [r for r in res["rows"] if r["system"] == "moet"]
     assert row["tok_s"] > 0 and row["details"]["generated"] == 4
     assert "prompts prefilled first" in row["notes"]
+
+
+def test_layers_cut_a_shape(tmp_path, capsys):
+    """--layers N times a shape's first N layers (a shape too big for the card), and says so in
+    the shape's label; N past the shape's depth, or --layers without --shape, is one line."""
+    pytest.importorskip("matplotlib")
+    res = bench(tmp_path, "decode", "--batch", "1", "--decode-tokens", "4", "--layers", "1")
+    (row,) = [r for r in res["rows"] if r["system"] == "moet"]
+    assert row["shape"] == "micro (tests) (1 of 2 layers)" and row["tok_s"] > 0
+    assert main(["bench", "decode", "--shape", "micro", "--layers", "3", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 2
+    assert "--layers 3: --shape micro has 2 layers" in capsys.readouterr().err
+    assert main(["bench", "decode", "--layers", "1", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "--layers cuts a --shape" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from moet.errors import ConfigError
 
 SCENARIO_CHOICES = ("decode", "prefill", "residency", "serve", "all")
 # this command's own flags: every other dest of its parser is an EngineConfig field
-OWN = {"scenario", "model_flag", "shape", "batch", "tokens", "decode_tokens", "prompt_len", "gpu_budget_gb",
+OWN = {"scenario", "model_flag", "shape", "layers", "batch", "tokens", "decode_tokens", "prompt_len", "gpu_budget_gb",
        "residency_batch", "requests", "concurrency", "peer", "budget_s", "out", "func", "command", "bench_engine", "gate_fire", "speculative", "accept_all", "structured"}
 
 
@@ -37,6 +37,8 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--shape", default=None, metavar="NAME",
                    help=f"random weights of a named real shape, built on the device: {', '.join(SHAPES)} "
                         "(default: the checkpoint MODEL; serve always runs the checkpoint)")
+    g.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="with --shape: only its first N decoder layers")
     g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the checkpoint, as MODEL")
     g.add_argument("--batch", default="1,8,32", metavar="B,B", help="decode batch sizes (default: 1,8,32)")
     g.add_argument("--tokens", default="2048,8192", metavar="T,T", help="prefill prompt lengths (default: 2048,8192)")
@@ -111,14 +113,16 @@ def budget_list(text: str) -> list[str]:
 
 def settings(args):
     from moet.bench.report import Report, out_dir
-    from moet.bench.shapes import shape
+    from moet.bench.shapes import cut_shape, shape
     from moet.bench.target import Settings
     from moet.bench.timing import Budget
     from moet.engine.llm_engine import resolve_device
 
     scenarios = ["decode", "prefill", "residency", "serve"] if args.scenario == "all" else [args.scenario]
     if args.shape is not None:
-        shape(args.shape)
+        cut_shape(args.shape, args.layers)
+    elif args.layers is not None:
+        raise ConfigError("--layers cuts a --shape: give --shape NAME too")
     if args.scenario == "residency" and args.shape is None:
         raise ConfigError("moet bench residency runs a named shape: give --shape (e.g. --shape glm45air)")
     for flag, v in (("--decode-tokens", args.decode_tokens), ("--prompt-len", args.prompt_len),
@@ -146,7 +150,7 @@ def settings(args):
                               "DeepSeek-V3 or GLM-4.5 shape")
     if sum(map(bool, (speculative, gate_fire, args.structured))) > 1:
         raise ConfigError("--speculative, --gate-fire and --structured time different things: run them apart")
-    s = Settings(scenarios=scenarios, device=resolve_device(args.device), shape=args.shape,
+    s = Settings(scenarios=scenarios, device=resolve_device(args.device), shape=args.shape, layers=args.layers,
                  model=args.model_flag or args.model, engine_kw=engine_kw,
                  batches=int_list(args.batch, "--batch"), tokens=int_list(args.tokens, "--tokens", 16),
                  decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, peer=args.peer,

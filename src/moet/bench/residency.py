@@ -313,7 +313,7 @@ def _store_config(s: Settings, max_model_len: int, slots: int | None):
 
 
 def run_residency(s: Settings) -> None:
-    from moet.bench.shapes import random_model, shape
+    from moet.bench.shapes import cut_shape, random_model
     from moet.engine.llm_engine import LLMEngine
     from moet.errors import ConfigError
     from moet.store.pack_file import RowLayout
@@ -321,7 +321,7 @@ def run_residency(s: Settings) -> None:
     report = s.report
     if not s.shape:
         raise ConfigError("moet bench residency runs a named shape: give --shape (e.g. --shape glm45air)")
-    name, cfg = shape(s.shape)
+    name, cfg = cut_shape(s.shape, s.layers)
     fmt = s.engine_kw.get("expert_format", "w2")
     if fmt != "w2":
         raise ConfigError(f"moet bench residency: the expert store holds W2 experts, not --expert-format {fmt}")

@@ -90,6 +90,18 @@ def shape(name: str) -> tuple[str, dict]:
     return SHAPES[name]
 
 
+def cut_shape(name: str, layers: int | None) -> tuple[str, dict]:
+    """shape(name), with only its first `layers` decoder layers when given (a shape too big for one
+    card timed on part of its depth: per-layer costs are what a step is made of); the label says so."""
+    label, cfg = shape(name)
+    if layers is None:
+        return label, cfg
+    total = cfg["num_hidden_layers"]
+    if not 1 <= layers <= total:
+        raise ConfigError(f"--layers {layers}: --shape {name} has {total} layers; give 1..{total}")
+    return f"{label} ({layers} of {total} layers)", dict(cfg, num_hidden_layers=layers)
+
+
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """n prompts of `length` random token ids (distinct prompts: no prefix-cache hits between them)."""
     g = torch.Generator().manual_seed(seed)

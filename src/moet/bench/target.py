@@ -20,6 +20,7 @@ class Settings:
     scenarios: list[str]
     device: torch.device
     shape: str | None                 # a key of shapes.SHAPES, or None: the checkpoint `model`
+    layers: int | None                # --layers: only the shape's first N decoder layers
     model: str                        # the checkpoint (serve always runs one; decode etc. without --shape)
     engine_kw: dict                   # EngineConfig fields the user set (model and device excluded)
     batches: list[int]
@@ -80,8 +81,8 @@ def checkpoint_config(path: str) -> dict:
 
 
 def target_label(s: Settings) -> str:
-    from moet.bench.shapes import shape
-    return shape(s.shape)[0] if s.shape else Path(str(s.model)).name
+    from moet.bench.shapes import cut_shape
+    return cut_shape(s.shape, s.layers)[0] if s.shape else Path(str(s.model)).name
 
 
 def engine_config(s: Settings, **kw):
@@ -113,8 +114,8 @@ def open_target(s: Settings, max_model_len: int, max_num_seqs: int, max_num_batc
 
     t0 = time.perf_counter()
     if s.shape:
-        from moet.bench.shapes import random_model, shape
-        name, cfg = shape(s.shape)
+        from moet.bench.shapes import cut_shape, random_model
+        name, cfg = cut_shape(s.shape, s.layers)
         ec = engine_config(s, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, model=f"random:{cfg['model_type']}")
         dtype = torch.bfloat16 if ec.load.dtype == "auto" else getattr(torch, ec.load.dtype)   # a shape's torch_dtype
