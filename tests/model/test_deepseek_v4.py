@@ -255,3 +255,27 @@ def test_bench_decode_runs_the_v4_shape(tmp_path):
     rows = [r for r in res["rows"] if r["system"] == "moet"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["tok_s"] > 0 and r["details"]["bytes_per_step"] > 0
                                                         for r in rows)
+
+
+def test_the_expert_store_serves_it_as_resident(tmp_path):
+    """W2 experts through the expert store (pack file, host arena, a device cache of 20 of the 32
+    expert rows; hash-routed layers fetch by their token table): tokens and logprobs equal the
+    resident engine's, with rows really fetched."""
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    from moet.sampling_params import SamplingParams
+    prompts = [_prompt(n, n).tolist() for n in (21, 9, 35)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    kw = dict(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32", expert_format="w2",
+              max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
+
+    def run(eng):
+        out = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
+        eng_stats = eng.stats().extra
+        eng.close()
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in (out[str(i)] for i in range(len(prompts)))], eng_stats
+    want, _ = run(LLMEngine.from_config(EngineConfig(**kw)))
+    got, st = run(LLMEngine.from_config(EngineConfig(**kw, pack_dir=str(tmp_path), expert_cache_slots=20)))
+    assert got == want
+    assert st["expert_cache_slots"] == 20 and st["expert_rows_fetched_total"] > 0

@@ -281,10 +281,7 @@ class LLMEngine:
         check_kv_request(config, ckpt.spec, max_model_len, dtype, device)
         check_speculative(config, ckpt.spec)
         reason = store_reason(config, ckpt, device, dtype)
-        if ckpt.spec.compressed_attention is not None:      # DeepSeek-V4 (model/deepseek_v4.py): eager torch
-            if reason is not None:
-                raise ConfigError(f"{ckpt.path}: DeepSeek-V4 runs with every routed expert resident for now, and "
-                                  f"they do not fit here ({reason}); the expert store does not serve it yet")
+        if ckpt.spec.compressed_attention is not None:      # DeepSeek-V4 (model/deepseek_v4.py)
             repair_slots, why = None, "not wired into DeepSeek-V4's layers yet"
         else:
             repair_slots, why = repair_tier_plan(config, ckpt, device, dtype, reason)

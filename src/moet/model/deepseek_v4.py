@@ -13,7 +13,7 @@ pooled as they end), in torch: prompt steps loop over their sequences on the hos
 run batched on the device (CUDA graphs capture them); correct, not fast (no Triton kernels; the
 cache keeps the model dtype). The routed experts go through
 the same MoE block, pools and formats (bf16 / W2 / FP4) as every other family. Not yet: the
-checkpoint's MTP layer, the FP4 gate, the expert store, FP8 / FP4 dense weights as the released
+checkpoint's MTP layer, the FP4 gate, FP8 / FP4 dense weights as the released
 checkpoints store them (`*.scale` names).
 """
 from __future__ import annotations
