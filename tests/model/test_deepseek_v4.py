@@ -120,6 +120,7 @@ def test_the_engine_decodes_as_the_contiguous_forward(v4, experts):
     prompts = [_prompt(n, n).tolist() for n in (21, 9, 35)]
     prompts.append(prompts[0][:17] + _prompt(6, 99).tolist())
     eng = LLMEngine.from_config(EngineConfig(model=path, device="cpu", dtype="float32", expert_format=experts,
+                                             fp4_gate=False,
                                              max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
                                              num_kv_blocks=24, max_model_len=64))
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -279,3 +280,30 @@ def test_the_expert_store_serves_it_as_resident(tmp_path):
     got, st = run(LLMEngine.from_config(EngineConfig(**kw, pack_dir=str(tmp_path), expert_cache_slots=20)))
     assert got == want
     assert st["expert_cache_slots"] == 20 and st["expert_rows_fetched_total"] > 0
+
+
+def test_the_fp4_gate_repairs_v4_layers():
+    """W2 experts with the FP4 repair tier and a gate that fires at every step (tau 1): each
+    repair recomputes the fired position with FP4 experts, its KV and the compressed keys of a
+    window ending there included, so the tokens equal an FP4-expert engine's (and differ from bare
+    W2's); with tau 0 and refresh 4 every 4th generated position fires and recomputes 4."""
+    from moet.config import EngineConfig
+    from moet.engine.llm_engine import LLMEngine
+    from moet.sampling_params import SamplingParams
+    prompts = [_prompt(n, n).tolist() for n in (21, 9, 35)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=16, block_size=4)
+
+    def run(**k):
+        eng = LLMEngine.from_config(EngineConfig(**kw, **k))
+        out = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
+        counters = eng.gate.counters if eng.gate is not None else None
+        eng.close()
+        return [out[str(i)].outputs[0].token_ids for i in range(len(prompts))], counters
+    fp4, _ = run(expert_format="fp4")
+    w2, _ = run(expert_format="w2", fp4_gate=False)
+    gated, c = run(expert_format="w2", gate_tau=1.0)
+    assert gated == fp4 != w2 and c.fires == c.rows_checked == 11 * len(prompts)
+    _, c = run(expert_format="w2", gate_tau=0.0, gate_refresh=4)
+    assert c.fires == 2 * len(prompts) and c.recomputed_rows == 8 * len(prompts)

@@ -281,10 +281,7 @@ class LLMEngine:
         check_kv_request(config, ckpt.spec, max_model_len, dtype, device)
         check_speculative(config, ckpt.spec)
         reason = store_reason(config, ckpt, device, dtype)
-        if ckpt.spec.compressed_attention is not None:      # DeepSeek-V4 (model/deepseek_v4.py)
-            repair_slots, why = None, "not wired into DeepSeek-V4's layers yet"
-        else:
-            repair_slots, why = repair_tier_plan(config, ckpt, device, dtype, reason)
+        repair_slots, why = repair_tier_plan(config, ckpt, device, dtype, reason)
         log.info("FP4 repair tier and confidence gate %s: %s", "off" if repair_slots is None else "on", why)
         model = load_model(ckpt, expert_format=config.load.expert_format, dtype=dtype, device=device,
                            zero_mode=config.load.w2_zero_mode, scale_rule=config.load.w2_scale_rule,

@@ -12,9 +12,9 @@ one the engine runs (V4LayerKV: keys and the compressors' projections by token s
 pooled as they end), in torch: prompt steps loop over their sequences on the host, decode steps
 run batched on the device (CUDA graphs capture them); correct, not fast (no Triton kernels; the
 cache keeps the model dtype). The routed experts go through
-the same MoE block, pools and formats (bf16 / W2 / FP4) as every other family. Not yet: the
-checkpoint's MTP layer, the FP4 gate, FP8 / FP4 dense weights as the released
-checkpoints store them (`*.scale` names).
+the same MoE block, pools and formats (bf16 / W2 / FP4), the expert store and the FP4 gate's
+repair tier as every other family's. Not yet: the checkpoint's MTP layer, FP8 / FP4 dense weights
+as the released checkpoints store them (`*.scale` names).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from moet.model.layers.moe import MoE
 from moet.model.layers.norm import RMSNorm
 from moet.model.layers.rope import inv_freq_and_scaling
 from moet.model.layers.router import route
+from moet.model.moe_model import MoEModel
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -500,7 +501,7 @@ class V4Backbone(nn.Module):
         self.hc_head = HyperHead(spec.hyper_connections, spec.hidden_size, spec.rms_norm_eps)
 
 
-class DeepseekV4LM(nn.Module):
+class DeepseekV4LM(MoEModel):
     """The whole model, contiguous forward only (module docstring). Names follow the checkpoint's
     after ModelSpec.renames; the loader fills it as it fills CausalLM (load_weights)."""
 
@@ -522,14 +523,8 @@ class DeepseekV4LM(nn.Module):
     def fuse_projections(self) -> int:
         return 0
 
-    def overlap_shared_experts(self, device: torch.device) -> int:
-        return 0
-
     def prepare_cpu(self, expert_bytes: int) -> int:
         return 0
-
-    def has_repair_tier(self) -> bool:
-        return False
 
     def moe_blocks(self) -> dict[str, MoE]:
         """{decoder layer's module name: its MoE block} (every layer is MoE)."""

@@ -11,8 +11,6 @@ They are loaded and kept for speculative decoding; `mtp_forward` runs one.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -26,6 +24,7 @@ from moet.model.layers.dsa import TopKSelection
 from moet.model.layers.linear import MLP, Linear
 from moet.model.layers.mla import MLAttention
 from moet.model.layers.moe import MoE
+from moet.model.moe_model import MoEModel
 from moet.model.layers.norm import RMSNorm
 from moet.model.layers.rope import Rotary
 
@@ -142,7 +141,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 
-class CausalLM(nn.Module):
+class CausalLM(MoEModel):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, *, load_mtp: bool = True):
         super().__init__()
         self.spec, self.dtype = spec, dtype
@@ -161,18 +160,6 @@ class CausalLM(nn.Module):
         Call once the weights are loaded and on their device. -> number of modules fused."""
         n = sum(a.fuse_qkv() for a in self._attention_layers() if isinstance(a, GQAttention))
         return n + sum(m.fuse_gate_up() for m in self.modules() if isinstance(m, MLP))
-
-    def overlap_shared_experts(self, device: torch.device) -> int:
-        """Run every MoE block's shared experts on one second CUDA stream, next to the routed
-        experts (ExpertSlots.shared_stream; one stream for all layers: the layers run one after another).
-        No-op off CUDA. -> number of MoE blocks that overlap."""
-        if device.type != "cuda":
-            return 0
-        blocks = [m for m in self.modules() if isinstance(m, MoE) and m.shared_experts is not None]
-        stream = torch.cuda.Stream(device) if blocks else None
-        for m in blocks:
-            m.experts.shared_stream = stream
-        return len(blocks)
 
     def prepare_cpu(self, expert_bytes: int) -> int:
         """Once, before a CPU run's first step, for weights that never change after (every expert
@@ -215,35 +202,6 @@ class CausalLM(nn.Module):
                 layout = decoded_pool(pool)
             setattr(e, attr, layout)
         return need
-
-    # ------------------------------------------------------------------ the FP4 repair tier
-
-    def has_repair_tier(self) -> bool:
-        """Every MoE block holds the FP4 repair tier (ExpertSlots.repair_slot_table)."""
-        blocks = list(self.moe_blocks().values())
-        return bool(blocks) and all(m.experts.repair_slot_table is not None for m in blocks)
-
-    @contextlib.contextmanager
-    def repair_tier(self, rows: torch.Tensor | None = None):
-        """Forwards inside compute the routed experts with the FP4 repair tier (the confidence
-        gate's repair pass, engine/confidence_gate.py): every row, or with `rows` (a bool mask over
-        the pass's rows: a step's prompt positions) those rows only, the others with the primary
-        tier. Eager only: a captured graph keeps the tier it was captured with."""
-        blocks = list(self.moe_blocks().values())
-        rep = pri = None
-        if rows is not None:
-            rep, pri = rows.nonzero().flatten(), (~rows).nonzero().flatten()
-        for m in blocks:
-            if rows is None:
-                m.experts.repairing = True
-            else:
-                m.experts.repair_rows, m.experts.primary_rows = rep, pri
-        try:
-            yield
-        finally:
-            for m in blocks:
-                m.experts.repairing = False
-                m.experts.repair_rows = m.experts.primary_rows = None
 
     # ------------------------------------------------------------------ caches
 
