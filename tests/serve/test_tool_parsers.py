@@ -42,7 +42,14 @@ KIMI_CALLS = [("get_weather", {"city": "Kyiv"}), ("search", {"query": "borscht"}
 
 GLM47 = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>days</arg_key><arg_value>4</arg_value></tool_call>"
 
-CASES = [("glm45", GLM, "I'll check.", GLM_CALLS), ("glm47", GLM47, "", [("get_weather", {"city": "Oslo", "days": 4})]), ("hermes", HERMES, "Let me look.", HERMES_CALLS),
+MINIMAX = ('Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">São Paulo'
+           '</parameter>\n<parameter name="days">3</parameter>\n<parameter name="metric">true</parameter>\n</invoke>\n'
+           '<invoke name="search">\n<parameter name="query">a <b> c</parameter>\n<parameter name="filters">'
+           '{"lang": "pt"}</parameter>\n</invoke>\n</minimax:tool_call>')
+MINIMAX_CALLS = [("get_weather", {"city": "São Paulo", "days": 3, "metric": True}),
+                 ("search", {"query": "a <b> c", "filters": {"lang": "pt"}})]
+
+CASES = [("minimax_m2", MINIMAX, "Let me check.", MINIMAX_CALLS), ("glm45", GLM, "I'll check.", GLM_CALLS), ("glm47", GLM47, "", [("get_weather", {"city": "Oslo", "days": 4})]), ("hermes", HERMES, "Let me look.", HERMES_CALLS),
          ("deepseek_v3", DSV3, "Sure", DSV3_CALLS), ("deepseek_v3", DSV31, "", [("get_weather", {"city": "Lima"})]),
          ("kimi_k2", KIMI, "Checking", KIMI_CALLS)]
 
@@ -132,7 +139,8 @@ def test_forced_prefix_then_model_continuation_parses():
     for name, cont in [("glm45", "<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>"),
                        ("hermes", '{"city": "Rome"}}\n</tool_call>'),
                        ("deepseek_v3", '{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
-                       ("kimi_k2", '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>')]:
+                       ("kimi_k2", '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>'),
+                       ("minimax_m2", '<parameter name="city">Rome</parameter>\n</invoke>\n</minimax:tool_call>')]:
         p = get_tool_parser(name)(TOOLS)
         out = p.parse(p.call_prefix("get_weather") + cont)
         assert _calls(out) == [("get_weather", {"city": "Rome"})], name
@@ -151,3 +159,12 @@ def test_registry_and_defaults():
     assert default_tool_parser(None, "Glm4MoeForCausalLM") == "glm45"
     assert default_tool_parser(None, "GlmMoeDsaForCausalLM") == "glm45"
     assert default_tool_parser(None, "DeepseekV3ForCausalLM") is None                  # ambiguous: Kimi or DeepSeek
+    assert default_tool_parser(None, "MiniMaxM2ForCausalLM") == "minimax_m2"
+    assert default_tool_parser("{{ '<minimax:tool_call>' }}{{ '<tool_call>' }}", None) == "minimax_m2"
+
+
+def test_minimax_invoke_with_stray_text_is_content():
+    p = get_tool_parser("minimax_m2")(TOOLS)
+    out = p.parse('<minimax:tool_call>\n<invoke name="search">oops<parameter name="query">q</parameter></invoke>\n'
+                  '<invoke name="search"><parameter name="query">ok</parameter></invoke>\n</minimax:tool_call>')
+    assert _calls(out) == [("search", {"query": "ok"})] and "oops" in out.content

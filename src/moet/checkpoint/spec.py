@@ -45,6 +45,7 @@ class AttentionSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = True     # False (MiniMax-M2): q / k normed across all their heads at once
     sliding_window: int | None = None
     scale: float = 1.0                # softmax scale (MLA + YaRN: includes mscale**2)
     # MLA only
@@ -139,7 +140,7 @@ class RouterSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     family: str                       # "deepseek_v3" | "glm4_moe" | "qwen3_moe" | "mixtral" | "glm_moe_dsa" | "deepseek_v32"
-    #                                   | "deepseek_v4"
+    #                                   | "deepseek_v4" | "minimax_m2"
     architecture: str                 # config.json's architectures[0]
     vocab_size: int
     hidden_size: int
@@ -532,6 +533,29 @@ def mixtral_spec(cfg: dict) -> ModelSpec:
     )
 
 
+def minimax_m2_spec(cfg: dict) -> ModelSpec:
+    """MiniMax-M2: GQA with q and k RMS-normed across all their heads, partial rotary (rotary_dim)
+    in halves; every layer MoE, sigmoid scores + e_score_correction_bias, the top-k renormalised,
+    no shared expert; Mixtral's tensor names (block_sparse_moe, w1 / w3 / w2)."""
+    base = _common(cfg, "minimax_m2")
+    n = base["num_layers"]
+    attn = _gqa(cfg, base, qk_norm=_bool(cfg, "use_qk_norm", True), qk_norm_per_head=False)
+    rd = _cint(cfg, "rotary_dim", None)
+    rope = _rope(cfg, rd if rd is not None else int(attn.head_dim * _partial_rotary(cfg)))
+    router = RouterSpec(num_experts=_first_int(cfg, "num_local_experts", "n_routed_experts"),
+                        top_k=_cint(cfg, "num_experts_per_tok"), scoring="sigmoid", norm_topk_prob=True,
+                        correction_bias=True)
+    return ModelSpec(
+        **base, layer_kinds=("moe",) * n, intermediate_size=0,
+        moe_intermediate_size=_cint(cfg, "intermediate_size"), shared_intermediate_size=0,
+        attention=attn, rope=rope, router=router,
+        renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+                 (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
+                 (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+                 (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj.")),
+    )
+
+
 # DeepSeek-V4 checkpoints name tensors as DeepSeek's reference code does (transformers writes them so
 # too, under "model."): moet's modules keep those names inside a layer, with moet's conventions for
 # the layer / MoE / norm parts (experts per expert as gate / up / down, the router under mlp.gate)
@@ -641,6 +665,7 @@ FAMILIES = {
     "GlmMoeDsaForCausalLM": glm_moe_dsa_spec,
     "DeepseekV32ForCausalLM": deepseek_v32_spec,
     "DeepseekV4ForCausalLM": deepseek_v4_spec,
+    "MiniMaxM2ForCausalLM": minimax_m2_spec,
 }
 
 
@@ -648,7 +673,7 @@ FAMILIES = {
 MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-               "deepseek_v4": "DeepseekV4ForCausalLM"}
+               "deepseek_v4": "DeepseekV4ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 
 
 def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:

@@ -40,7 +40,7 @@ def _transformers_has(cls: str) -> bool:
 # leaves the family out of the parametrized tests rather than failing them
 FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral") + (
     ("glm_moe_dsa", "deepseek_v32") if _transformers_has("GlmMoeDsaConfig") and _transformers_has("DeepseekV32Config")
-    else ())
+    else ()) + (("minimax_m2",) if _transformers_has("MiniMaxM2Config") else ())
 # DeepSeek-V4 (transformers >= 5.23): contiguous forward only so far (moet/model/deepseek_v4.py), so
 # not among FAMILIES, whose tests run every family through the engine
 V4_FAMILIES = ("deepseek_v4",) if _transformers_has("DeepseekV4Config") else ()
@@ -117,6 +117,12 @@ def tiny_config(family: str, **overrides):
                   rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
                                 "beta_fast": 32, "beta_slow": 1})
         cls = tf.DeepseekV4Config
+    elif family == "minimax_m2":
+        # q / k normed across all heads, half of each head rotated, sigmoid routing with a bias
+        kw = dict(common, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                  num_local_experts=8, num_experts_per_tok=2,
+                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5))
+        cls = tf.MiniMaxM2Config
     elif family == "mixtral":
         kw = dict(common, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, sliding_window=12,
@@ -334,7 +340,7 @@ def dequantized_tensors(path: str, dtype: torch.dtype = torch.float32, expert_fn
     n_layers = config["num_hidden_layers"]
     raw = _read_all(path)
     out: dict[str, torch.Tensor] = {}
-    mixtral = config["architectures"][0] == "MixtralForCausalLM"
+    mixtral = config["architectures"][0] in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")     # w1 / w3 / w2
     for name, t in raw.items():
         m = re.match(r"model\.layers\.(\d+)\.", name)
         if m and int(m.group(1)) >= n_layers:

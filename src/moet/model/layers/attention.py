@@ -54,9 +54,9 @@ class GQAttention(nn.Module):
         self.k_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
         self.v_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
         self.o_proj = Linear(spec.num_heads * d, hidden, spec.o_bias, dtype)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(d, eps, dtype)
-            self.k_norm = RMSNorm(d, eps, dtype)
+        if spec.qk_norm:                 # per head (Qwen3, GLM) or across all heads (MiniMax-M2)
+            self.q_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_heads * d, eps, dtype)
+            self.k_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_kv_heads * d, eps, dtype)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None     # fuse_qkv()
 
     def fuse_qkv(self) -> bool:
@@ -78,18 +78,21 @@ class GQAttention(nn.Module):
             q, k, v = torch.nn.functional.linear(x, *self.qkv).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        across = s.qk_norm and not s.qk_norm_per_head
+        if across:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, s.num_heads, s.head_dim)
         k = k.view(t, s.num_kv_heads, s.head_dim)
         v = v.view(t, s.num_kv_heads, s.head_dim)
         if x.is_cuda:   # q/k norm and both rotations in one launch (same arithmetic as below)
             from moet.kernels.norm_rope_triton import qk_norm_rope
-            if s.qk_norm:
+            if s.qk_norm and not across:
                 q, k = qk_norm_rope(q, k, cos, sin, self.rotary.spec.interleave, self.q_norm.weight,
                                     self.k_norm.weight, self.q_norm.eps)
             else:
                 q, k = qk_norm_rope(q, k, cos, sin, self.rotary.spec.interleave)
             return q, k, v
-        if s.qk_norm:
+        if s.qk_norm and not across:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v
 

@@ -8,12 +8,14 @@ from moet.serve.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from moet.serve.tool_parsers.glm45 import Glm45ToolParser
 from moet.serve.tool_parsers.hermes import HermesToolParser
 from moet.serve.tool_parsers.kimi_k2 import KimiK2ToolParser
+from moet.serve.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm45": Glm45ToolParser, "glm47": Glm45ToolParser,
     "hermes": HermesToolParser,
     "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser,
     "kimi_k2": KimiK2ToolParser,
+    "minimax_m2": MiniMaxM2ToolParser,
 }
 
 
@@ -29,13 +31,15 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 # what the model was trained to read and write, so it decides; the architecture alone does not
 # (Kimi-K2 and moet-tiny are both DeepseekV3ForCausalLM with different tool syntax).
 _TEMPLATE_MARKERS = (
+    ("<minimax:tool_call>", "minimax_m2"),
     ("<arg_key>", "glm45"),
     ("tool_calls_section_begin", "kimi_k2"),
     ("tool▁calls▁begin", "deepseek_v3"),
     ("<tool_call>", "hermes"),
 )
 # GLM-5 writes tool calls as GLM-4.7 does (<tool_call>name<arg_key>..</arg_key><arg_value>..)
-_FAMILY_DEFAULTS = {"Glm4MoeForCausalLM": "glm45", "GlmMoeDsaForCausalLM": "glm45"}
+_FAMILY_DEFAULTS = {"Glm4MoeForCausalLM": "glm45", "GlmMoeDsaForCausalLM": "glm45",
+                    "MiniMaxM2ForCausalLM": "minimax_m2"}
 
 
 def default_tool_parser(chat_template: str | None, architecture: str | None = None) -> str | None:
