@@ -27,7 +27,8 @@ def run(eng, prompts, sp):
 
 # glm_moe_dsa: DeepSeek Sparse Attention (top-k 4): every prompt here attends sparsely, prefix-cached
 # blocks carry their index keys, preemption recomputes them
-@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"] + [f for f in FAMILIES if f == "glm_moe_dsa"])
+@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"] + [f for f in FAMILIES if f in ("glm_moe_dsa",
+                                                                                                    "minimax_m2")])
 def ckpt(request):
     path = cached_checkpoint(request.param)
     eng = engine(path)

@@ -29,7 +29,10 @@ CASES = [
     ("glm_moe_dsa", {"indexer_types": None, "index_topk": 16, "mtp": False}),
     # DeepSeek-V3.2: YaRN, group routing, every layer its own indexer with a half-split rope
     ("deepseek_v32", {}),
-] if "glm_moe_dsa" in FAMILIES else [])
+] if "glm_moe_dsa" in FAMILIES else []) + ([
+    # MiniMax-M2: q / k normed across all heads, half of each head rotated, sigmoid + bias routing
+    ("minimax_m2", {}),
+] if "minimax_m2" in FAMILIES else [])
 
 
 def _ids(case):
