@@ -168,3 +168,27 @@ def test_minimax_invoke_with_stray_text_is_content():
     out = p.parse('<minimax:tool_call>\n<invoke name="search">oops<parameter name="query">q</parameter></invoke>\n'
                   '<invoke name="search"><parameter name="query">ok</parameter></invoke>\n</minimax:tool_call>')
     assert _calls(out) == [("search", {"query": "ok"})] and "oops" in out.content
+
+
+@pytest.mark.parametrize("name", ["minimax_m2", "glm45"])
+def test_forced_call_grammar_accepts_what_the_parser_reads(name):
+    """tool_choice required (serve/structured.py): the grammar built from the parser's call pieces
+    accepts a reply the parser reads back as the same calls, and refuses one with an argument of
+    the wrong type or a function the tools do not have."""
+    xgr = pytest.importorskip("xgrammar")
+    from moet.serve.structured import tool_reply_constraint
+    p = get_tool_parser(name)(TOOLS)
+    grammar = xgr.Grammar.from_ebnf(tool_reply_constraint(p, TOOLS, None, parallel=True).grammar)
+    accepts = lambda text: xgr.testing._is_grammar_accept_string(grammar, text)  # noqa: E731
+    if name == "minimax_m2":
+        good = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">\n'
+                '<parameter name="query">q</parameter>\n</invoke>\n</minimax:tool_call>')
+        bad = [good.replace(">3<", ">three<"), good.replace('"search"', '"browse"')]
+    else:
+        good = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
+                "\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>search\n<arg_key>query</arg_key>\n"
+                "<arg_value>q</arg_value>\n</tool_call>")
+        bad = [good.replace(">3<", ">three<"), good.replace(">search\n", ">browse\n")]
+    assert accepts(good) and not any(accepts(b) for b in bad)
+    assert _calls(p.parse(good)) == [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "q"})]

@@ -267,16 +267,46 @@ def act_quant_triton(x: torch.Tensor, rows: int = 8) -> tuple[torch.Tensor, torc
     return q, s
 
 
+# ---------------------------------------------------------------- the split-K frame (fp8, nvfp4)
+
+def gemm_rows(x: torch.Tensor, k: int) -> tuple[torch.Size, torch.Tensor]:
+    """(leading shape, x as row-major [M, K]) of a GEMM's input x [..., K]."""
+    x2 = x.reshape(-1, k)
+    return x.shape[:-1], (x2 if x2.stride(1) == 1 else x2.contiguous())
+
+
+def split_target(out: torch.Tensor, partials: torch.Tensor | None, split: int
+                 ) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
+    """Where a GEMM kernel of `split` K ranges writes: out [M, N] itself (no split) or fp32
+    partials [split, M, N] (made here unless given: tests poison them) -> (c, row stride, split
+    stride, partials)."""
+    if split == 1:
+        return out, out.stride(0), 0, None
+    m, n = out.shape
+    if partials is None:
+        partials = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    assert partials.shape == (split, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
+    return partials, n, m * n, partials
+
+
+def sum_splits(partials: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = the partials summed in a fixed order (+ bias); nothing without a split."""
+    if partials is None:
+        return
+    m, n = out.shape
+    blk = 1024
+    _split_sum_kernel[(triton.cdiv(m * n, blk),)](
+        partials, bias if bias is not None else partials, out, m * n, n, m * n,
+        SPLIT=partials.shape[0], HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+
+
 def fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
                           mode: str = "w8a8", bias: torch.Tensor | None = None,
                           config: Fp8GemmConfig | None = None, partials: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype. `partials` (fp32 [split, M, N]) may be passed in
     (tests poison it)."""
     n, k = _check(x, weight, weight_scale_inv, mode)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    lead, x2 = gemm_rows(x, k)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -293,13 +323,7 @@ def fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         else:
             a, a_scale = act_quant_triton(x2)
             a_mode = 1
-    if split > 1:
-        if partials is None:
-            partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        assert partials.shape == (split, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
-        c, s_cm, s_split = partials, n, m * n
-    else:
-        c, s_cm, s_split = out, out.stride(0), 0
+    c, s_cm, s_split, partials = split_target(out, partials, split)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, c,
@@ -308,9 +332,5 @@ def fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         HAS_BIAS=bias is not None and split == 1,
         SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        blk = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, blk),)](
-            partials, bias if bias is not None else partials, out, m * n, n, m * n,
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+    sum_splits(partials, bias, out)
     return out.reshape(*lead, n)

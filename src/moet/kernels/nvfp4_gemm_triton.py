@@ -7,7 +7,7 @@ The weight tile [BLOCK_N, BLOCK_K] is decoded per element: element k is nibble k
 k // 2 times scale k // 16 (attention_triton._nvfp4_tile says why not the nibble join). e2m1 x
 e4m3 is exact in the dot operand dtype, so the tensor cores see the weight exactly and scale_2
 multiplies the fp32 sums once. Few rows (decode): K is split over SPLIT programs writing fp32
-partials that fp8_gemm_triton._split_sum_kernel adds in a fixed order (reruns are bit-identical);
+partials that fp8_gemm_triton.sum_splits adds in a fixed order (reruns are bit-identical);
 many rows: tiles, no split. Reads 4.5 bits a weight: 0.28x the bytes of bf16 per decode step.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from moet.kernels.attention_triton import _EMULATE_BF16_DOT, _e2m1_f32
-from moet.kernels.fp8_gemm_triton import _num_sms, _split_sum_kernel
+from moet.kernels.fp8_gemm_triton import _num_sms, gemm_rows, split_target, sum_splits
 from moet.kernels.nvfp4_gemm_reference import check_nvfp4_weight
 
 
@@ -90,10 +90,7 @@ def nvfp4_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     """x [..., K] -> [..., N] in x's dtype. `partials` (fp32 [split, M, N]) may be passed in
     (tests poison it)."""
     n, k = check_nvfp4_weight(x, weight, weight_scale, weight_scale_2)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    lead, x2 = gemm_rows(x, k)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -102,13 +99,7 @@ def nvfp4_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     num_kb = triton.cdiv(k, cfg.block_k)
     kb_per_split = triton.cdiv(num_kb, max(1, min(cfg.split, num_kb)))
     split = triton.cdiv(num_kb, kb_per_split)
-    if split > 1:
-        if partials is None:
-            partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        assert partials.shape == (split, m, n) and partials.dtype == torch.float32 and partials.is_contiguous()
-        c, s_cm, s_split = partials, n, m * n
-    else:
-        c, s_cm, s_split = out, out.stride(0), 0
+    c, s_cm, s_split, partials = split_target(out, partials, split)
     s2 = weight_scale_2.reshape(1)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     _nvfp4_gemm_kernel[grid](
@@ -117,9 +108,5 @@ def nvfp4_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         KB_PER_SPLIT=kb_per_split, DOT_IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None and split == 1, SPLIT=split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        blk = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, blk),)](
-            partials, bias if bias is not None else partials, out, m * n, n, m * n,
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+    sum_splits(partials, bias, out)
     return out.reshape(*lead, n)

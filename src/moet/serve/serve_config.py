@@ -44,8 +44,8 @@ class ServeConfig:
         None, "require 'Authorization: Bearer KEY' on /v1 requests", common=True, metavar="KEY",
         doc="A /v1 request without the key gets 401; /health and /metrics stay open. An empty key is refused.")
     tool_call_parser: str = _knob(
-        "auto", "glm45, hermes, deepseek_v3, kimi_k2, minimax_m2 or none", common=True, metavar="NAME",
-        doc="How tool calls are found in the generated text and returned as tool_calls. auto picks the "
+        "auto", "glm45 hermes deepseek_v3 kimi_k2 minimax_m2", common=True, metavar="NAME",
+        doc="How tool calls are found in the generated text and returned as tool_calls (or none). auto picks the "
             "syntax from the chat template's markup; none returns the text as it is (docs/serve.md).")
     reasoning_parser: str = _knob(
         "auto", "think or none; auto: from the chat template", common=True, metavar="NAME",

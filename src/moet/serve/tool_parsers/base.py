@@ -111,6 +111,29 @@ class ToolParser(ABC):
         return raw
 
     @staticmethod
+    def text_value_piece(schema: dict[str, Any]) -> Any:
+        """The grammar piece of one argument written as plain text (GLM's arg_value, MiniMax's
+        parameter): one of a string enum, free text up to the closing tag for a string, else JSON
+        of the schema (what typed_value reads back)."""
+        enum = schema.get("enum")
+        if enum and all(isinstance(v, str) for v in enum):
+            return ("choice", list(enum))
+        if schema.get("type") == "string":
+            return ("text", "</")
+        return ("json", schema)
+
+    @classmethod
+    def text_argument_pieces(cls, parameters: dict[str, Any], open_tag: Callable[[str], str], close_tag: str) -> list:
+        """Every argument of a schema as open_tag(key) VALUE close_tag, in the schema's property order,
+        the required ones always and the others optional."""
+        required = set(parameters.get("required") or ())
+        pieces: list = []
+        for key, schema in (parameters.get("properties") or {}).items():
+            arg = [open_tag(key), cls.text_value_piece(schema), close_tag]
+            pieces += arg if key in required else [("optional", arg)]
+        return pieces
+
+    @staticmethod
     def arguments_json(args: Any) -> str:
         return json.dumps(args, ensure_ascii=False)
 

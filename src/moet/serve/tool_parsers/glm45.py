@@ -40,20 +40,10 @@ class Glm45ToolParser(ToolParser):
     def call_pieces(self, name: str, parameters: dict, index: int) -> list:
         """Arguments in the schema's property order, the required ones always; a string value as
         plain text (what typed_value keeps as a string), any other as JSON."""
-        props = parameters.get("properties") or {}
-        required = set(parameters.get("required") or ())
-        pieces: list = [f"{CALL_START}{name}\n"]
-        for key, schema in props.items():
-            enum = schema.get("enum")
-            if enum and all(isinstance(v, str) for v in enum):
-                value = ("choice", list(enum))
-            elif schema.get("type") == "string":
-                value = ("text", "</")
-            else:
-                value = ("json", schema)
-            arg = [f"<arg_key>{key}</arg_key>\n<arg_value>", value, "</arg_value>\n"]
-            pieces += arg if key in required else [("optional", arg)]
-        return pieces + [CALL_END]
+        return ([f"{CALL_START}{name}\n"]
+                + self.text_argument_pieces(parameters, lambda key: f"<arg_key>{key}</arg_key>\n<arg_value>",
+                                            "</arg_value>\n")
+                + [CALL_END])
 
     def call_prefix(self, name: str | None) -> str:
         return CALL_START + (f"{name}\n" if name else "")

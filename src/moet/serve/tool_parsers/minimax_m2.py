@@ -44,20 +44,9 @@ class MiniMaxM2ToolParser(ToolParser):
     def call_pieces(self, name: str, parameters: dict, index: int) -> list:
         """Parameters in the schema's property order, the required ones always; a string value as
         plain text (what typed_value keeps as a string), any other as JSON."""
-        props = parameters.get("properties") or {}
-        required = set(parameters.get("required") or ())
-        pieces: list = [f'{CALL_START}"{name}">\n']
-        for key, schema in props.items():
-            enum = schema.get("enum")
-            if enum and all(isinstance(v, str) for v in enum):
-                value = ("choice", list(enum))
-            elif schema.get("type") == "string":
-                value = ("text", "</")
-            else:
-                value = ("json", schema)
-            param = [f'<parameter name="{key}">', value, "</parameter>\n"]
-            pieces += param if key in required else [("optional", param)]
-        return pieces + [CALL_END]
+        return ([f'{CALL_START}"{name}">\n']
+                + self.text_argument_pieces(parameters, lambda key: f'<parameter name="{key}">', "</parameter>\n")
+                + [CALL_END])
 
     def call_prefix(self, name: str | None) -> str:
         return SECTION_START + "\n" + CALL_START + (f'"{name}">\n' if name else "")
