@@ -158,3 +158,16 @@ def test_layers_cut_a_shape(tmp_path, capsys):
     assert "--layers 3: --shape micro has 2 layers" in capsys.readouterr().err
     assert main(["bench", "decode", "--layers", "1", "--device", "cpu", "--out", str(tmp_path)]) == 2
     assert "--layers cuts a --shape" in capsys.readouterr().err
+
+
+def test_every_shape_is_a_valid_config():
+    """Every --shape parses into a ModelSpec (the real shapes are only built on a GPU), and the
+    W2 expert bytes of the ones documented as fitting one H200 do fit its 141 GB with room left."""
+    from moet.bench.shapes import SHAPES
+    from moet.checkpoint.spec import spec_from_config
+    from moet.store.pack_builder import expert_row_bytes
+    gib = {}
+    for name, (_, cfg) in SHAPES.items():
+        spec = spec_from_config(cfg, f"shape {name}")
+        gib[name] = len(spec.moe_layers) * spec.router.num_experts * expert_row_bytes(spec, "w2") / 2 ** 30
+    assert gib["dsv4"] < 100 and gib["minimax_m2"] < 100 and gib["glm5"] > 141

@@ -59,6 +59,12 @@ DSV4 = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", v
                               beta_slow=1),
             max_position_embeddings=1048576, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16",
             eos_token_id=1)
+# MiniMax-M2: 62 layers of 256 experts top-8 (W2 ~59 GiB), GQA 48 / 8 heads with q / k normed across heads
+MINIMAX_M2 = dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", vocab_size=200064, hidden_size=3072,
+                  intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8,
+                  head_dim=128, rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, use_qk_norm=True,
+                  rope_theta=5000000.0, max_position_embeddings=196608, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=200020)
 # a few-MB Qwen3-MoE-shaped model: the benchmark's own tests on a CPU (its numbers mean nothing)
 MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -78,7 +84,7 @@ MICRO_V4 = dict(DSV4, vocab_size=260, hidden_size=64, num_hidden_layers=4, num_a
 SHAPES: dict[str, tuple[str, dict]] = {
     "glm45air": ("GLM-4.5-Air", GLM45_AIR), "qwen3_30b": ("Qwen3-30B-A3B", QWEN3_30B),
     "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "glm5": ("GLM-5", GLM5),
-    "dsv32": ("DeepSeek-V3.2", DSV32), "dsv4": ("DeepSeek-V4-Flash", DSV4),
+    "dsv32": ("DeepSeek-V3.2", DSV32), "dsv4": ("DeepSeek-V4-Flash", DSV4), "minimax_m2": ("MiniMax-M2", MINIMAX_M2),
     "micro": ("micro (tests)", MICRO), "micro_v4": ("micro DeepSeek-V4 (tests)", MICRO_V4),
     "micro_mtp": ("micro with MTP (tests)", MICRO_MTP)}
 
