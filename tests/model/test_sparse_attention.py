@@ -235,6 +235,26 @@ def test_graphs_do_not_serve_sequences_past_top_k():
     assert gs.batch(2).seq_lens_host == [8, 8]                  # the capture stays on the dense path
 
 
+def test_decode_steps_pick_the_dense_graphs_then_the_long_ones():
+    """A DSA model's decode graphs come in two sets (ModelRunner): the dense one serves steps whose
+    sequences are all within top-k (no index keys read past them), the set captured at
+    max_model_len the steps past it; longer than that: eager."""
+    from types import SimpleNamespace
+
+    from moet.engine.cuda_graphs import GraphSet
+    from moet.engine.model_runner import ModelRunner
+    dense, long = GraphSet(1, 4, 12, 8, "cpu", "decode"), GraphSet(1, 4, 12, 40, "cpu", "decode past top-k")
+    dense.graphs[4] = long.graphs[4] = object()
+    runner = SimpleNamespace(decode_graphs=dense, long_decode_graphs=long, spec_graphs={})
+
+    def pick(lens):
+        b = AttentionBatch.build(block_tables=[list(range(12))] * len(lens), context_lens=[n - 1 for n in lens],
+                                 query_lens=[1] * len(lens), block_size=BS, device="cpu")
+        found = ModelRunner._graph_for(runner, b)
+        return None if found is None else found[0]
+    assert pick([3, 8]) is dense and pick([3, 9]) is long and pick([40]) is long and pick([41]) is None
+
+
 def test_kv_sizing_counts_index_keys():
     from moet.engine.model_runner import kv_bytes_per_token_of
     model = _model()

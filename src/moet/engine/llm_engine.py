@@ -782,7 +782,9 @@ class LLMEngine:
         st.num_preemptions = self.scheduler.num_preemptions
         st.extra["cuda_graphs"] = float(len(self.runner.graphs) + len(self.runner.verify_graphs) +
                                         sum(len(gs.graphs) for gs in self.runner.repair_graphs.values()) +
-                                        sum(len(gs.graphs) for gs in self.runner.draft_graphs.values()))
+                                        sum(len(gs.graphs) for gs in self.runner.draft_graphs.values()) +
+                                        (len(self.runner.long_decode_graphs.graphs)
+                                         if getattr(self.runner, "long_decode_graphs", None) is not None else 0))
         if self._jit is not None:
             st.extra.update(self._jit.snapshot())
         st.extra.update(self._gc.snapshot())

@@ -178,10 +178,12 @@ class ModelRunner:
             if n:
                 log.info("routed experts repacked for the CPU: %.0f MiB", n / 2**20)
         self.max_model_len = max_model_len
-        # captured graphs serve sequences up to this length. A DSA model's decode step past its
-        # indexer's top-k selects on the device with static shapes (sparse_attention.DecodeSelection),
-        # so its decode graphs, captured at the worst case, serve every length; its other passes
-        # (verify, repair, drafting from the main model) are graph-safe only while dense
+        # captured graphs serve sequences up to this length. A DSA model is dense while no sequence
+        # is longer than its indexer's top-k, and its graphs hold that path; past it, a decode step
+        # selects on the device with static shapes (sparse_attention.DecodeSelection), so a second
+        # set of decode graphs, captured at the worst case (max_model_len), serves those steps: its
+        # replays read every sequence's index keys up to max_model_len, which the dense set spares
+        # short contexts. Its other passes (verify, repair, drafting) run eager past top-k.
         dsa = model.spec.sparse_attention
         self.graph_context = max_model_len if dsa is None else min(max_model_len, dsa.top_k)
         self.decode_graph_context = max_model_len
@@ -207,6 +209,7 @@ class ModelRunner:
         # bring more is a prompt chunk, for the expert store a scan (its rows are evicted first)
         self.verify_width = config.scheduler.num_speculative_tokens + 1
         self.decode_graphs: GraphSet | None = None
+        self.long_decode_graphs: GraphSet | None = None  # DSA: decode steps past top-k (graph_context)
         self.spec_graphs: dict[int, GraphSet] = {}       # rows per sequence -> verify graphs
         self.repair_graphs: dict[int, GraphSet] = {}     # rows per sequence -> FP4 repair graphs
         # (input from the main model?, rows per sequence) -> the MTP layer's drafting graphs
@@ -309,7 +312,8 @@ class ModelRunner:
                     return step()
                 return res.run(step, scan=True, num_tokens=int(input_ids.shape[0]), repairing=True)
         found = self._graph_for(batch)
-        key = None if found is None else (found[0].q, found[1])
+        key = None if found is None else (found[0].q, found[1]) + (("long",) if found[0] is self.long_decode_graphs
+                                                                    else ())
         # with the expert store a graph step may run eagerly instead (demand fetch, no replay):
         # res.decode_mode decides (engine/decode_mode.py), per (rows per sequence, bucket)
         graph = found is not None and (res is None or res.decode_mode.use_graph(key))
@@ -384,22 +388,32 @@ class ModelRunner:
         return self.decode_graphs.error if self.decode_graphs is not None else None
 
     def _graph_for(self, batch: AttentionBatch) -> tuple[GraphSet, int] | None:
-        gs = self.decode_graphs if batch.max_seqlen_q == 1 else self.spec_graphs.get(batch.max_seqlen_q)
-        bucket = gs.bucket_for(batch) if gs is not None else None
-        return None if bucket is None else (gs, bucket)
+        sets = ([self.decode_graphs, self.long_decode_graphs] if batch.max_seqlen_q == 1
+                else [self.spec_graphs.get(batch.max_seqlen_q)])
+        for gs in sets:
+            bucket = gs.bucket_for(batch) if gs is not None else None
+            if bucket is not None:
+                return gs, bucket
+        return None
 
     def _forward_for_capture(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         return self.model.forward_paged(ids, batch, self.kv)
 
     def _capture_decode_graphs(self) -> None:
         self.decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width,
-                                      self.decode_graph_context, self.device, "decode")
+                                      self.graph_context, self.device, "decode")
         self.decode_graphs.capture(self._forward_for_capture, self.device)
+        if self.decode_graph_context > self.graph_context and self.decode_graphs.error is None:
+            self.long_decode_graphs = GraphSet(1, self.config.scheduler.max_num_seqs, self.table_width,
+                                               self.decode_graph_context, self.device,
+                                               "decode past the indexer's top-k")
+            self.long_decode_graphs.capture(self._forward_for_capture, self.device)
 
     def reset_replay_counts(self) -> None:
         """Every graph set's replay count back to 0 (after the engine's compile warm-up, whose
         steps are not served work)."""
-        sets = [self.decode_graphs, *self.spec_graphs.values(), *self.repair_graphs.values(),
+        sets = [self.decode_graphs, self.long_decode_graphs, *self.spec_graphs.values(),
+                *self.repair_graphs.values(),
                 *self.draft_graphs.values()]
         for gs in sets:
             if gs is not None:
