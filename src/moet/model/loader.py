@@ -134,9 +134,9 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
                 continue  # MTP layers not requested (load_mtp=False)
             fmt = wf.tensor_format(base, reader.tensors)
             target = params.get(name)
-            if fmt == "float" and target is not None and not target.dtype.is_floating_point:
-                pass                     # an integer table (DeepSeek-V4's tid2eid): read as stored
-            elif fmt == "float" and reader.info(disk_name).dtype not in FLOAT_DTYPES:
+            # an integer parameter (DeepSeek-V4's tid2eid table) is read as stored
+            integer_table = target is not None and not target.dtype.is_floating_point
+            if fmt == "float" and not integer_table and reader.info(disk_name).dtype not in FLOAT_DTYPES:
                 raise CheckpointError(f"{reader.where(disk_name)}: stored as {reader.info(disk_name).dtype} "
                                       "without the scale tensors of a quantized weight")
             names = wf.companions(base, fmt)

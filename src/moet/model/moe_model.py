@@ -13,7 +13,8 @@ from moet.model.layers.moe import MoE
 
 class MoEModel(nn.Module):
     def moe_blocks(self) -> dict[str, MoE]:
-        raise NotImplementedError
+        """{module name: MoE block}: every subclass defines it (CausalLM, DeepseekV4LM)."""
+        raise NotImplementedError(f"{type(self).__name__} must define moe_blocks")
 
     def overlap_shared_experts(self, device: torch.device) -> int:
         """Run every MoE block's shared experts on one second CUDA stream, next to the routed
