@@ -83,7 +83,9 @@ def check_correctness(eng, model, device, vocab: int) -> dict:
     nearly flat logits (top-1 / top-2 gaps of a few hundredths), so paged vs contiguous rounding
     flips argmaxes without anything being wrong; the check compares the top-20 logprobs where
     both sides have them. Agreement within 2x the floor (+0.05) is "ok"; identical argmaxes and
-    8-token continuations are reported as information."""
+    8-token continuations are reported as information. Under a quantized KV cache the reference
+    holds the format's values (ReferenceLoop's kv_format): the check is of the engine's cache and
+    kernels against the format's definition; what the format costs is `moet probe`'s to measure."""
     from moet.sampling_params import SamplingParams
     from moet.testing.reference_loop import ReferenceLoop
 
@@ -93,7 +95,7 @@ def check_correctness(eng, model, device, vocab: int) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=20)
     runs = six_greedy_runs(eng, ps, sp)
     identical = all(r == runs[0] for r in runs[1:])
-    ref = ReferenceLoop(model, None, eng.eos_token_ids, eng.max_model_len)
+    ref = ReferenceLoop(model, None, eng.eos_token_ids, eng.max_model_len, kv_format=eng.runner.kv_format)
     sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=20)
 
     def ref_first(p, noise_seed=None):

@@ -396,6 +396,26 @@ def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, 
         _store(cache.rope, slots, quantize_fp8(k_rope, cache.latent_scale, fmt.group)[0])
 
 
+def round_trip_gqa(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [T, Hkv, D], v [T, Hkv, Dv] -> what a paged cache of `fmt` gives back for them (float32):
+    the write and the read above through a one-page layer, so a contiguous reference can hold
+    exactly the values the engine's cache holds."""
+    t, h = k.shape[0], k.shape[1]
+    layer = new_gqa_layer(1, t, h, k.shape[-1], v.shape[-1], fmt, k.device)
+    blocks = torch.zeros(1, dtype=torch.long, device=k.device)
+    write_gqa_kv(layer, k, v, torch.arange(t, device=k.device))
+    return read_gqa_kv(layer, blocks, t)
+
+
+def round_trip_mla(latent: torch.Tensor, k_rope: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [T, R], k_rope [T, P] -> what a paged MLA cache of `fmt` gives back (float32)."""
+    t = latent.shape[0]
+    layer = new_mla_layer(1, t, latent.shape[-1], k_rope.shape[-1], fmt, latent.device)
+    blocks = torch.zeros(1, dtype=torch.long, device=latent.device)
+    write_mla_kv(layer, latent, k_rope, torch.arange(t, device=latent.device))
+    return read_mla_kv(layer, blocks, t)
+
+
 # ---------------------------------------------------------------------------- reads (reference)
 
 def _gather(t: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,6 +4,10 @@ as the oracle of the engine tests (greedy engine outputs must equal it token for
 
     ref = ReferenceLoop(llm.model, llm.tokenizer, llm.eos_token_ids, llm.max_model_len)
     out = ref.generate(prompt_token_ids, SamplingParams(temperature=0, max_tokens=8))
+
+With `kv_format` (a quantized --kv-cache-dtype) the contiguous cache holds what a paged cache of
+that format gives back for each written row, so a lossy cache is compared with its own
+definition rather than with bf16.
 """
 from __future__ import annotations
 
@@ -12,12 +16,46 @@ import math
 import torch
 
 from moet.errors import ConfigError
+from moet.kernels.kv_cache import KVFormat, round_trip_gqa, round_trip_mla
 from moet.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from moet.sampling_params import SamplingParams
 
 
+class _FormatRows:
+    """One contiguous cache tensor whose writes store `held(rows)`: the values a cache format
+    gives back for them. Reads are the tensor's own."""
+
+    def __init__(self, data: torch.Tensor, held):
+        self.data, self.held = data, held
+
+    def __setitem__(self, index, rows: torch.Tensor) -> None:
+        self.data[index] = self.held(rows).to(self.data.dtype)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.data[index]
+
+
+def _format_cache(cache: list[tuple[torch.Tensor, ...]], kind: str, fmt: KVFormat) -> list[tuple]:
+    """A contiguous cache (model.new_cache) whose K / V (GQA) or latent / rope (MLA) writes go
+    through `fmt`; an MLA indexer's keys (a third tensor) are not part of the KV format."""
+    out = []
+    for first, second, *rest in cache:
+        if kind == "mla":
+            held = (lambda x, p=second.shape[-1]: round_trip_mla(x, x.new_zeros(x.shape[0], p), fmt)[0],
+                    lambda x, r=first.shape[-1]: round_trip_mla(x.new_zeros(x.shape[0], r), x, fmt)[1])
+        else:
+            held = (lambda x, dv=second.shape[-1]: round_trip_gqa(x, x.new_zeros(*x.shape[:-1], dv), fmt)[0],
+                    lambda x, d=first.shape[-1]: round_trip_gqa(x.new_zeros(*x.shape[:-1], d), x, fmt)[1])
+        out.append((_FormatRows(first, held[0]), _FormatRows(second, held[1]), *rest))
+    return out
+
+
 class ReferenceLoop:
-    def __init__(self, model, tokenizer, eos_token_ids: set[int], max_model_len: int, seed: int = 0):
+    def __init__(self, model, tokenizer, eos_token_ids: set[int], max_model_len: int, seed: int = 0,
+                 kv_format: KVFormat | None = None):
+        if kv_format is not None and (kv_format.is_fp8 or kv_format.is_nvfp4) and model.spec.attention.kind == "v4":
+            raise ConfigError("the reference loop holds no quantized DeepSeek-V4 cache (the engine refuses one too)")
+        self.kv_format = kv_format if kv_format is not None and (kv_format.is_fp8 or kv_format.is_nvfp4) else None
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -72,6 +110,8 @@ class ReferenceLoop:
         gen = torch.Generator(device="cpu").manual_seed(sp.seed) if sp.seed is not None else self._generator
         model = self.model
         cache = model.new_cache(len(ids) + max_new, self.device)
+        if self.kv_format is not None:
+            cache = _format_cache(cache, model.spec.attention.kind, self.kv_format)
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = model.hidden_states(x, 0, cache)
 
