@@ -28,7 +28,8 @@ def run(eng, prompts, sp):
 # glm_moe_dsa: DeepSeek Sparse Attention (top-k 4): every prompt here attends sparsely, prefix-cached
 # blocks carry their index keys, preemption recomputes them
 @pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"] + [f for f in FAMILIES if f in ("glm_moe_dsa",
-                                                                                                    "minimax_m2")])
+                                                                                                    "minimax_m2",
+                                                                                                    "gpt_oss")])
 def ckpt(request):
     path = cached_checkpoint(request.param)
     eng = engine(path)

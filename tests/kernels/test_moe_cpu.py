@@ -7,7 +7,7 @@ import torch
 from moet.formats import nvfp4, w2
 from moet.kernels.moe_cpu import CpuPool, cpu_pool, moe_experts_cpu
 from moet.kernels.pools import DecodedPool, DensePool, FP4Pool, W2Pool, row_tiled
-from moet.kernels.reference import decoded_pool, moe_experts_reference
+from moet.kernels.reference import ExpertActivation, decoded_pool, moe_experts_reference
 
 E, H, I, K = 6, 256, 256, 3       # H, I whole 256-weight tiles: the row-tiled layouts apply
 
@@ -104,8 +104,8 @@ def test_one_token_is_bit_for_bit_the_reference(kind, limit):
         x = x.to(x_dtype)
         table = _table(missing=[int(ids[0, 1])] if seed == 3 else [])
         m_ref, m_cpu = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        ref = moe_experts_reference(x, ids, w, table, ref_pool, m_ref, swiglu_limit=limit)
-        out = moe_experts_cpu(x, ids, w, table, pool, m_cpu, swiglu_limit=limit)
+        ref = moe_experts_reference(x, ids, w, table, ref_pool, m_ref, act=ExpertActivation(limit=limit))
+        out = moe_experts_cpu(x, ids, w, table, pool, m_cpu, act=ExpertActivation(limit=limit))
         assert torch.equal(out, ref)
         assert m_cpu.item() == m_ref.item() == (1 if seed == 3 else 0)
     # several tokens: the reference itself

@@ -30,7 +30,7 @@ from moet.kernels import moe_configs  # noqa: E402
 from moet.kernels.moe_align import max_padded_rows, moe_align_block_size  # noqa: E402
 from moet.kernels.moe_configs import GemmConfig, MoEConfig  # noqa: E402
 from moet.kernels.pools import DensePool, FP4Pool, W2Pool, row_tiled  # noqa: E402
-from moet.kernels.reference import moe_experts_reference  # noqa: E402
+from moet.kernels.reference import ExpertActivation, moe_experts_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = 1e-2 if DEVICE == "cuda" else 1e-5
@@ -236,10 +236,10 @@ def test_matches_reference(poisoned, fmt, t, k, h, i, num_experts, slots, table,
     ids[0, 0] = table.index(-1) if -1 in table else ids[0, 0]        # at least one miss where possible
     m_ref = torch.full((1,), 3, dtype=torch.int64, device=DEVICE)
     m_tri = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
-    ref = moe_experts_reference(x, ids, w, tab, pool, m_ref, swiglu_limit=limit)
+    ref = moe_experts_reference(x, ids, w, tab, pool, m_ref, act=ExpertActivation(limit=limit))
     if limit is not None:    # the case must actually clamp something, or it tests nothing
         assert not torch.allclose(ref, moe_experts_reference(x, ids, w, tab, pool, torch.zeros_like(m_ref)))
-    out = mt.moe_experts_triton(x, ids, w, tab, pool, m_tri, swiglu_limit=limit, config=cfg)
+    out = mt.moe_experts_triton(x, ids, w, tab, pool, m_tri, act=ExpertActivation(limit=limit), config=cfg)
     assert poisoned and not torch.isnan(out).any()
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert _relerr(out, ref) <= BOUND
@@ -286,9 +286,9 @@ def test_prefill_path_and_token_chunks(poisoned, monkeypatch):
     tab = _table([2, -1, 0, 3, 1])
     x, ids, w = _inputs(30, 2, 64, 5, g, dtype=torch.bfloat16)
     m_ref, m_tri = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
-    ref = moe_experts_reference(x, ids, w, tab, pool, m_ref, swiglu_limit=2.0)
+    ref = moe_experts_reference(x, ids, w, tab, pool, m_ref, act=ExpertActivation(limit=2.0))
     cfg = MoEConfig(16, GemmConfig(16, 16, 1, 4, 2), GemmConfig(32, 16, 1, 4, 2))
-    out = mt.moe_experts_fp4_triton(x, ids, w, tab, pool, m_tri, swiglu_limit=2.0, config=cfg)
+    out = mt.moe_experts_fp4_triton(x, ids, w, tab, pool, m_tri, act=ExpertActivation(limit=2.0), config=cfg)
     assert out.dtype == torch.bfloat16 and torch.equal(m_tri, m_ref) and int(m_ref.item()) > 0
     # both round once to bf16 from fp32 sums: within a few bf16 ulps
     assert _relerr(out, ref) <= 2 ** -7
@@ -321,13 +321,13 @@ def test_row_tiled_nb8t_pool_gives_the_nb8_bits(poisoned, monkeypatch, t, cfg, s
     x, ids, w = _inputs(t, 2, 512, 5, g)
     ids[0] = torch.tensor([1, 3])                                   # one miss at least
     m1, m2 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
-    a = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, swiglu_limit=3.0, config=cfg)
-    b = mt.moe_experts_w2_triton(x, ids, w, tab, tp, m2, swiglu_limit=3.0, config=cfg)
+    a = mt.moe_experts_w2_triton(x, ids, w, tab, pool, m1, act=ExpertActivation(limit=3.0), config=cfg)
+    b = mt.moe_experts_w2_triton(x, ids, w, tab, tp, m2, act=ExpertActivation(limit=3.0), config=cfg)
     assert torch.equal(a, b) and torch.equal(m1, m2) and int(m1.item()) > 0
     ref = moe_experts_reference(x, ids, w, tab, W2Pool(*(w2.from_nb8(getattr(pool, f)) if "codes" in f else
                                                         getattr(pool, f) for f in ("gate_up_codes", "gate_up_scales",
                                                                                    "down_codes", "down_scales"))),
-                                torch.zeros(1, dtype=torch.int64, device=DEVICE), swiglu_limit=3.0)
+                                torch.zeros(1, dtype=torch.int64, device=DEVICE), act=ExpertActivation(limit=3.0))
     assert _relerr(b, ref) <= BOUND
 
 
@@ -516,18 +516,18 @@ def test_fused_finish_is_the_finish_kernels_result(poisoned, fmt, cfg):
     x, ids, w = _inputs(5, 4, 64, 6, g)
     m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     m2 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    two = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+    two = run(x, ids, w, tab, pool, m1, act=ExpertActivation(limit=1.5), config=cfg)
     ff = replace(cfg, fused_finish=True)
-    one = run(x, ids, w, tab, pool, m2, swiglu_limit=1.5, config=ff)
+    one = run(x, ids, w, tab, pool, m2, act=ExpertActivation(limit=1.5), config=ff)
     if DEVICE == "cpu":
         assert torch.equal(one, two)
     else:
         assert _relerr(one, two) <= 1e-6
     assert int(m1.item()) == int(m2.item()) > 0
     assert int(mt._finish_counters(one.device).abs().sum()) == 0
-    assert torch.equal(one, run(x, ids, w, tab, pool, m2, swiglu_limit=1.5, config=ff))
+    assert torch.equal(one, run(x, ids, w, tab, pool, m2, act=ExpertActivation(limit=1.5), config=ff))
     ref = moe_experts_reference(x, ids, w, tab, pool, torch.zeros(1, dtype=torch.int64, device=DEVICE),
-                                swiglu_limit=1.5)
+                                act=ExpertActivation(limit=1.5))
     assert _relerr(one, ref) <= BOUND
     assert MoEConfig.from_json(ff.to_json()) == ff and "fused_finish" not in cfg.to_json()
 
@@ -578,12 +578,12 @@ def test_unrolled_k_loop_and_wider_token_tile_change_no_bits(poisoned, fmt):
     x, ids, w = _inputs(3, 2, 64, 6, g)
     base = MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 2, 2, 2))
     m0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
+    ref = run(x, ids, w, tab, pool, m0, act=ExpertActivation(limit=1.5), config=base)
     for cfg in (replace(base, gate_up=replace(base.gate_up, unroll=2), down=replace(base.down, unroll=2)),
                 replace(base, BM=4, gate_up=replace(base.gate_up, unroll=2)),
                 replace(base, gate_up=GemmConfig(16, 16, 3, 2, 2, unroll=2), down=replace(base.down, unroll=3))):
         m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-        out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+        out = run(x, ids, w, tab, pool, m1, act=ExpertActivation(limit=1.5), config=cfg)
         if cfg.BM == base.BM:
             assert torch.equal(out, ref), cfg
         else:   # another tile shape: another matmul kernel under the interpreter, another compiled one on a GPU
@@ -607,17 +607,17 @@ def test_two_mma_chains(poisoned, fmt):
     for base in (MoEConfig(1, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 2, 2, 2)),
                  MoEConfig(4, GemmConfig(16, 16, 2, 2, 2), GemmConfig(32, 16, 1, 2, 2))):
         m0, m1 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
-        ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
+        ref = run(x, ids, w, tab, pool, m0, act=ExpertActivation(limit=1.5), config=base)
         cfg = replace(base, gate_up=replace(base.gate_up, chains=2))
-        out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+        out = run(x, ids, w, tab, pool, m1, act=ExpertActivation(limit=1.5), config=cfg)
         assert torch.equal(out, ref), cfg
         assert int(m1.item()) == int(m0.item()) > 0 and out.abs().max() > 0
         assert MoEConfig.from_json(cfg.to_json()) == cfg
         both = replace(cfg, down=replace(base.down, chains=2))
         m2 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-        two = run(x, ids, w, tab, pool, m2, swiglu_limit=1.5, config=both)
+        two = run(x, ids, w, tab, pool, m2, act=ExpertActivation(limit=1.5), config=both)
         assert _relerr(two, ref) <= (1e-6 if DEVICE == "cpu" else 1e-3) and int(m2.item()) == int(m0.item())
-        assert torch.equal(two, run(x, ids, w, tab, pool, torch.zeros_like(m2), swiglu_limit=1.5, config=both))
+        assert torch.equal(two, run(x, ids, w, tab, pool, torch.zeros_like(m2), act=ExpertActivation(limit=1.5), config=both))
         assert MoEConfig.from_json(both.to_json()) == both
     assert GemmConfig().chains == 1
     with pytest.raises(ValueError, match="chains"):
@@ -639,15 +639,15 @@ def test_kwidth2_scale_branch(poisoned, fmt):
     for base in (MoEConfig(1, GemmConfig(16, 16, 2, 2, 2), GemmConfig(32, 16, 1, 2, 2)),
                  MoEConfig(4, GemmConfig(16, 16, 1, 2, 2), GemmConfig(32, 16, 2, 2, 2))):
         m0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-        ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
+        ref = run(x, ids, w, tab, pool, m0, act=ExpertActivation(limit=1.5), config=base)
         for cfg in (replace(base, gate_up=replace(base.gate_up, kwidth2=True)),
                     replace(base, down=replace(base.down, kwidth2=True)),
                     replace(base, gate_up=replace(base.gate_up, kwidth2=True), down=replace(base.down, kwidth2=True))):
             m1 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-            out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=cfg)
+            out = run(x, ids, w, tab, pool, m1, act=ExpertActivation(limit=1.5), config=cfg)
             assert _relerr(out, ref) <= (1e-6 if DEVICE == "cpu" else 1e-3), cfg
             assert int(m1.item()) == int(m0.item()) > 0 and out.abs().max() > 0
-            assert torch.equal(out, run(x, ids, w, tab, pool, torch.zeros_like(m1), swiglu_limit=1.5, config=cfg))
+            assert torch.equal(out, run(x, ids, w, tab, pool, torch.zeros_like(m1), act=ExpertActivation(limit=1.5), config=cfg))
             assert MoEConfig.from_json(cfg.to_json()) == cfg
     assert GemmConfig().kwidth2 is False
 
@@ -686,7 +686,7 @@ def test_even_tiles_run_unmasked_to_the_same_bits(poisoned, monkeypatch, fmt):
     tab = _table([2, -1, 0, 3, 1])
     x, ids, w = _inputs(3, 2, h, 5, g)
     ids[0] = torch.tensor([1, 3])                                   # expert 1 is not resident: a miss
-    outs = _switched(monkeypatch, mt, "UNMASK_EVEN_TILES", lambda m: run(x, ids, w, tab, pool, m, swiglu_limit=2.0,
+    outs = _switched(monkeypatch, mt, "UNMASK_EVEN_TILES", lambda m: run(x, ids, w, tab, pool, m, act=ExpertActivation(limit=2.0),
                                                                          config=cfg))
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] > 0 and outs[0][0].abs().max() > 0
     assert mt._even_tiles(i, h, f, cfg.gate_up, cfg.BM) == {}                                # the switch is off
@@ -708,7 +708,7 @@ def test_clamped_x_rows_give_the_same_bits(poisoned, monkeypatch, fmt):
     ids[2] = torch.tensor([0, 1])                                   # the last pair (P - 1) a miss
     ids[0] = torch.tensor([0, 2])                                   # expert 0 three times: a full tile
     ids[1] = torch.tensor([3, 0])                                   # and one of a pair and padding
-    outs = _switched(monkeypatch, mt, "CLAMP_X_ROWS", lambda m: run(x, ids, w, tab, pool, m, swiglu_limit=2.0,
+    outs = _switched(monkeypatch, mt, "CLAMP_X_ROWS", lambda m: run(x, ids, w, tab, pool, m, act=ExpertActivation(limit=2.0),
                                                                     config=cfg))
     assert torch.isfinite(outs[0][0]).all() and outs[0][0].abs().max() > 0
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] == 1
@@ -754,10 +754,10 @@ def test_down_prefetch_changes_no_bits(poisoned, fmt):
     x, ids, w = _inputs(3, 2, 64, 6, g)
     base = MoEConfig(1, GemmConfig(16, 16, 2, 2, 2), GemmConfig(32, 16, 2, 2, 2), pdl=True)
     m0, m1 = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
-    ref = run(x, ids, w, tab, pool, m0, swiglu_limit=1.5, config=base)
-    out = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5, config=replace(base, down_prefetch=True))
+    ref = run(x, ids, w, tab, pool, m0, act=ExpertActivation(limit=1.5), config=base)
+    out = run(x, ids, w, tab, pool, m1, act=ExpertActivation(limit=1.5), config=replace(base, down_prefetch=True))
     assert torch.equal(out, ref) and int(m1.item()) == int(m0.item()) > 0
-    first = run(x, ids, w, tab, pool, m1, swiglu_limit=1.5,
+    first = run(x, ids, w, tab, pool, m1, act=ExpertActivation(limit=1.5),
                 config=replace(base, down_prefetch=True, down_prefetch_steps=1))
     assert torch.equal(first, ref)
 

@@ -7,7 +7,7 @@ import torch
 from moet.kernels import moe_dispatch
 from moet.kernels.moe_dispatch import dense_batched_fits, moe_experts, moe_experts_dense_batched
 from moet.kernels.pools import DensePool
-from moet.kernels.reference import moe_experts_reference
+from moet.kernels.reference import ExpertActivation, moe_experts_reference
 from tests.model.test_moe_reference import E, H, I, K, T, _inputs, _naive, _weights
 
 
@@ -26,8 +26,8 @@ def test_matches_reference_and_naive(limit, resident):
     for e in keep:
         pool.gate_up[order[e]], pool.down[order[e]] = gate_up[e], down[e]
     miss_ref, miss = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    ref = moe_experts_reference(x, ids, w, table, pool, miss_ref, swiglu_limit=limit)
-    got = moe_experts_dense_batched(x, ids, w, table, pool, miss, swiglu_limit=limit)
+    ref = moe_experts_reference(x, ids, w, table, pool, miss_ref, act=ExpertActivation(limit=limit))
+    got = moe_experts_dense_batched(x, ids, w, table, pool, miss, act=ExpertActivation(limit=limit))
     assert got.dtype == x.dtype and got.shape == (T, H)
     assert torch.allclose(got, ref, atol=1e-5, rtol=0)
     assert torch.allclose(got.double(), _naive(x, ids, w, gate_up, down, limit, resident), atol=1e-5)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from moet.formats import nvfp4, w2
 from moet.kernels.pools import DensePool, FP4Pool, W2Pool
-from moet.kernels.reference import moe_experts_reference
+from moet.kernels.reference import ExpertActivation, moe_experts_reference
 
 E, H, I, T, K = 6, 64, 32, 9, 3
 
@@ -118,7 +118,7 @@ def test_swiglu_clamp_is_applied_in_fp32():
     miss = torch.zeros(1, dtype=torch.int64)
     pool = DensePool(gate_up.bfloat16(), down.bfloat16())
     table = torch.arange(E, dtype=torch.int32)
-    clamped = moe_experts_reference(x.bfloat16(), ids, w, table, pool, miss, swiglu_limit=7.0)
+    clamped = moe_experts_reference(x.bfloat16(), ids, w, table, pool, miss, act=ExpertActivation(limit=7.0))
     free = moe_experts_reference(x.bfloat16(), ids, w, table, pool, miss)
     want = _naive(x.bfloat16().float(), ids, w, gate_up.bfloat16().float(), down.bfloat16().float(), limit=7.0)
     assert (clamped.double() - want).abs().max() < 0.05 * want.abs().max()

@@ -32,7 +32,12 @@ CASES = [
 ] if "glm_moe_dsa" in FAMILIES else []) + ([
     # MiniMax-M2: q / k normed across all heads, half of each head rotated, sigmoid + bias routing
     ("minimax_m2", {}),
-] if "minimax_m2" in FAMILIES else [])
+] if "minimax_m2" in FAMILIES else []) + ([
+    # gpt-oss: sinks, sliding (window 8) / full layers alternating, router and expert biases, the
+    # clamped alpha activation; then every layer full (no window) and a looser clamp
+    ("gpt_oss", {}),
+    ("gpt_oss", {"layer_types": ["full_attention"] * 3, "swiglu_limit": 2.0}),
+] if "gpt_oss" in FAMILIES else [])
 
 
 def _ids(case):

@@ -33,7 +33,8 @@ def _ref_logprobs(path, **kw):
 
 @pytest.mark.parametrize("family,fmt", [(f, x) for f in ["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral"]
                                         for x in ["fp8", "nvfp4", "mxfp4"]] + DSA
-                         + [("minimax_m2", x) for x in ("fp8", "mxfp4") if "minimax_m2" in FAMILIES])
+                         + [("minimax_m2", x) for x in ("fp8", "mxfp4") if "minimax_m2" in FAMILIES]
+                         + [("gpt_oss", "mxfp4")] * ("gpt_oss" in FAMILIES))
 def test_bf16_experts_equal_transformers_on_dequantized(family, fmt):
     path = cached_checkpoint(family, fmt)
     assert open_checkpoint(path).weight_format == {"fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}[fmt]

@@ -47,6 +47,8 @@ class AttentionSpec:
     qk_norm: bool = False
     qk_norm_per_head: bool = True     # False (MiniMax-M2): q / k normed across all their heads at once
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None   # per layer: windowed? (gpt-oss alternates); None = all
+    sinks: bool = False               # gpt-oss: a learned per-head logit in every softmax's denominator
     scale: float = 1.0                # softmax scale (MLA + YaRN: includes mscale**2)
     # MLA only
     q_lora_rank: int | None = None
@@ -134,13 +136,14 @@ class RouterSpec:
     n_group: int = 1                  # group-limited top-k (DeepSeek-V3): keep topk_group groups
     topk_group: int = 1
     correction_bias: bool = False     # e_score_correction_bias: added for choice, not for weights
+    logit_bias: bool = False          # gpt-oss: the router is a Linear with a bias (choice and weights)
     fp32_weight: bool = False         # router matmul in fp32 (DeepSeek/GLM keep gate.weight in fp32)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     family: str                       # "deepseek_v3" | "glm4_moe" | "qwen3_moe" | "mixtral" | "glm_moe_dsa" | "deepseek_v32"
-    #                                   | "deepseek_v4" | "minimax_m2"
+    #                                   | "deepseek_v4" | "minimax_m2" | "gpt_oss"
     architecture: str                 # config.json's architectures[0]
     vocab_size: int
     hidden_size: int
@@ -161,6 +164,13 @@ class ModelSpec:
     hyper_connections: HyperConnectionSpec | None = None          # DeepSeek-V4
     hidden_act: str = "silu"
     swiglu_limit: float | None = None  # clamp gate (max) and up (+-) in fp32 before SiLU-mul
+    # gpt-oss's expert activation: gate * sigmoid(alpha * gate) * (up + 1) after the clamp, with
+    # per-expert biases on gate_up and down (ModelSpec.expert_bias); None = SiLU(gate) * up
+    swiglu_alpha: float | None = None
+    expert_bias: bool = False
+    # "stacked": fused expert tensors as gate_up [E, 2I, H] (gate rows first) and down [E, H, I];
+    # "gpt_oss": gate and up rows interleaved, float tensors stored transposed ([E, H, 2I], [E, I, H])
+    fused_expert_layout: str = "stacked"
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -168,6 +178,14 @@ class ModelSpec:
     renames: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     # ---------------------------------------------------------------- counts
+
+    def layer_attention(self, layer: int) -> AttentionSpec:
+        """Layer `layer`'s attention: the model's, without the window where sliding_layers says
+        the layer attends to the full context."""
+        a = self.attention
+        if a.sliding_window is None or a.sliding_layers is None or a.sliding_layers[layer]:
+            return a
+        return replace(a, sliding_window=None, sliding_layers=None)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -556,6 +574,44 @@ def minimax_m2_spec(cfg: dict) -> ModelSpec:
     )
 
 
+_GPT_OSS_LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+
+
+def gpt_oss_spec(cfg: dict) -> ModelSpec:
+    """gpt-oss: GQA with q / k / v / o biases and a learned sink per head, sliding (window 128) and
+    full layers alternating (layer_types), YaRN rope in halves; every layer MoE: a router Linear
+    with a bias, softmax over the top-k logits, experts with biases and the clamped
+    gate * sigmoid(alpha gate) * (up + 1) activation; fused expert tensors (gpt_oss layout),
+    MXFP4 as published. config.json's hidden_act names SiLU and is not what the experts run."""
+    base = _common(cfg, "gpt_oss")
+    base["hidden_act"] = "silu"
+    n = base["num_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise _bad("layer_types", types, f"must be a list of {n} layer types")
+    unknown = sorted({str(t) for t in types} - set(_GPT_OSS_LAYER_TYPES))
+    if unknown:
+        raise CheckpointError(f"config.json: layer type {unknown[0]!r} is not supported "
+                              f"(supported: {', '.join(_GPT_OSS_LAYER_TYPES)})")
+    bias = _bool(cfg, "attention_bias", True)
+    attn = _gqa(cfg, base, qkv_bias=bias, o_bias=bias, sliding_window=_cint(cfg, "sliding_window", 128),
+                sliding_layers=tuple(_GPT_OSS_LAYER_TYPES[t] for t in types), sinks=True)
+    router = RouterSpec(num_experts=_first_int(cfg, "num_local_experts", "num_experts"),
+                        top_k=_cint(cfg, "num_experts_per_tok"), scoring="softmax", norm_topk_prob=True,
+                        logit_bias=True)
+    return ModelSpec(
+        **{**base, "rms_norm_eps": _float(cfg, "rms_norm_eps", 1e-5, positive=True),
+           "swiglu_limit": _float(cfg, "swiglu_limit", 7.0, positive=True)},
+        layer_kinds=("moe",) * n, intermediate_size=0,
+        moe_intermediate_size=_cint(cfg, "intermediate_size"), shared_intermediate_size=0,
+        attention=attn, rope=_rope(cfg, attn.head_dim), router=router,
+        swiglu_alpha=_float(cfg, "swiglu_alpha", 1.702, positive=True), expert_bias=True,
+        fused_expert_layout="gpt_oss",
+        renames=((r"\.mlp\.router\.", ".mlp.gate."),
+                 (r"\.mlp\.experts\.(gate_up|down)_proj_bias$", r".mlp.\1_bias")),
+    )
+
+
 # DeepSeek-V4 checkpoints name tensors as DeepSeek's reference code does (transformers writes them so
 # too, under "model."): moet's modules keep those names inside a layer, with moet's conventions for
 # the layer / MoE / norm parts (experts per expert as gate / up / down, the router under mlp.gate)
@@ -666,6 +722,7 @@ FAMILIES = {
     "DeepseekV32ForCausalLM": deepseek_v32_spec,
     "DeepseekV4ForCausalLM": deepseek_v4_spec,
     "MiniMaxM2ForCausalLM": minimax_m2_spec,
+    "GptOssForCausalLM": gpt_oss_spec,
 }
 
 
@@ -673,7 +730,8 @@ FAMILIES = {
 MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-               "deepseek_v4": "DeepseekV4ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+               "deepseek_v4": "DeepseekV4ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+               "gpt_oss": "GptOssForCausalLM"}
 
 
 def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:

@@ -64,22 +64,22 @@ def write_mla_kv(cache: MLALayerKV, latent: torch.Tensor, k_rope: torch.Tensor, 
 
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, sliding_window: int | None = None, *,
-                     split_tokens: int = DEFAULT_SPLIT_TOKENS) -> torch.Tensor:
+                     split_tokens: int = DEFAULT_SPLIT_TOKENS, sinks: torch.Tensor | None = None) -> torch.Tensor:
     if _on_gpu(cache.k):
         from moet.kernels import attention_triton
         return attention_triton.paged_decode_gqa(q, cache, block_tables, seq_lens, scale, sliding_window,
-                                                 split_tokens=split_tokens, fused_merge=_gqa_fused_merge)
-    return ref.paged_decode_gqa(q, cache, block_tables, seq_lens, scale, sliding_window)
+                                                 split_tokens=split_tokens, fused_merge=_gqa_fused_merge, sinks=sinks)
+    return ref.paged_decode_gqa(q, cache, block_tables, seq_lens, scale, sliding_window, sinks=sinks)
 
 
 def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, *,
-                      max_seqlen_q: int | None = None) -> torch.Tensor:
+                      max_seqlen_q: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     if _on_gpu(cache.k):
         from moet.kernels import prefill_triton
         return prefill_triton.paged_prefill_gqa(q, cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                                sliding_window, max_seqlen_q=max_seqlen_q)
-    return ref.paged_prefill_gqa(q, cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+                                                sliding_window, max_seqlen_q=max_seqlen_q, sinks=sinks)
+    return ref.paged_prefill_gqa(q, cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, sinks=sinks)
 
 
 # ---------------------------------------------------------------------------- MLA (absorbed)

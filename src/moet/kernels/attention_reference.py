@@ -35,10 +35,12 @@ from moet.kernels.kv_cache import GQALayerKV, MLALayerKV, read_gqa_kv, read_mla_
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            sliding_window: int | None, keep: torch.Tensor | None = None) -> torch.Tensor:
+            sliding_window: int | None, keep: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [t, Hq, D] are the last t of n positions; k [n, Hkv, D], v [n, Hkv, Dv]; float32.
     keep [t, n] bool: the positions each query may see besides the causal rule (sparse
-    attention's selection); None: all. -> [t, Hq, Dv] float32."""
+    attention's selection); None: all. sinks [Hq]: a logit per head that joins every softmax's
+    denominator and adds nothing to the output (gpt-oss). -> [t, Hq, Dv] float32."""
     t, hq, _ = q.shape
     n, hkv, _ = k.shape
     g = hq // hkv
@@ -52,7 +54,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     if keep is not None:
         allowed = allowed & keep.repeat_interleave(g, dim=0)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:        # query row r of KV head h is head h * g + r % g
+        sink = sinks.float().reshape(hkv, 1, g).expand(hkv, t, g).reshape(hkv, t * g, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(1, 0, 2))                                      # [Hkv, t*g, Dv]
     return out.reshape(hkv, t, g, -1).permute(1, 0, 2, 3).reshape(t, hq, -1)
 
@@ -63,7 +69,7 @@ def _decode_cu(q: torch.Tensor) -> torch.Tensor:
 
 def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal varlen prefill/extend. q [Tq, Hq, D] (rotated) -> [Tq, Hq, Dv] in q.dtype."""
     out = torch.empty(q.shape[0], q.shape[1], cache.v_head_dim, dtype=torch.float32, device=q.device)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -72,15 +78,15 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         if hi == lo:
             continue
         k, v = read_gqa_kv(cache, block_tables[b], n)
-        out[lo:hi] = _attend(q[lo:hi], k, v, scale, sliding_window)
+        out[lo:hi] = _attend(q[lo:hi], k, v, scale, sliding_window, sinks=sinks)
     return out.to(q.dtype)
 
 
 def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     *, split_tokens: int | None = None) -> torch.Tensor:
+                     *, split_tokens: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence (its last token). q [B, Hq, D] -> [B, Hq, Dv] in q.dtype."""
-    return paged_prefill_gqa(q, cache, block_tables, _decode_cu(q), seq_lens, scale, sliding_window)
+    return paged_prefill_gqa(q, cache, block_tables, _decode_cu(q), seq_lens, scale, sliding_window, sinks=sinks)
 
 
 def paged_prefill_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: MLALayerKV,

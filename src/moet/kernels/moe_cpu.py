@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moet.kernels.pools import DecodedPool, DensePool
-from moet.kernels.reference import moe_experts_reference
+from moet.kernels.reference import SILU, ExpertActivation, moe_experts_reference
 
 
 @dataclass(slots=True)
@@ -96,16 +96,14 @@ def cpu_pool(pool, dtype: torch.dtype) -> CpuPool | None:
     return None
 
 
-def _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, ref_pool, miss_counter,
-                              swiglu_limit):
+def _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, ref_pool, miss_counter, act):
     """moe_experts_reference's ops at T = 1, for the routed slots only (each slot's rows are the one
     row, so every matmul sees what the reference's F.linear does, and a packed dense pool's matmul
     gives F.linear's bits): its result bit for bit. ref_pool: what the reference reads."""
     k = topk_ids.shape[1]
     slots = slot_table[topk_ids[0]].tolist()
     if len(set(slots)) < k:          # one slot for two pairs: the reference batches them; let it
-        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, ref_pool, miss_counter,
-                                     swiglu_limit=swiglu_limit)
+        return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, ref_pool, miss_counter, act=act)
     cdtype = hidden.dtype if isinstance(ref_pool, DensePool) else torch.float32
     lin = pool.linear if isinstance(pool, CpuPool) else F.linear
     x = hidden.to(cdtype)
@@ -116,12 +114,8 @@ def _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, 
             missed += 1
             ys.append(torch.zeros(1, hidden.shape[1], dtype=cdtype))
             continue
-        gate, up = lin(x, pool.gate_up[s]).chunk(2, dim=-1)
-        if swiglu_limit is not None:
-            gate = gate.float().clamp(max=swiglu_limit)
-            up = up.float().clamp(-swiglu_limit, swiglu_limit)
-        act = (F.silu(gate) * up).to(cdtype)
-        ys.append(lin(act, pool.down[s]) * tw[:, j:j + 1])
+        a = act(lin(x, pool.gate_up[s]), topk_ids[0, j:j + 1].long())
+        ys.append(lin(a, pool.down[s]) * tw[:, j:j + 1])
     if missed:
         miss_counter += missed
     out = ys[0]
@@ -138,12 +132,11 @@ def moe_experts_cpu(
     pool: CpuPool | DecodedPool | DensePool,
     miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
     *,
-    swiglu_limit: float | None = None,
+    act: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """moe_experts_reference's signature and semantics (CPU tensors), bit for bit its result."""
     ref_pool = pool.source if isinstance(pool, CpuPool) else pool
     if topk_ids.shape[0] == 1:
         return _one_token_like_reference(hidden, topk_ids, topk_weights, slot_table, pool, ref_pool,
-                                         miss_counter, swiglu_limit)
-    return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, ref_pool, miss_counter,
-                                 swiglu_limit=swiglu_limit)
+                                         miss_counter, act)
+    return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, ref_pool, miss_counter, act=act)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from moet.kernels.moe_cpu import CpuPool, moe_experts_cpu
 from moet.kernels.pools import DecodedPool, DensePool, FP4Pool, W2Pool
-from moet.kernels.reference import moe_experts_reference
+from moet.kernels.reference import SILU, ExpertActivation, moe_experts_reference
 
 # The batched DensePool form's largest intermediate, slots x rows x max(2I, H) elements: it computes
 # every slot for every row (S / k times the reference's expert work), which pays at decode sizes
@@ -51,20 +51,16 @@ def moe_experts(
     pool,
     miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
     *,
-    swiglu_limit: float | None = None,
+    act: ExpertActivation = SILU,
 ) -> torch.Tensor:
     if uses_triton(pool):
         from moet.kernels.moe_triton import moe_experts_triton
-        return moe_experts_triton(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
-                                  swiglu_limit=swiglu_limit)
+        return moe_experts_triton(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, act=act)
     if isinstance(pool, DensePool) and hidden.is_cuda and dense_batched_fits(pool, hidden.shape[0]):
-        return moe_experts_dense_batched(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
-                                         swiglu_limit=swiglu_limit)
+        return moe_experts_dense_batched(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, act=act)
     if isinstance(pool, (CpuPool, DecodedPool)) or (isinstance(pool, DensePool) and not hidden.is_cuda):
-        return moe_experts_cpu(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
-                               swiglu_limit=swiglu_limit)
-    return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
-                                 swiglu_limit=swiglu_limit)
+        return moe_experts_cpu(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, act=act)
+    return moe_experts_reference(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, act=act)
 
 
 def dense_batched_fits(pool: DensePool, num_tokens: int) -> bool:
@@ -80,7 +76,7 @@ def moe_experts_dense_batched(
     pool: DensePool,
     miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
     *,
-    swiglu_limit: float | None = None,
+    act: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """moe_experts_reference for a DensePool with no host sync: every slot's expert over every row
     ([S, T, 2I] and [S, T, H] batched matmuls), then each (row, choice) pair takes its slot's row;
@@ -91,12 +87,10 @@ def moe_experts_dense_batched(
     slots = slot_table.long()[topk_ids.long()]                                   # [T, k]
     missed = slots < 0
     miss_counter += missed.sum().to(miss_counter.dtype)       # + 0 when all are resident: no host check
-    gate, up = torch.matmul(hidden, pool.gate_up.to(dt).transpose(1, 2)).chunk(2, dim=-1)   # [S, T, I]
-    if swiglu_limit is not None:
-        gate = gate.float().clamp(max=swiglu_limit)
-        up = up.float().clamp(-swiglu_limit, swiglu_limit)
-    act = (F.silu(gate) * up).to(dt)
-    y_all = torch.matmul(act, pool.down.to(dt).transpose(1, 2))                 # [S, T, H]
+    bias = act.slot_bias(slot_table, pool.num_slots)
+    a = act(torch.matmul(hidden, pool.gate_up.to(dt).transpose(1, 2)),          # [S, T, I]
+            bias=bias[:, None] if bias is not None else None)
+    y_all = torch.matmul(a, pool.down.to(dt).transpose(1, 2))                   # [S, T, H]
     rows = torch.arange(t, device=hidden.device)[:, None].expand(t, k)
     y = y_all[slots.clamp(min=0), rows] * topk_weights[..., None].to(dt)         # [T, k, H]
     y = y.masked_fill(missed[..., None], 0)

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from moet.kernels.grid_sync import acquired, gpu_fence, signal
-from moet.kernels.moe_tiles import _prefetch_slab, _rows_dots, _rows_dots_pair, _rows_dots_split, _swiglu, _x_slots
+from moet.kernels.moe_tiles import (_add_gate_up_bias, _prefetch_slab, _rows_dots, _rows_dots_pair, _rows_dots_split,
+                                    _swiglu, _x_slots)
 from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent launch (sm_90+)
 
 
@@ -19,6 +20,7 @@ from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent l
 def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_ptr, act_ptr, cnt_ptr,
                      ids_ptr, table_ptr, tw_ptr, s_x, s_wq_slot, s_sc_slot, limit, P,
                      N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
+                     bias_ptr=None, alpha=1.0, HAS_BIAS: tl.constexpr = False, HAS_ALPHA: tl.constexpr = False,
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
@@ -44,7 +46,9 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
     the bytes the program's pipeline asks for first (the whole down did not fit in L2 beside
     gate/up's reads at T = 1).
     KW2 (GemmConfig.kwidth2): the scale values behind an always-taken branch, so the MMAs pack K by 2
-    (_scale_values)."""
+    (_scale_values).
+    HAS_BIAS / HAS_ALPHA (gate/up, gpt-oss): the pair's expert's gate / up biases (bias_ptr [E, 2N],
+    by expert id) added to the summed products, and the activation with alpha (_swiglu)."""
     if PREFETCH:
         slot_pf = tl.load(bslot_ptr + tl.program_id(1))
         if slot_pf >= 0:
@@ -148,7 +152,10 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
         p64 = pair.to(tl.int64)
         if GATE_UP:
             if SPLIT_K == 1:
-                a = _swiglu(acc, acc2, limit, HAS_LIMIT)
+                if HAS_BIAS:
+                    acc, acc2 = _add_gate_up_bias(acc, acc2, bias_ptr, tl.load(ids_ptr + p64, mask=pmask, other=0)[None, :],
+                                                  n[:, None], omask, N)
+                a = _swiglu(acc, acc2, limit, HAS_LIMIT, alpha, HAS_ALPHA)
                 nperm = (n % UPW) * (N // UPW) + n // UPW      # slot-major, as the down GEMM reads it
                 tl.store(out_ptr + p64[None, :] * N + nperm[:, None], a.to(out_ptr.dtype.element_ty), mask=omask)
             else:
@@ -166,7 +173,11 @@ def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_p
                             row = out_ptr + (s * P + p64[None, :]) * (2 * N) + n[:, None]
                             g_sum += tl.load(row, mask=omask, other=0.0, cache_modifier=".cg")
                             u_sum += tl.load(row + N, mask=omask, other=0.0, cache_modifier=".cg")
-                        a = _swiglu(g_sum, u_sum, limit, HAS_LIMIT)
+                        if HAS_BIAS:
+                            g_sum, u_sum = _add_gate_up_bias(g_sum, u_sum, bias_ptr,
+                                                             tl.load(ids_ptr + p64, mask=pmask, other=0)[None, :],
+                                                             n[:, None], omask, N)
+                        a = _swiglu(g_sum, u_sum, limit, HAS_LIMIT, alpha, HAS_ALPHA)
                         nperm = (n % UPW) * (N // UPW) + n // UPW
                         tl.store(act_ptr + p64[None, :] * N + nperm[:, None], a.to(act_ptr.dtype.element_ty),
                                  mask=omask)
@@ -211,13 +222,15 @@ def _combine_tail(y_ptr, out_ptr, cnt_ptr, ids_ptr, table_ptr, tw_ptr, pair, pma
 
 @triton.jit
 def _swiglu_finish_kernel(ws_ptr, act_ptr, ids_ptr, table_ptr, limit, P, I: tl.constexpr, UPW: tl.constexpr,
-                          SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr):
+                          SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr,
+                          bias_ptr=None, alpha=1.0, HAS_BIAS: tl.constexpr = False, HAS_ALPHA: tl.constexpr = False):
     """Grid (P, cdiv(I, BI)): act[p] = swiglu(sum_s gate_s[p], sum_s up_s[p]) in split order,
     stored slot-major (element n at (n % UPW) * I / UPW + n // UPW)."""
     _pdl_enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
-    slot = tl.load(table_ptr + tl.load(ids_ptr + p))
+    expert = tl.load(ids_ptr + p)
+    slot = tl.load(table_ptr + expert)
     if slot >= 0:
         n = nb * BI + tl.arange(0, BI)
         m = n < I
@@ -227,7 +240,9 @@ def _swiglu_finish_kernel(ws_ptr, act_ptr, ids_ptr, table_ptr, limit, P, I: tl.c
             row = ws_ptr + (s * P + p) * (2 * I)
             g += tl.load(row + n, mask=m, other=0.0)
             u += tl.load(row + I + n, mask=m, other=0.0)
-        a = _swiglu(g, u, limit, HAS_LIMIT)
+        if HAS_BIAS:
+            g, u = _add_gate_up_bias(g, u, bias_ptr, expert, n, m, I)
+        a = _swiglu(g, u, limit, HAS_LIMIT, alpha, HAS_ALPHA)
         tl.store(act_ptr + p * I + (n % UPW) * (I // UPW) + n // UPW, a.to(act_ptr.dtype.element_ty), mask=m)
 
 

@@ -346,8 +346,22 @@ def _prefetch_slab(wq, sc, rows, N: tl.constexpr, u0, UNITS: tl.constexpr, G: tl
 
 
 @triton.jit
-def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr, alpha=1.0, HAS_ALPHA: tl.constexpr = False):
+    """reference.ExpertActivation: SiLU(g) * u, the clamp first with HAS_LIMIT; HAS_ALPHA
+    (gpt-oss): g * sigmoid(alpha g) * (u + 1)."""
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
+    if HAS_ALPHA:
+        return g / (1.0 + tl.exp(-(g * alpha))) * (u + 1.0)
     return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _add_gate_up_bias(g, u, bias_ptr, expert, n, mask, N: tl.constexpr):
+    """g, u [BN, BM] (or [BI]) + the gate / up biases of each column's expert (bias [E, 2N]:
+    gate biases, then up), gathered by expert id."""
+    row = bias_ptr + expert.to(tl.int64) * (2 * N)
+    g = g + tl.load(row + n, mask=mask, other=0.0).to(tl.float32)
+    u = u + tl.load(row + N + n, mask=mask, other=0.0).to(tl.float32)
+    return g, u

@@ -68,6 +68,7 @@ from moet.kernels.moe_align_triton import _prep_small_kernel
 from moet.kernels.moe_configs import SMALL_ALIGN_MAX_PAIRS, MoEConfig, lookup
 from moet.kernels.moe_gemm import _combine_kernel, _moe_gemm_kernel, _swiglu_finish_kernel
 from moet.kernels.pools import FP4Pool, W2Pool
+from moet.kernels.reference import SILU, ExpertActivation
 
 FMT_W2 = 0
 FMT_FP4 = 1
@@ -173,7 +174,7 @@ def _align_launch(pp: int) -> dict:
     return dict(QB=max(1, min(pp, 32, 2048 // pp)), num_warps=8 if pp >= 256 else 4)
 
 
-def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_limit,
+def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, act: ExpertActivation,
          config: MoEConfig | None, out: torch.Tensor) -> None:
     fmt, fname = _format(pool)
     ops = _operands(pool, fmt)
@@ -203,9 +204,13 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
     # slot's K tile is one contiguous load; the gate/up epilogue writes act in that order.
     op_dtype = torch.bfloat16 if use_asm else torch.float32
     upw = 8 if fmt == FMT_W2 else 4
-    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    has_limit = swiglu_limit is not None
+    limit = float(act.limit) if act.limit is not None else 0.0
+    has_limit = act.limit is not None
     tw = topk_weights.reshape(-1).contiguous()
+    # gpt-oss: gate/up biases by expert id and the alpha activation, in the gate/up epilogue
+    bias = act.gate_up_bias.contiguous() if act.gate_up_bias is not None else tw     # any pointer when none
+    act_args = dict(bias_ptr=bias, alpha=float(act.alpha) if act.alpha is not None else 1.0,
+                    HAS_BIAS=act.gate_up_bias is not None, HAS_ALPHA=act.alpha is not None)
     x_perm = _workspace((t, upw, h // upw), op_dtype, dev)
     # the top-k combine in the down GEMM's last programs (MoEConfig.fused_combine): one launch fewer;
     # decode regime only (the prep kernel zeroes the rows of tokens no pair writes)
@@ -240,13 +245,13 @@ def _run(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter, swiglu_
         gu_s.stride(0), limit, p, N=i, K=h, GATE_UP=True, SPLIT_K=cg.SPLIT_K, BN=cg.BN, BKH=cg.BKH,
         FUSED_FINISH=fuse_finish, FUSED_COMBINE=False, UNROLL=cg.unroll, TILED=tiled, CHAINS=cg.chains,
         KW2=cg.kwidth2, **_even_tiles(i, h, fmt, cg, bm), num_warps=cg.num_warps,
-        num_stages=cg.num_stages,
+        num_stages=cg.num_stages, **act_args,
         **common, **pdl)
     if cg.SPLIT_K > 1 and not fuse_finish:
         bi = min(1024, triton.next_power_of_2(i))
         _swiglu_finish_kernel[(p, triton.cdiv(i, bi))](gu_out, act, ids, table, limit, p, I=i, UPW=upw,
                                                          SPLIT_K=cg.SPLIT_K,
-                                                         HAS_LIMIT=has_limit, BI=bi, num_warps=4, **pdl)
+                                                         HAS_LIMIT=has_limit, BI=bi, num_warps=4, **act_args, **pdl)
     y = _workspace((cd.SPLIT_K, p, h), torch.float32, dev)
     # the counters are shared with the fused finish: each launch leaves them zero, and the down
     # launch starts after the gate/up one has finished (stream order; under PDL its griddepcontrol.wait)
@@ -311,7 +316,7 @@ def moe_experts_triton(
     pool: W2Pool | FP4Pool,
     miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
     *,
-    swiglu_limit: float | None = None,
+    act: ExpertActivation = SILU,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """moe_experts_reference for a W2Pool (layout nb8) or an FP4Pool, on the GPU (or the Triton
@@ -331,23 +336,23 @@ def moe_experts_triton(
     for t0 in range(0, t, chunk):
         t1 = min(t, t0 + chunk)
         _run(hidden[t0:t1], topk_ids[t0:t1], topk_weights[t0:t1], slot_table, pool, miss_counter,
-             swiglu_limit, config, out[t0:t1])
+             act, config, out[t0:t1])
     return out
 
 
 def moe_experts_w2_triton(hidden, topk_ids, topk_weights, slot_table, pool: W2Pool, miss_counter, *,
-                          swiglu_limit: float | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+                          act: ExpertActivation = SILU, config: MoEConfig | None = None) -> torch.Tensor:
     """As moe_experts_reference for a W2Pool in the nb8 layout."""
     if not isinstance(pool, W2Pool):
         raise TypeError(f"moe_experts_w2_triton needs a W2Pool, got {type(pool).__name__}")
     return moe_experts_triton(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
-                              swiglu_limit=swiglu_limit, config=config)
+                              act=act, config=config)
 
 
 def moe_experts_fp4_triton(hidden, topk_ids, topk_weights, slot_table, pool: FP4Pool, miss_counter, *,
-                           swiglu_limit: float | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+                           act: ExpertActivation = SILU, config: MoEConfig | None = None) -> torch.Tensor:
     """As moe_experts_reference for an FP4Pool (NVFP4 bytes)."""
     if not isinstance(pool, FP4Pool):
         raise TypeError(f"moe_experts_fp4_triton needs an FP4Pool, got {type(pool).__name__}")
     return moe_experts_triton(hidden, topk_ids, topk_weights, slot_table, pool, miss_counter,
-                              swiglu_limit=swiglu_limit, config=config)
+                              act=act, config=config)

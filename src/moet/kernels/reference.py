@@ -10,13 +10,15 @@ A (token, expert) pair whose expert is not resident contributes zero and adds on
 
 Math per pair (t, j), e = topk_ids[t, j], s = slot_table[e]:
   gate, up = split(W_gate_up[s] @ x[t])         fused [2I, H] weight: gate rows first
-  (optional SwiGLU clamp, fp32: gate <= limit, -limit <= up <= limit)
-  y[t, j] = W_down[s] @ (silu(gate) * up)
+  y[t, j] = W_down[s] @ act(gate, up)            ExpertActivation: silu(gate) * up, or a clamped
+                                                 / gpt-oss form, with gate_up biases by expert id
   out[t] = sum_j topk_weights[t, j] * y[t, j]    fixed order j = 0..k-1 (deterministic)
 Accumulation is in fp32 for the quantized pools and their DecodedPool (as the kernels do) and in the input dtype
 for DensePool (as transformers does, so the bf16 reference matches it bit for bit in fp32).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,47 @@ import torch.nn.functional as F
 from moet.formats import w2
 from moet.kernels.pools import ROW_TILED_FIELDS, DecodedPool, DensePool, FP4Pool, W2Pool, untile_field
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """What runs between an expert's two GEMMs. Default SiLU(gate) * up. limit (DeepSeek-V4,
+    gpt-oss): gate clamped above and up to +-limit, in fp32. alpha (gpt-oss): gate *
+    sigmoid(alpha gate) * (up + 1) instead. gate_up_bias [E, 2I] (gpt-oss; gate biases, then up):
+    added to the first GEMM's output by expert id, so it stays put while weights move slots."""
+    limit: float | None = None
+    alpha: float | None = None
+    gate_up_bias: torch.Tensor | None = None
+
+    def __call__(self, gate_up: torch.Tensor, experts: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """gate_up [..., 2I] (gate half first); experts: int64 [rows], the expert of each row of a
+        [rows, 2I] gate_up, or bias: the rows' biases already gathered (slot_bias) -> [..., I] in
+        gate_up's dtype."""
+        dt = gate_up.dtype
+        if bias is None and self.gate_up_bias is not None:
+            bias = self.gate_up_bias[experts]
+        if bias is not None:
+            gate_up = gate_up + bias.to(dt)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate = gate.float().clamp(max=self.limit)
+            up = up.float().clamp(-self.limit, self.limit)
+        if self.alpha is not None:
+            return (gate * torch.sigmoid(gate * self.alpha) * (up + 1)).to(dt)
+        return (F.silu(gate) * up).to(dt)
+
+    def slot_bias(self, slot_table: torch.Tensor, num_slots: int) -> torch.Tensor | None:
+        """gate_up_bias by slot [num_slots, 2I] (zero for an empty slot), for forms that compute
+        every slot; built on the device without a host sync."""
+        if self.gate_up_bias is None:
+            return None
+        b = self.gate_up_bias
+        out = torch.zeros(num_slots + 1, b.shape[1], dtype=b.dtype, device=b.device)
+        idx = torch.where(slot_table >= 0, slot_table.long(), num_slots)     # absent experts: the spare row
+        out.index_copy_(0, idx, b)
+        return out[:num_slots]
+
+
+SILU = ExpertActivation()
 W2_LEVELS = (-4.0, -1.0, 1.0, 4.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -122,7 +165,7 @@ def moe_experts_reference(
     pool: W2Pool | FP4Pool | DensePool | DecodedPool,
     miss_counter: torch.Tensor,      # int [1], incremented by the number of missed pairs
     *,
-    swiglu_limit: float | None = None,
+    act: ExpertActivation = SILU,
 ) -> torch.Tensor:
     t, k = topk_ids.shape
     dense = isinstance(pool, DensePool)
@@ -136,12 +179,8 @@ def moe_experts_reference(
         rows, cols = torch.where(slots == slot)
         w_gate_up, w_down = _slot_weights(pool, slot, cdtype)
         x = hidden[rows].to(cdtype)
-        gate, up = F.linear(x, w_gate_up.to(cdtype)).chunk(2, dim=-1)
-        if swiglu_limit is not None:
-            gate = gate.float().clamp(max=swiglu_limit)
-            up = up.float().clamp(-swiglu_limit, swiglu_limit)
-        act = (F.silu(gate) * up).to(cdtype)
-        y[rows, cols] = F.linear(act, w_down.to(cdtype)) * topk_weights[rows, cols, None].to(cdtype)
+        a = act(F.linear(x, w_gate_up.to(cdtype)), topk_ids[rows, cols].long())
+        y[rows, cols] = F.linear(a, w_down.to(cdtype)) * topk_weights[rows, cols, None].to(cdtype)
     out = y[:, 0]
     for j in range(1, k):                                             # fixed-order combine
         out = out + y[:, j]

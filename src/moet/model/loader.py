@@ -24,7 +24,7 @@ from moet.model import kept_dense
 from moet.model.layers.moe import MoE
 from moet.model.model import CausalLM
 from moet.quant.decode import decode
-from moet.quant.requantize import check_all_arrived, convert_into, new_pool
+from moet.quant.requantize import check_all_arrived, convert_into, fused_shape, new_pool, split_fused
 from moet.store.expert_slots import REPAIR_FORMAT, ExpertSlots
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -182,22 +182,20 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
 
 def _load_fused(model, ref: ExpertRef, fmt, names, shape, reader, add_expert, where) -> None:
     """transformers-style fused expert tensors: gate_up_proj [E, 2I, H] (gate rows first) and
-    down_proj [E, H, I]; float or MXFP4 (gpt-oss style *_blocks / *_scales)."""
+    down_proj [E, H, I]; float or MXFP4 (gpt-oss style *_blocks / *_scales). gpt-oss's layout
+    (ModelSpec.fused_expert_layout): gate and up rows interleaved, and float tensors stored
+    transposed ([E, H, 2I], [E, I, H]; its MXFP4 blocks are not)."""
     spec = model.spec
     moe = _moe_of(model, ref, where)
-    e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
-    want = (e, h, i) if ref.proj == "down_proj" else (e, 2 * i, h)
+    want = fused_shape(spec, ref.proj, fmt)
     if tuple(shape) != want:
         raise CheckpointError(f"{where}: shape {list(shape)} does not match the {list(want)} that config.json implies")
     if fmt not in ("float", "mxfp4"):
         raise CheckpointError(f"{where}: fused {fmt} expert tensors are not supported (per-expert tensors are)")
     full = {r: reader.get(n, copy=False) for r, n in names.items()}
-    for x in range(e):
-        if ref.proj == "down_proj":
-            add_expert(moe, x, "down_proj", fmt, {r: t[x] for r, t in full.items()}, f"{where}[{x}]")
-        else:
-            for proj, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
-                add_expert(moe, x, proj, fmt, {r: t[x, rows] for r, t in full.items()}, f"{where}[{x}]")
+    for x in range(spec.router.num_experts):
+        for proj, parts in split_fused(spec, ref.proj, fmt, full, x):
+            add_expert(moe, x, proj, fmt, parts, f"{where}[{x}]")
 
 
 def _finish(model: CausalLM, ckpt: Checkpoint, params: dict, loaded: set[str], moes: list[MoE],

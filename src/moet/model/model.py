@@ -31,15 +31,17 @@ from moet.model.layers.rope import Rotary
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary, dtype: torch.dtype,
-                 sparse: tuple[bool, TopKSelection] | None = None):
+                 sparse: tuple[bool, TopKSelection] | None = None, index: int | None = None):
         """sparse (DSA models): whether this layer runs its own indexer, and the selection it
-        writes or, for a shared layer, reads."""
+        writes or, for a shared layer, reads. index: the decoder layer's number (its attention
+        may differ from the model's, ModelSpec.layer_attention); None = an MTP block's layer."""
         super().__init__()
         if spec.attention.kind == "mla":
             dsa = None if sparse is None else (spec.sparse_attention, *sparse)
             self.self_attn = MLAttention(spec.attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype, dsa)
         else:
-            self.self_attn = GQAttention(spec.attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype)
+            attention = spec.layer_attention(index if index is not None else spec.num_layers - 1)
+            self.self_attn = GQAttention(attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype)
         self.mlp = MoE(spec, dtype) if kind == "moe" else MLP(spec.hidden_size, spec.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
@@ -136,8 +138,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, k, rotary, dtype, sparse)
-                                    for k, sparse in zip(spec.layer_kinds, _sparse_layers(spec)))
+        self.layers = nn.ModuleList(DecoderLayer(spec, k, rotary, dtype, sparse, i)
+                                    for i, (k, sparse) in enumerate(zip(spec.layer_kinds, _sparse_layers(spec))))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 

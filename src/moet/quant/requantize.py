@@ -123,6 +123,31 @@ def convert_into(pool, slot: int, spec, proj: str, fmt: str, parts: dict[str, to
             pool.gate_up_scale_2[slot, 0 if proj == "gate_proj" else 1] = t.weight_scale_2
 
 
+def fused_shape(spec, proj: str, fmt: str) -> tuple[int, int, int]:
+    """The logical shape of a fused expert tensor as stored (proj gate_up_proj | down_proj):
+    [E, 2I, H] / [E, H, I]; gpt-oss's float tensors transposed ([E, H, 2I] / [E, I, H])."""
+    e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    want = (e, h, i) if proj == "down_proj" else (e, 2 * i, h)
+    if spec.fused_expert_layout == "gpt_oss" and fmt == "float":
+        want = (e, want[2], want[1])
+    return want
+
+
+def split_fused(spec, proj: str, fmt: str, parts: dict[str, torch.Tensor],
+                expert: int) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """One expert's projections out of fused expert tensors (parts: role -> [E, ...]), as
+    [(gate_proj, parts), (up_proj, parts)] or [(down_proj, parts)] in the per-expert [N, K]
+    layout. Gate rows first ("stacked"), or gate and up rows interleaved (gpt-oss)."""
+    if spec.fused_expert_layout == "gpt_oss" and fmt == "float":
+        parts = {r: t.transpose(1, 2) for r, t in parts.items()}
+    if proj == "down_proj":
+        return [("down_proj", {r: t[expert] for r, t in parts.items()})]
+    i = spec.moe_intermediate_size
+    rows = ((slice(0, 2 * i, 2), slice(1, 2 * i, 2)) if spec.fused_expert_layout == "gpt_oss"
+            else (slice(0, i), slice(i, 2 * i)))
+    return [(name, {r: t[expert, sl] for r, t in parts.items()}) for name, sl in zip(("gate_proj", "up_proj"), rows)]
+
+
 def check_all_arrived(n: int, loaded: set[tuple[int, str]], where: str) -> None:
     """Every (expert, projection) of a layer of `n` experts arrived (`loaded`)."""
     missing = [(e, p) for e in range(n) for p in PROJS if (e, p) not in loaded]

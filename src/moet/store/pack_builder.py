@@ -124,11 +124,11 @@ def _sources_by_layer(ckpt: Checkpoint, layers: list[str]) -> dict[int, list[_So
                 raise CheckpointError(f"{reader.where(disk_name)}: {fmt} weight without its {role} tensor {n}")
         where = reader.where(disk_name)
         shape = wf.logical_shape(fmt, {r: reader.info(n).shape for r, n in names.items()})
-        e, h, i = spec.router.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        h, i = spec.hidden_size, spec.moe_intermediate_size
         if ref.expert is not None:
             want = (h, i) if ref.proj == "down_proj" else (i, h)
         else:
-            want = (e, h, i) if ref.proj == "down_proj" else (e, 2 * i, h)
+            want = requantize.fused_shape(spec, ref.proj, fmt)
             if fmt not in ("float", "mxfp4"):
                 raise CheckpointError(f"{where}: fused {fmt} expert tensors are not supported (per-expert tensors are)")
         if tuple(shape) != want:
@@ -146,7 +146,7 @@ def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowL
     just those experts' rows (uint8 [len(only), stride], in that order), reading only their
     tensors (per-expert checkpoints) or their slices (fused ones)."""
     spec, reader = ckpt.spec, ckpt.reader
-    e_count, i = spec.router.num_experts, spec.moe_intermediate_size
+    e_count = spec.router.num_experts
     want = list(range(e_count)) if only is None else list(only)
     slot = {e: k for k, e in enumerate(want)}
     pool = requantize.new_pool(spec, tag, len(want), torch.float32, device)
@@ -166,13 +166,10 @@ def _convert_layer(ckpt: Checkpoint, tag: str, srcs: list[_Source], layout: RowL
         parts = {r: reader.get(n, copy=False) for r, n in s.names.items()}
         if s.expert >= 0:
             add(s.expert, s.proj, s.fmt, parts, s.where)
-        elif s.proj == "down_proj":
+        else:
             for x in want:
-                add(x, "down_proj", s.fmt, {r: t[x] for r, t in parts.items()}, f"{s.where}[{x}]")
-        else:  # fused gate_up [E, 2I, H]: gate rows first
-            for x in want:
-                for proj, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
-                    add(x, proj, s.fmt, {r: t[x, rows] for r, t in parts.items()}, f"{s.where}[{x}]")
+                for proj, one in requantize.split_fused(spec, s.proj, s.fmt, parts, x):
+                    add(x, proj, s.fmt, one, f"{s.where}[{x}]")
         del parts
     if only is None:
         requantize.check_all_arrived(e_count, seen, where)

@@ -40,7 +40,8 @@ def _transformers_has(cls: str) -> bool:
 # leaves the family out of the parametrized tests rather than failing them
 FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral") + (
     ("glm_moe_dsa", "deepseek_v32") if _transformers_has("GlmMoeDsaConfig") and _transformers_has("DeepseekV32Config")
-    else ()) + (("minimax_m2",) if _transformers_has("MiniMaxM2Config") else ())
+    else ()) + (("minimax_m2",) if _transformers_has("MiniMaxM2Config") else ()) + (
+    ("gpt_oss",) if _transformers_has("GptOssConfig") else ())
 # DeepSeek-V4 (transformers >= 5.23): contiguous forward only so far (moet/model/deepseek_v4.py), so
 # not among FAMILIES, whose tests run every family through the engine
 V4_FAMILIES = ("deepseek_v4",) if _transformers_has("DeepseekV4Config") else ()
@@ -123,6 +124,16 @@ def tiny_config(family: str, **overrides):
                   num_local_experts=8, num_experts_per_tok=2,
                   rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5))
         cls = tf.MiniMaxM2Config
+    elif family == "gpt_oss":
+        # sliding (window 8) and full layers alternating, sinks, biases everywhere, YaRN in halves
+        # without truncation; 12-token prompts already slide
+        kw = dict(common, intermediate_size=32, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+                  num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                       original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                       truncate=False))
+        cls = tf.GptOssConfig
     elif family == "mixtral":
         kw = dict(common, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, sliding_window=12,
@@ -141,6 +152,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 1 and ("norm" in name or "layernorm" in name):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):                # gpt-oss: big enough to move the softmax
+                p.copy_(1.5 * torch.randn(p.shape, generator=g))
             elif p.dim() == 1:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
@@ -218,6 +231,10 @@ def _convert(tensors: dict[str, torch.Tensor], fmt: str, fused_experts: bool) ->
                 else:
                     out[prefix + pname] = w
     for name, t in tensors.items():
+        if fmt == "mxfp4" and re.search(r"\.experts\.(gate_up_proj|down_proj)$", name):
+            # gpt-oss: fused [E, in, out] float -> MXFP4 blocks of [E, out, in], as published
+            out[name + "_blocks"], out[name + "_scales"] = mxfp4.quantize(t.transpose(1, 2).float())
+            continue
         stem = name[: -len(".weight")]
         if fmt == "fp8" and (_is_expert(name) or _is_dense_linear(name)):
             q, s = fp8_block.quantize(t.float())
@@ -341,6 +358,8 @@ def dequantized_tensors(path: str, dtype: torch.dtype = torch.float32, expert_fn
     raw = _read_all(path)
     out: dict[str, torch.Tensor] = {}
     mixtral = config["architectures"][0] in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM")     # w1 / w3 / w2
+    gpt_oss = config["architectures"][0] == "GptOssForCausalLM"
+    mx_names = {n[: -len("_blocks")] for n in raw if n.endswith("_blocks")}
     for name, t in raw.items():
         m = re.match(r"model\.layers\.(\d+)\.", name)
         if m and int(m.group(1)) >= n_layers:
@@ -362,6 +381,9 @@ def dequantized_tensors(path: str, dtype: torch.dtype = torch.float32, expert_fn
             w = t.double()
         w = w.to(dtype if expert_fn is None else torch.float64)
         fm = re.search(r"\.experts\.(gate_up_proj|down_proj)$", name)
+        if fm and gpt_oss:           # transformers reads gpt-oss's fused [E, in, out] tensors
+            out[name] = w.transpose(1, 2).contiguous() if name in mx_names else w
+            continue
         if fm:  # unfuse: transformers reads per-expert names from disk
             prefix = name[: fm.start()] + ".experts."
             names = ({"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)} if mixtral else

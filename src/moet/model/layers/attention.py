@@ -21,10 +21,13 @@ from moet.model.layers.rope import Rotary
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-           sliding_window: int | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+           sliding_window: int | None = None, keep: torch.Tensor | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention. q [T, Hq, d], k [S, Hkv, d], v [S, Hkv, dv] with S = start + T.
     keep [T, S] bool: the positions each query may see besides the causal rule (sparse
-    attention's selection). Softmax in fp32, as transformers' eager path. -> [T, Hq * dv]."""
+    attention's selection). sinks [Hq]: a logit per head in every softmax's denominator that
+    adds nothing to the output (gpt-oss). Softmax in fp32, as transformers' eager path.
+    -> [T, Hq * dv]."""
     t, hq, _ = q.shape
     s, hkv, _ = k.shape
     if hkv != hq:
@@ -40,7 +43,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     if keep is not None:
         allowed = allowed & keep
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(hq, 1, 1).expand(hq, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, vh)                                          # [H, T, dv]
     return out.transpose(0, 1).reshape(t, -1)
 
@@ -54,6 +61,9 @@ class GQAttention(nn.Module):
         self.k_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
         self.v_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
         self.o_proj = Linear(spec.num_heads * d, hidden, spec.o_bias, dtype)
+        # gpt-oss: one learned logit per head joins every softmax's denominator
+        self.sinks = (nn.Parameter(torch.empty(spec.num_heads, dtype=dtype), requires_grad=False)
+                      if spec.sinks else None)
         if spec.qk_norm:                 # per head (Qwen3, GLM) or across all heads (MiniMax-M2)
             self.q_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_heads * d, eps, dtype)
             self.k_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_kv_heads * d, eps, dtype)
@@ -103,7 +113,7 @@ class GQAttention(nn.Module):
         k_cache, v_cache = cache
         k_cache[start:start + t] = k
         v_cache[start:start + t] = v
-        out = attend(q, k_cache[:start + t], v_cache[:start + t], start, s.scale, s.sliding_window)
+        out = attend(q, k_cache[:start + t], v_cache[:start + t], start, s.scale, s.sliding_window, sinks=self.sinks)
         return self.o_proj(out)
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
@@ -112,5 +122,5 @@ class GQAttention(nn.Module):
         Writes their K/V into the paged cache, then attends reading every key from it."""
         q, k, v = self._project(x, cos, sin)
         ops.write_gqa_kv(kv, k, v, batch.slot_mapping)
-        out = attend_gqa(q, kv, batch, self.spec.scale, self.spec.sliding_window, split_tokens)
+        out = attend_gqa(q, kv, batch, self.spec.scale, self.spec.sliding_window, split_tokens, self.sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))

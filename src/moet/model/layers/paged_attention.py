@@ -22,18 +22,18 @@ def _split(batch: AttentionBatch):
 
 
 def attend_gqa(q: torch.Tensor, cache: GQALayerKV, batch: AttentionBatch, scale: float,
-               sliding_window: int | None, split_tokens: int) -> torch.Tensor:
-    """q [N, Hq, D] (rotated) -> [N, Hq, Dv]."""
+               sliding_window: int | None, split_tokens: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, Hq, D] (rotated) -> [N, Hq, Dv]. sinks [Hq]: gpt-oss's per-head softmax sink."""
     if batch.is_pure_decode:
         return ops.paged_decode_gqa(q, cache, batch.block_tables, batch.seq_lens, scale, sliding_window,
-                                    split_tokens=split_tokens)
+                                    split_tokens=split_tokens, sinks=sinks)
     nd, cu, tables, lens = _split(batch)
     pre = ops.paged_prefill_gqa(q[nd:], cache, tables, cu, lens, scale, sliding_window,
-                                max_seqlen_q=batch.max_seqlen_q)
+                                max_seqlen_q=batch.max_seqlen_q, sinks=sinks)
     if nd == 0:
         return pre
     dec = ops.paged_decode_gqa(q[:nd], cache, batch.block_tables[:nd], batch.seq_lens[:nd], scale, sliding_window,
-                               split_tokens=split_tokens)
+                               split_tokens=split_tokens, sinks=sinks)
     return torch.cat([dec, pre])
 
 

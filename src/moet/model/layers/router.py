@@ -35,8 +35,10 @@ def _fused(logits: torch.Tensor) -> bool:
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
-          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H], router weight [E, H] -> (topk_ids int64 [T, k], topk_weights [T, k])."""
+          correction_bias: torch.Tensor | None = None,
+          logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], router weight [E, H] -> (topk_ids int64 [T, k], topk_weights [T, k]).
+    logit_bias [E]: the router Linear's bias (gpt-oss), in the logits for choice and weights."""
     if spec.scoring == "sqrtsoftplus":
         # DeepSeek-V4: sqrt(softplus(logit)) in fp32; the bias steers the choice only; the chosen
         # scores renormalised (+1e-20) and scaled
@@ -46,13 +48,16 @@ def route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
         w = scores.gather(1, ids)
         return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * spec.routed_scaling_factor
     if spec.scoring == "softmax":
-        # Mixtral / Qwen3-MoE: softmax over all experts (fp32), top-k, optional renormalise
+        # Mixtral / Qwen3-MoE: softmax over all experts (fp32), top-k, optional renormalise;
+        # gpt-oss's softmax over the top-k logits is this with renormalisation
         bf16 = x.dtype == weight.dtype == torch.bfloat16
         if x.is_cuda and _have_triton() and x.shape[0] <= _gemv_max_tokens() and bf16:
             from moet.kernels.router_triton import router_logits
             logits = router_logits(x, weight, torch.bfloat16)   # one launch; bf16 out, as F.linear's
+            if logit_bias is not None:
+                logits = logits + logit_bias
         else:
-            logits = F.linear(x, weight)
+            logits = F.linear(x, weight, logit_bias)
         if _fused(logits):
             from moet.kernels.router_triton import router_topk
             return router_topk(logits, spec)
