@@ -532,3 +532,38 @@ def test_long_partition_matches_reference_and_keeps_short_sequences_bits():
     assert float((plain.cpu() - want).norm() / want.norm()) < 2e-5
     with pytest.raises(ConfigError, match="long_splits"):
         at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, long_splits=-1, **kw)
+
+
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-kernel", "fused-merge"])
+@pytest.mark.parametrize("fmt,lens,hq,hkv,d,window,split", [CASES[0], CASES[2], CASES[3]])
+def test_sinks_match_reference(fmt, lens, hq, hkv, d, window, split, fused_merge):
+    """gpt-oss's attention sinks, added where the splits merge (merge kernel and fused merge):
+    the reference's softmax over [scores, sink] without the sink's column; far from sinkless."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cache, table, seq_lens, q = _setup(fmt, lens, hq, hkv, d, g)
+    sinks = (3 * torch.randn(hq, generator=g)).to(DEVICE)
+    args = (q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, window)
+    want = ref.paged_decode_gqa(*args, sinks=sinks.cpu())
+    got = _tri().paged_decode_gqa(q, cache, table, seq_lens, 0.3, window, split_tokens=split, sinks=sinks,
+                                  fused_merge=fused_merge)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    assert (want - ref.paged_decode_gqa(*args)).abs().max() > 0.05
+
+
+def test_sinks_with_the_long_partition():
+    """The long partition's chunked merge adds the sink once, after the last chunk."""
+    at = _tri()
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lens = [2131, 40]
+    nb = sum(-(-n // BS) for n in lens) + 3
+    cache = new_gqa_layer(nb, BS, 2, 16, 16, KVFormat("auto", dtype=torch.float32), device=DEVICE)
+    table = random_block_tables(lens, BS, nb, g).to(DEVICE)
+    for b, n in enumerate(lens):
+        write_gqa_kv(cache, torch.randn(n, 2, 16, generator=g).to(DEVICE), torch.randn(n, 2, 16, generator=g).to(DEVICE),
+                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 16, generator=g).to(DEVICE)
+    sinks = (3 * torch.randn(4, generator=g)).to(DEVICE)
+    got = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=BS, max_splits=2, long_splits=5, sinks=sinks)
+    want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, sinks=sinks.cpu())
+    assert float((got.cpu() - want).norm() / want.norm()) < 2e-5

@@ -891,3 +891,29 @@ def test_asm_level_follows_the_device(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cap=cap: cap)
         assert mt.asm_level(torch.device("cuda", 0)) == want, cap
     mt._cuda_asm_level.cache_clear()
+
+
+@pytest.mark.parametrize("fmt,cfg", [("w2", CFG), ("w2", CFG_SPLIT_GU), ("fp4", CFG_SPLIT_GU), ("fp4", CFG_BM1),
+                                     ("w2", replace(CFG_SPLIT_GU, fused_finish=True))],
+                         ids=["w2", "w2-split", "fp4-split", "fp4-bm1", "w2-fused-finish"])
+def test_gpt_oss_activation_and_biases_match_reference(poisoned, fmt, cfg):
+    """gpt-oss's expert activation (clamp 2, gate * sigmoid(1.702 gate) * (up + 1)) with gate/up
+    biases by expert id, in the gate/up epilogue (one split), the finish kernel and the fused finish
+    (split gate/up): the reference's result, and far from the plain SwiGLU's."""
+    mt = _mt()
+    g = torch.Generator().manual_seed(41)
+    table = [3, -1, 0, 7, -1, 5]
+    pool = (_w2_pool if fmt == "w2" else _fp4_pool)(8, 64, 32, g)
+    tab = _table(table)
+    x, ids, w = _inputs(5, 2, 64, 6, g)
+    bias = (0.5 * torch.randn(6, 64, generator=g)).to(DEVICE)
+    act = ExpertActivation(limit=2.0, alpha=1.702, gate_up_bias=bias)
+    m_ref, m_tri = (torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    ref = moe_experts_reference(x, ids, w, tab, pool, m_ref, act=act)
+    out = mt.moe_experts_triton(x, ids, w, tab, pool, m_tri, act=act, config=cfg)
+    assert _relerr(out, ref) <= BOUND and torch.equal(m_tri, m_ref)
+    plain = moe_experts_reference(x, ids, w, tab, pool, torch.zeros_like(m_ref), act=ExpertActivation(limit=2.0))
+    assert _relerr(plain, ref) > 0.1
+    no_bias = moe_experts_reference(x, ids, w, tab, pool, torch.zeros_like(m_ref),
+                                    act=ExpertActivation(limit=2.0, alpha=1.702))
+    assert _relerr(no_bias, ref) > 0.05

@@ -143,3 +143,20 @@ def test_fp32_queries_take_their_own_launch(monkeypatch):
     flags = [bool(a[2] if len(a) > 2 else k.get("fp32_queries", False)) for a, k in seen]
     assert flags == [True, False], seen
     assert real(False, 128, True)[0] == pt.PREFILL_FP32_ROWS < pt.PREFILL_ROWS == real(False, 128, False)[0]
+
+
+@pytest.mark.parametrize("slack", [None, 0.25], ids=["eager", "lazy"])
+@pytest.mark.parametrize("fmt,seqs,hq,hkv,d,window,block_m", [CASES[0], CASES[2], CASES[3]])
+def test_sinks_match_reference(fmt, seqs, hq, hkv, d, window, block_m, slack):
+    """gpt-oss's attention sinks (one logit per query head in every softmax's denominator), large
+    enough to take most of the mass from some heads and little from others: the reference's
+    softmax over [scores, sink] with the sink's column dropped; far from the sinkless result."""
+    g = _gen()
+    cache, table, cu, seq_lens, q = _setup(fmt, seqs, hq, hkv, d, g)
+    sinks = (3 * torch.randn(hq, generator=g)).to(DEVICE)
+    args = (q.cpu(), _to_cpu(cache), table.cpu(), cu.cpu(), seq_lens.cpu(), 0.3, window)
+    want = ref.paged_prefill_gqa(*args, sinks=sinks.cpu())
+    got = _tri().paged_prefill_gqa(q, cache, table, cu, seq_lens, 0.3, window, block_m=block_m, rescale_slack=slack,
+                                   sinks=sinks)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    assert (want - ref.paged_prefill_gqa(*args)).abs().max() > 0.05

@@ -516,7 +516,8 @@ def _gqa_decode_split_kernel(
         BF16_DOT: tl.constexpr, INTERPRET: tl.constexpr, PAGES: tl.constexpr, OP_F16: tl.constexpr,
         FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, PDL: tl.constexpr,
         SWAP_AB: tl.constexpr = False, F8_WORDS: tl.constexpr = False, PF_STEPS: tl.constexpr = 0,
-        KV_BYTES: tl.constexpr = 2, LONG_SPLITS: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False):
+        KV_BYTES: tl.constexpr = 2, LONG_SPLITS: tl.constexpr = 0, SKIP_EMPTY: tl.constexpr = False,
+        sinks_ptr=None, HAS_SINKS: tl.constexpr = False):
     if PF_STEPS > 0:                              # PDL only: before the wait (_gqa_prefetch)
         _gqa_prefetch(k_ptr, v_ptr, bt_ptr, lens_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
                       s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, pages_min,
@@ -612,7 +613,7 @@ def _gqa_decode_split_kernel(
             tl.atomic_xchg(c, 0, sem="relaxed")
             acquired(not INTERPRET)
             _merge_group(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, h * G, tl.num_programs(1) * G,
-                         tl.num_programs(2), used, G, BLOCK_G, DV, BLOCK_DV, BLOCK_S, DV_TILE)
+                         tl.num_programs(2), used, G, BLOCK_G, DV, BLOCK_DV, BLOCK_S, DV_TILE, sinks_ptr, HAS_SINKS)
 
 
 @triton.jit
@@ -629,7 +630,8 @@ def _merge_chunk(m_ptr, l_ptr, row0, used, rows, c0, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, NCHUNK: tl.constexpr = 1):
+                BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, NCHUNK: tl.constexpr = 1, sink=0.0,
+                HAS_SINK: tl.constexpr = False):
     """The split merge of one (sequence, query head): its `used` splits' partials (workspace rows
     row0 .. row0 + used - 1) -> o_ptr[0:DV]. All splits are loaded at once, m and l as [BLOCK_S]
     vectors and acc as [BLOCK_S, DV_TILE] tiles (DV_TILE columns at a time, so a 512-wide MLA
@@ -647,12 +649,17 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
     BLOCK_DV == DV_TILE): up to NCHUNK * BLOCK_S splits in chunks of BLOCK_S. The first chunk is
     merged as above, then each further chunk the sequence uses is merged on its own and folded in
     by its max (log-sum-exp), so the first chunk's loads still wait for nothing and a sequence that
-    uses one chunk gets the bits of NCHUNK 1."""
+    uses one chunk gets the bits of NCHUNK 1.
+    HAS_SINK (gpt-oss): the head's sink logit joins the softmax's denominator (exp(sink - max)),
+    adding nothing to the output: the merge is the one place that sees the whole denominator."""
     s, smask, inside, m, l = _merge_chunk(m_ptr, l_ptr, row0, used, rows, 0, BLOCK_S)
     m_max = tl.max(m, 0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # an empty sequence: all splits empty
     w = tl.where(smask, tl.exp(m - m_safe), 0.0)            # log-sum-exp rescale; 0 past `used`
     l_sum = tl.sum(w * l, 0)
+    if HAS_SINK:
+        if NCHUNK == 1:
+            l_sum = l_sum + tl.exp(sink - m_safe)
     pos = l_sum > 0                                         # l_sum == 0 (no keys): output 0, no NaN
     den = tl.where(pos, l_sum, 1.0)
     dt = tl.arange(0, DV_TILE)
@@ -678,6 +685,8 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
                     total = total * e0 + tl.sum(wk[:, None] * ak, 0) * ek
                     l_run = l_run * e0 + tl.sum(wk * lk, 0) * ek
                     m_run = top
+            if HAS_SINK:
+                l_run = l_run + tl.exp(sink - m_run)
             pos_k = l_run > 0
             out = tl.where(pos_k, total / tl.where(pos_k, l_run, 1.0), 0.0)
         else:
@@ -688,7 +697,7 @@ def _merge_head(acc_ptr, m_ptr, l_ptr, o_ptr, row0, used, rows, DV: tl.constexpr
 @triton.jit
 def _merge_group(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, qh0, hq, num_splits, used,
                  G: tl.constexpr, BLOCK_G: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr):
+                 BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr, sinks_ptr=None, HAS_SINKS: tl.constexpr = False):
     """The fused merge of query heads qh0 .. qh0 + G - 1 of sequence b: _merge_head's arithmetic
     element for element (the same bits under the interpreter), with its loads past L1 (.cg:
     other SMs wrote the partials). m and l of all the heads at once as [BLOCK_G, BLOCK_S]; acc one
@@ -710,6 +719,8 @@ def _merge_group(acc_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_oh, b, qh0, hq, num_spl
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(hs, tl.exp(m - m_safe[:, None]), 0.0)
     l_sum = tl.sum(w * l, 1)
+    if HAS_SINKS:                                     # as _merge_head's, per head
+        l_sum = l_sum + tl.exp(tl.load(sinks_ptr + qh0 + hh, mask=hmask, other=0.0).to(tl.float32) - m_safe)
     pos = l_sum > 0
     den = tl.where(pos, l_sum, 1.0)
     dt = tl.arange(0, DV_TILE)
@@ -754,7 +765,8 @@ def _lazy_rescale(m_i, l_i, acc, tile_max, SLACK: tl.constexpr, ROWS_LAST: tl.co
 def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, num_splits, pages_min,
                          HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr, DV_TILE: tl.constexpr,
-                         PDL: tl.constexpr, LONG_SPLITS: tl.constexpr = 0, NCHUNK: tl.constexpr = 1):
+                         PDL: tl.constexpr, LONG_SPLITS: tl.constexpr = 0, NCHUNK: tl.constexpr = 1,
+                         sinks_ptr=None, HAS_SINKS: tl.constexpr = False):
     """Stage 2, grid (B, Hq): one program merges one (sequence, query head)'s splits, all of them
     at once (_merge_head; BLOCK_S = next power of two >= MAX_SPLITS; NCHUNK chunks of BLOCK_S where
     the partition has LONG_SPLITS)."""
@@ -764,8 +776,11 @@ def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, s_ob, s_oh, n
     # only the splits that hold keys were written (the same _split_pages as stage 1): with a table
     # padded to max_model_len most grid splits are empty and never touched
     _, _, used = _split_pages(tl.load(lens_ptr + b), pages_min, MAX_SPLITS, BLOCK_SIZE, LONG_SPLITS)
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
     _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr + b * s_ob + h * s_oh, (b * HQ + h) * num_splits, used, num_splits,
-                DV, BLOCK_DV, BLOCK_S, DV_TILE, NCHUNK)
+                DV, BLOCK_DV, BLOCK_S, DV_TILE, NCHUNK, sink, HAS_SINKS)
 
 
 def _slack(rescale_slack: float | None, default: float = RESCALE_SLACK) -> float:
@@ -846,8 +861,10 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
                      tile_tokens: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
                      fused_merge: bool = False, swap_ab: bool = False, fp8_words: bool | None = None,
-                     prefetch_steps: int | None = None, long_splits: int | None = None) -> torch.Tensor:
-    """As attention_reference.paged_decode_gqa. split_tokens: tokens per split, rounded up to
+                     prefetch_steps: int | None = None, long_splits: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """As attention_reference.paged_decode_gqa (sinks [Hq]: gpt-oss's, added where the splits
+    merge). split_tokens: tokens per split, rounded up to
     whole pages (default 256, FlashInfer/vLLM's order of magnitude; to be tuned on a GPU);
     max_splits (default GQA_DEFAULT_MAX_SPLITS): a sequence longer than split_tokens * max_splits
     gets max_splits longer splits. Both must be fixed per model (they change the last bits).
@@ -934,6 +951,7 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         pf = int(prefetch_steps)
     if pf < 0 or pf & (pf - 1):
         raise ConfigError(f"paged decode (triton): prefetch_steps must be 0 or a power of two, got {prefetch_steps}")
+    sink_args = dict(sinks_ptr=sinks.contiguous() if sinks is not None else m, HAS_SINKS=sinks is not None)
     _gqa_decode_split_kernel[(b, hkv, num_splits)](
         q, cache.k, cache.v, ks, vs, block_tables, seq_lens, acc, m, l_, out, cnt, s2,
         q.stride(0), q.stride(1), *kst, *vst,
@@ -945,11 +963,11 @@ def paged_decode_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Ten
         FUSED_MERGE=fused_merge, **merge, num_warps=num_warps, num_stages=num_stages,
         SWAP_AB=swap_ab, F8_WORDS=fp8_words, PF_STEPS=pf if pdl["PDL"] else 0,
         KV_BYTES=4 if fp8_words else cache.k.element_size(), LONG_SPLITS=long_splits,
-        SKIP_EMPTY=pdl["PDL"] and bool(long_splits), **pdl)
+        SKIP_EMPTY=pdl["PDL"] and bool(long_splits), **sink_args, **pdl)
     if not fused_merge:
         _merge_splits_kernel[(b, hq)](acc, m, l_, seq_lens, out, out.stride(0), out.stride(1), num_splits, pages_min,
                                       HQ=hq, DV=dv, BLOCK_DV=_pow2(dv), MAX_SPLITS=max_splits, BLOCK_SIZE=bs,
-                                      **merge, LONG_SPLITS=long_splits, NCHUNK=nchunk, **pdl)
+                                      **merge, LONG_SPLITS=long_splits, NCHUNK=nchunk, **sink_args, **pdl)
     return out
 
 

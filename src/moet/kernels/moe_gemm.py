@@ -20,13 +20,13 @@ from moet.kernels.pdl import pdl_enter as _pdl_enter  # programmatic dependent l
 def _moe_gemm_kernel(x_ptr, wq_ptr, sc_ptr, s2_ptr, sorted_ptr, bslot_ptr, out_ptr, act_ptr, cnt_ptr,
                      ids_ptr, table_ptr, tw_ptr, s_x, s_wq_slot, s_sc_slot, limit, P,
                      N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATE_UP: tl.constexpr,
-                     bias_ptr=None, alpha=1.0, HAS_BIAS: tl.constexpr = False, HAS_ALPHA: tl.constexpr = False,
                      FMT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_ASM: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, FUSED_FINISH: tl.constexpr,
                      FUSED_COMBINE: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr = 1,
                      TILED: tl.constexpr = False, CHAINS: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
                      EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, X_CLAMP: tl.constexpr = False,
-                     PREFETCH_STEPS: tl.constexpr = 0, KW2: tl.constexpr = False):
+                     PREFETCH_STEPS: tl.constexpr = 0, KW2: tl.constexpr = False,
+                     bias_ptr=None, alpha=1.0, HAS_BIAS: tl.constexpr = False, HAS_ALPHA: tl.constexpr = False):
     """Grid (cdiv(N, BN), tiles, SPLIT_K). GATE_UP: x = hidden [T, K] (row = pair // TOPK),
     weights rows n (gate) and N + n (up) of [2N, K]; else x = act [P, K] (row = pair), weights
     [N, K]. Output: act [P, N] (GATE_UP, SPLIT_K 1) or fp32 partials [SPLIT_K, P, 2N or N].

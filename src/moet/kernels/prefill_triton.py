@@ -133,7 +133,7 @@ def _gqa_prefill_kernel(
         D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
         SCALE_KIND: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr, INTERPRET: tl.constexpr,
-        BF16_DOT: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK):
+        BF16_DOT: tl.constexpr, SLACK: tl.constexpr = RESCALE_SLACK, sinks_ptr=None, HAS_SINKS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -193,6 +193,9 @@ def _gqa_prefill_kernel(
             acc = acc * tl.load(vs_ptr)
         if SCALE_KIND == 3:                       # nvfp4: V's scale_2
             acc = acc * tl.load(s2_ptr + 1)
+        if HAS_SINKS:   # gpt-oss: the head's sink logit in the denominator (acc and l_i are against m_i)
+            sink = tl.load(sinks_ptr + qh, mask=rmask, other=0.0).to(tl.float32)
+            l_i = l_i + tl.exp(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_row[:, None] * s_ot + qh[:, None] * s_oh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
@@ -203,8 +206,10 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
                       sliding_window: int | None = None, *, max_seqlen_q: int | None = None,
                       block_m: int | None = None, out: torch.Tensor | None = None,
                       rescale_slack: float | None = None, block_n: int | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype.
+                      num_warps: int | None = None, num_stages: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """As attention_reference.paged_prefill_gqa: q [Tq, Hq, D] -> [Tq, Hq, Dv] in q.dtype (sinks
+    [Hq]: gpt-oss's, in each row's denominator at the end).
     max_seqlen_q: an upper bound on any sequence's query count (grid size; computed from
     cu_seqlens_q with a host sync when None). block_m: query tokens per program (a power of two;
     default: prefill_launch's rows of (token, head) per program, at least one token). out:
@@ -253,5 +258,6 @@ def paged_prefill_gqa(q: torch.Tensor, cache: GQALayerKV, block_tables: torch.Te
         BLOCK_SIZE=bs, BLOCK_N=block_n or PREFILL_BLOCK_N, WINDOW=sliding_window or 0, SCALE_KIND=kind,
         GROUP_K=min(fmt.group, d), GROUP_V=min(fmt.group, dv), INTERPRET=_INTERPRET, BF16_DOT=_bf16_dots(q),
         SLACK=_slack(rescale_slack), num_warps=num_warps or warps,
+        sinks_ptr=sinks.contiguous() if sinks is not None else out, HAS_SINKS=sinks is not None,
         **({"num_stages": num_stages or stages} if num_stages or stages else {}))
     return out
