@@ -85,7 +85,7 @@ def routing(t: int, e: int, k: int, device, gen) -> tuple[torch.Tensor, torch.Te
 # ---------------------------------------------------------------- bf16 baselines
 
 def moe_bf16_transformers_loop(hidden, topk_ids, topk_weights, slot_table, pool: DensePool, miss_counter, *,
-                               swiglu_limit=None):
+                               act=None):
     """A bf16 MoE layer written as transformers' eager MoE blocks are: loop over the experts that
     got tokens (a host sync to find them), gather, gate/up -> SiLU*up -> down, index_add."""
     t, k = topk_ids.shape
@@ -110,7 +110,7 @@ def grouped_mm_available(device) -> tuple[bool, str]:
 
 
 def moe_bf16_grouped_mm(hidden, topk_ids, topk_weights, slot_table, pool: DensePool, miss_counter, *,
-                        swiglu_limit=None):
+                        act=None):
     """torch's best bf16 path: pairs sorted by slot, two torch._grouped_mm calls over all slots
     (empty groups allowed), router weights, a fixed-order sum over k. No host sync."""
     t, k = topk_ids.shape

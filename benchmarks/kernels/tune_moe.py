@@ -125,6 +125,7 @@ def relerr(a: torch.Tensor, r: torch.Tensor) -> float:
 def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn, config=None) -> dict:
     """One correctness record: poisoned workspaces, misses, reruns, slot permutation (config:
     the launch configuration to check, default the table's)."""
+    from moet.kernels.reference import ExpertActivation
     orig = mt._workspace
 
     def poisoned(shape, dtype, device):
@@ -138,9 +139,9 @@ def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn, config=None) -> di
         table[torch.randperm(e, device=dev, generator=gen)[: e // 8]] = -1          # 1/8 not resident
         m_ref = torch.zeros(1, dtype=torch.int64, device=dev)
         m_tri = torch.zeros(1, dtype=torch.int64, device=dev)
-        ref = ref_fn(x, ids, w, table, pool, m_ref, swiglu_limit=limit)
-        out = mt.moe_experts_triton(x, ids, w, table, pool, m_tri, swiglu_limit=limit, config=config)
-        out2 = mt.moe_experts_triton(x, ids, w, table, pool, torch.zeros_like(m_tri), swiglu_limit=limit,
+        ref = ref_fn(x, ids, w, table, pool, m_ref, act=ExpertActivation(limit=limit))
+        out = mt.moe_experts_triton(x, ids, w, table, pool, m_tri, act=ExpertActivation(limit=limit), config=config)
+        out2 = mt.moe_experts_triton(x, ids, w, table, pool, torch.zeros_like(m_tri), act=ExpertActivation(limit=limit),
                                      config=config)
         rec = {"T": t, "relerr": relerr(out, ref), "finite": bool(torch.isfinite(out).all()),
                "misses": [int(m_tri.item()), int(m_ref.item())], "rerun_identical": bool(torch.equal(out, out2))}
@@ -151,7 +152,7 @@ def check(fmt, pool, h, e, k, t, limit, dev, gen, mt, ref_fn, config=None) -> di
             inv = torch.empty_like(perm)
             inv[perm] = torch.arange(e, device=dev)
             ptable = torch.where(table >= 0, inv[table.clamp(min=0).long()].to(torch.int32), table)
-            out3 = mt.moe_experts_triton(x, ids, w, ptable, ppool, torch.zeros_like(m_tri), swiglu_limit=limit,
+            out3 = mt.moe_experts_triton(x, ids, w, ptable, ppool, torch.zeros_like(m_tri), act=ExpertActivation(limit=limit),
                                          config=config)
             rec["slot_invariant"] = bool(torch.equal(out, out3))
         rec["ok"] = (rec["relerr"] < 1e-2 and rec["finite"] and rec["misses"][0] == rec["misses"][1]

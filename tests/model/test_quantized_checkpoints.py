@@ -47,7 +47,8 @@ def _w2_round_trip(w64):
 
 
 @pytest.mark.parametrize("family,fmt", [("deepseek_v3", "nvfp4"), ("deepseek_v3", "fp8"),
-                                        ("glm4_moe", "bf16"), ("qwen3_moe", "mxfp4"), ("mixtral", "nvfp4")] + DSA[:1])
+                                        ("glm4_moe", "bf16"), ("qwen3_moe", "mxfp4"), ("mixtral", "nvfp4")] + DSA[:1]
+                         + [("gpt_oss", "mxfp4")] * ("gpt_oss" in FAMILIES))
 def test_w2_experts_equal_float64_w2_reference(family, fmt):
     path = cached_checkpoint(family, fmt)
     got = _moet_logprobs(path, "w2")
@@ -86,7 +87,8 @@ def _nvfp4_round_trip(w64):
     return nvfp4.dequantize(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "bf16"), ("deepseek_v3", "mxfp4")])
+@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "bf16"), ("deepseek_v3", "mxfp4")]
+                         + [("gpt_oss", "mxfp4")] * ("gpt_oss" in FAMILIES))
 def test_fp4_experts_from_other_formats_equal_float64_nvfp4_reference(family, fmt):
     """expert_format="fp4" on a non-NVFP4 checkpoint: experts quantized to NVFP4 per projection."""
     path = cached_checkpoint(family, fmt)

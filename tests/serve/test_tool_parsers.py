@@ -49,7 +49,11 @@ MINIMAX = ('Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<pa
 MINIMAX_CALLS = [("get_weather", {"city": "São Paulo", "days": 3, "metric": True}),
                  ("search", {"query": "a <b> c", "filters": {"lang": "pt"}})]
 
-CASES = [("minimax_m2", MINIMAX, "Let me check.", MINIMAX_CALLS), ("glm45", GLM, "I'll check.", GLM_CALLS), ("glm47", GLM47, "", [("get_weather", {"city": "Oslo", "days": 4})]), ("hermes", HERMES, "Let me look.", HERMES_CALLS),
+# gpt-oss: a harmony message to functions.NAME, as the harmony reasoning parser hands it on
+OPENAI = 'to=functions.get_weather<|message|>{"city": "Oslo", "days": 2}<|call|>'
+
+CASES = [("openai", OPENAI, "", [("get_weather", {"city": "Oslo", "days": 2})]),
+         ("minimax_m2", MINIMAX, "Let me check.", MINIMAX_CALLS), ("glm45", GLM, "I'll check.", GLM_CALLS), ("glm47", GLM47, "", [("get_weather", {"city": "Oslo", "days": 4})]), ("hermes", HERMES, "Let me look.", HERMES_CALLS),
          ("deepseek_v3", DSV3, "Sure", DSV3_CALLS), ("deepseek_v3", DSV31, "", [("get_weather", {"city": "Lima"})]),
          ("kimi_k2", KIMI, "Checking", KIMI_CALLS)]
 
@@ -192,3 +196,17 @@ def test_forced_call_grammar_accepts_what_the_parser_reads(name):
         bad = [good.replace(">3<", ">three<"), good.replace(">search\n", ">browse\n")]
     assert accepts(good) and not any(accepts(b) for b in bad)
     assert _calls(p.parse(good)) == [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "q"})]
+
+
+def test_forced_harmony_call_grammar_accepts_what_the_parser_reads():
+    """gpt-oss (openai): one call a reply (<|call|> ends the turn); JSON arguments of the schema."""
+    xgr = pytest.importorskip("xgrammar")
+    from moet.serve.structured import tool_reply_constraint
+    p = get_tool_parser("openai")(TOOLS)
+    grammar = xgr.Grammar.from_ebnf(tool_reply_constraint(p, TOOLS, None, parallel=False).grammar)
+    accepts = lambda text: xgr.testing._is_grammar_accept_string(grammar, text)  # noqa: E731
+    good = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}'
+            '<|call|>')
+    bad = [good.replace("3}", '"three"}'), good.replace("get_weather", "browse")]
+    assert accepts(good) and not any(accepts(b) for b in bad)
+    assert _calls(p.parse(good)) == [("get_weather", {"city": "Paris", "days": 3})]

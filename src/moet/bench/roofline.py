@@ -48,7 +48,11 @@ def decode_step_bytes(model, kv_bytes_per_token: int, context: int, batch: int =
     per_sequence = getattr(model, "decode_cache_bytes", None)     # a cache not read whole (DeepSeek-V4)
     if per_sequence is not None:
         return total + per_sequence(context) * batch
-    return total + kv_bytes_per_token * context * batch
+    # sliding-window layers (gpt-oss alternates them with full ones) read only their window: the
+    # tokens a step reads, averaged over layers whose cache rows are all the same size
+    windows = [getattr(getattr(layer.self_attn, "spec", None), "sliding_window", None) for layer in model.model.layers]
+    read = sum(min(w, context) if w else context for w in windows) / max(len(windows), 1)
+    return total + int(kv_bytes_per_token * read) * batch
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> dict:

@@ -65,6 +65,18 @@ MINIMAX_M2 = dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2
                   head_dim=128, rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, use_qk_norm=True,
                   rope_theta=5000000.0, max_position_embeddings=196608, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=200020)
+# gpt-oss-120b: 36 layers of 128 experts top-4 (MXFP4 as published; W2 ~30 GiB), GQA 64 / 8 heads of 64 with
+# sinks, sliding (128) and full layers alternating, biases everywhere
+GPT_OSS_120B = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                    intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
+                    head_dim=64, num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+                    layer_types=["sliding_attention", "full_attention"] * 18, attention_bias=True,
+                    swiglu_limit=7.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                                        truncate=False, original_max_position_embeddings=4096),
+                    rope_theta=150000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=200002)
+GPT_OSS_20B = dict(GPT_OSS_120B, num_hidden_layers=24, num_local_experts=32,
+                   layer_types=["sliding_attention", "full_attention"] * 12)
 # a few-MB Qwen3-MoE-shaped model: the benchmark's own tests on a CPU (its numbers mean nothing)
 MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -85,6 +97,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "glm45air": ("GLM-4.5-Air", GLM45_AIR), "qwen3_30b": ("Qwen3-30B-A3B", QWEN3_30B),
     "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "glm5": ("GLM-5", GLM5),
     "dsv32": ("DeepSeek-V3.2", DSV32), "dsv4": ("DeepSeek-V4-Flash", DSV4), "minimax_m2": ("MiniMax-M2", MINIMAX_M2),
+    "gpt_oss_120b": ("gpt-oss-120b", GPT_OSS_120B), "gpt_oss_20b": ("gpt-oss-20b", GPT_OSS_20B),
     "micro": ("micro (tests)", MICRO), "micro_v4": ("micro DeepSeek-V4 (tests)", MICRO_V4),
     "micro_mtp": ("micro with MTP (tests)", MICRO_MTP)}
 

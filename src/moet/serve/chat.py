@@ -80,10 +80,11 @@ class ChatPlan:
         self.params = sampling_params(req, prompt_len=len(self.prompt_ids), max_model_len=state.engine.max_model_len,
                                       defaults=state.sampling_defaults, logprobs=self.logprobs,
                                       structured=structured)
-        self.keep_special = bool(tool_parser is not None and tool_parser.needs_special_tokens)
+        reasoning = state.reasoning_parser
+        self.keep_special = bool(tool_parser is not None and tool_parser.needs_special_tokens
+                                 or reasoning is not None and reasoning.needs_special_tokens)
         if self.keep_special:
             self.params.skip_special_tokens = False
-        reasoning = state.reasoning_parser
         self.starts_in_reasoning = bool(reasoning and reasoning.starts_in_reasoning(prompt_text))
         self.tool_parser = tool_parser
 
@@ -92,6 +93,10 @@ class ChatPlan:
         if self.keep_special:
             tok = self.state.tokenizer
             eos_texts = tuple(tok.decode([e], skip_special_tokens=False) for e in sorted(self.state.engine.eos_token_ids))
+            # an end-of-turn text a parser reads (harmony's <|call|>) stays in the text
+            kept = set(getattr(self.tool_parser, "keeps_end_markers", ()))
+            kept |= set(self.state.reasoning_parser.keeps_end_markers if self.state.reasoning_parser else ())
+            eos_texts = tuple(t for t in eos_texts if t not in kept)
         p = ChoiceOutputParser(self.state.reasoning_parser, self.starts_in_reasoning,
                                type(self.tool_parser)([t.model_dump() for t in self.req.tools])
                                if self.tool_parser is not None else None, eos_texts)

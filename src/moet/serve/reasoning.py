@@ -25,7 +25,8 @@ class ReasoningDelta:
     content: str = ""
 
 
-def _partial(text: str, marker: str) -> int:
+def partial_marker(text: str, marker: str) -> int:
+    """Characters at the end of `text` that could be the start of `marker` (held back)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:n]):
             return n
@@ -58,7 +59,7 @@ class ReasoningStream:
             if self.state == "reasoning":
                 i = self.buf.find(self.end)
                 if i < 0:
-                    keep = _partial(self.buf, self.end)
+                    keep = partial_marker(self.buf, self.end)
                     out.reasoning += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep:]
                     return out
@@ -90,6 +91,10 @@ class ReasoningParser:
     """Configured once per server; makes one stream per choice."""
 
     name = "think"
+    # harmony (serve/harmony.py): replies decoded with special tokens kept, and the end-of-turn
+    # texts a parser downstream reads left in the text
+    needs_special_tokens = False
+    keeps_end_markers: tuple[str, ...] = ()
 
     def __init__(self, start: str = THINK_START, end: str = THINK_END):
         self.start_tag, self.end_tag = start, end
@@ -110,9 +115,15 @@ class ReasoningParser:
         return (reasoning or None), a.content + b.content
 
 
+def _harmony() -> ReasoningParser:
+    from moet.serve.harmony import HarmonyReasoningParser
+    return HarmonyReasoningParser()
+
+
 # names vLLM uses for the same tags, accepted so that launch scripts carry over
 REASONING_PARSERS = {"think": ReasoningParser, "glm45": ReasoningParser, "deepseek_r1": ReasoningParser,
-                     "qwen3": ReasoningParser, "kimi_k2": ReasoningParser}
+                     "qwen3": ReasoningParser, "kimi_k2": ReasoningParser,
+                     "harmony": _harmony, "openai_gptoss": _harmony}
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
@@ -124,5 +135,8 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 
 
 def default_reasoning_parser(chat_template: str | None) -> str | None:
-    """`think` when the chat template writes think blocks, else none."""
+    """`harmony` when the chat template writes harmony channels (gpt-oss), `think` when it
+    writes think blocks, else none."""
+    if chat_template and "<|channel|>" in chat_template:
+        return "harmony"
     return "think" if chat_template and THINK_START in chat_template else None

@@ -382,7 +382,15 @@ def dequantized_tensors(path: str, dtype: torch.dtype = torch.float32, expert_fn
         w = w.to(dtype if expert_fn is None else torch.float64)
         fm = re.search(r"\.experts\.(gate_up_proj|down_proj)$", name)
         if fm and gpt_oss:           # transformers reads gpt-oss's fused [E, in, out] tensors
-            out[name] = w.transpose(1, 2).contiguous() if name in mx_names else w
+            w = w.transpose(1, 2) if name in mx_names else w
+            if expert_fn is not None:    # per projection in the [N, K] layout: gate rows, up rows, down
+                per = w.transpose(1, 2).clone()                                # [E, out, in]
+                for e in range(per.shape[0]):
+                    rows = (slice(0, None, 2), slice(1, None, 2)) if fm.group(1) == "gate_up_proj" else (slice(None),)
+                    for r in rows:
+                        per[e, r] = expert_fn(per[e, r].double())
+                w = per.transpose(1, 2)
+            out[name] = w.contiguous()
             continue
         if fm:  # unfuse: transformers reads per-expert names from disk
             prefix = name[: fm.start()] + ".experts."

@@ -9,6 +9,7 @@ from moet.serve.tool_parsers.glm45 import Glm45ToolParser
 from moet.serve.tool_parsers.hermes import HermesToolParser
 from moet.serve.tool_parsers.kimi_k2 import KimiK2ToolParser
 from moet.serve.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
+from moet.serve.tool_parsers.openai import OpenAIToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm45": Glm45ToolParser, "glm47": Glm45ToolParser,
@@ -16,6 +17,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser,
     "kimi_k2": KimiK2ToolParser,
     "minimax_m2": MiniMaxM2ToolParser,
+    "openai": OpenAIToolParser, "harmony": OpenAIToolParser,
 }
 
 
@@ -31,6 +33,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 # what the model was trained to read and write, so it decides; the architecture alone does not
 # (Kimi-K2 and moet-tiny are both DeepseekV3ForCausalLM with different tool syntax).
 _TEMPLATE_MARKERS = (
+    ("to=functions.", "openai"),
     ("<minimax:tool_call>", "minimax_m2"),
     ("<arg_key>", "glm45"),
     ("tool_calls_section_begin", "kimi_k2"),
@@ -39,7 +42,7 @@ _TEMPLATE_MARKERS = (
 )
 # GLM-5 writes tool calls as GLM-4.7 does (<tool_call>name<arg_key>..</arg_key><arg_value>..)
 _FAMILY_DEFAULTS = {"Glm4MoeForCausalLM": "glm45", "GlmMoeDsaForCausalLM": "glm45",
-                    "MiniMaxM2ForCausalLM": "minimax_m2"}
+                    "MiniMaxM2ForCausalLM": "minimax_m2", "GptOssForCausalLM": "openai"}
 
 
 def default_tool_parser(chat_template: str | None, architecture: str | None = None) -> str | None:

@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
+from moet.serve.reasoning import partial_marker
+
 
 @dataclass
 class ParsedToolCall:
@@ -63,6 +65,8 @@ class ToolParser(ABC):
     region_start: ClassVar[str]
     # True when the markers are special tokens that decode(skip_special_tokens=True) would drop.
     needs_special_tokens: ClassVar[bool] = False
+    # end-of-turn token texts this format reads (harmony's <|call|>), left in the reply's text
+    keeps_end_markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tools: list[dict[str, Any]] | None = None):
         # name -> JSON schema of the parameters, to type GLM's string-valued arguments
@@ -192,14 +196,6 @@ def take_section_calls(buf: str, call_start: str, call_end: str, section_end: st
     return Taken(calls, rest, closed=False, invalid=invalid)
 
 
-def _partial_marker_len(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
 class ToolCallStream:
     """Incremental parsing of one choice's content. feed() deltas of text, then finish()."""
 
@@ -235,7 +231,7 @@ class ToolCallStream:
             if not self.in_region:
                 i = self.buf.find(marker)
                 if i < 0:
-                    keep = _partial_marker_len(self.buf, marker)
+                    keep = partial_marker(self.buf, marker)
                     self._content(self.buf[: len(self.buf) - keep], out)
                     self.buf = self.buf[len(self.buf) - keep:]
                     return out
