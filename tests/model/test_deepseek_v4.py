@@ -307,3 +307,68 @@ def test_the_fp4_gate_repairs_v4_layers():
     assert gated == fp4 != w2 and c.fires == c.rows_checked == 11 * len(prompts)
     _, c = run(expert_format="w2", gate_tau=0.0, gate_refresh=4)
     assert c.fires == 2 * len(prompts) and c.recomputed_rows == 8 * len(prompts)
+
+
+def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales (float) -> UE8M0 bytes as safetensors' F8_E8M0."""
+    return (torch.log2(scale).round().to(torch.int32) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="this torch has no float8_e8m0fnu")
+def test_released_fp8_and_fp4_layout_loads_as_its_decoded_values(v4, tmp_path):
+    """DeepSeek-V4's released layout: dense projections FP8 e4m3 with `X.scale` UE8M0 block-128
+    scales, routed experts packed e2m1 pairs in int8 (low nibble first) with `X.scale` UE8M0 per 32
+    (config: fp8, block [128, 128], scale_fmt ue8m0). moet loads it to exactly the model of the
+    values decoded by hand in float64 (a float32 checkpoint of them): logits equal bit for bit, and
+    W2 experts from the FP4 bytes equal W2 from the decoded floats."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moet.formats import mxfp4
+    path, _, _ = v4
+    src = load_file(f"{path}/model.safetensors")
+    released, decoded = {}, {}
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       dtype=torch.float64)
+    for name, t in src.items():
+        if re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
+            blocks, scales = mxfp4.quantize(t.float())                              # [N, K/32, 16], [N, K/32]
+            released[name] = blocks.reshape(t.shape[0], -1).view(torch.int8)        # [N, K/2]
+            released[name[: -len(".weight")] + ".scale"] = scales.view(torch.float8_e8m0fnu)
+            b = blocks.reshape(t.shape[0], -1)
+            codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(t.shape).long()  # low nibble first
+            exps = (scales.double() - 127).repeat_interleave(32, dim=-1)
+            decoded[name] = (lut[codes] * torch.exp2(exps)).float()
+        elif re.search(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|shared_experts\.w[123])\.weight$", name):
+            n, k = t.shape
+            s = torch.exp2(torch.ceil(torch.log2(t.abs().amax().double() / 448)))   # one block: [1, 1]
+            q = (t.double() / s).to(torch.float8_e4m3fn)
+            released[name] = q
+            released[name[: -len(".weight")] + ".scale"] = _ue8m0(s.reshape(1, 1).float())
+            decoded[name] = (q.double() * s).float()
+        else:
+            released[name] = decoded[name] = t
+    out_r, out_d = tmp_path / "released", tmp_path / "decoded"
+    for out, tensors in ((out_r, released), (out_d, decoded)):
+        shutil.copytree(path, out)
+        (out / "model.safetensors").unlink()
+        save_file(tensors, out / "model.safetensors")
+    cfg = _config(out_r)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "scale_fmt": "ue8m0", "activation_scheme": "dynamic"}
+    (out_r / "config.json").write_text(json.dumps(cfg))
+    ckpt = open_checkpoint(str(out_r))
+    assert "model.layers.1.ffn.experts.3.w1.weight_blocks" in ckpt.reader.tensors
+    assert ckpt.reader.get("model.layers.1.attn.wq_a.weight_scale_inv").dtype == torch.float32
+    ids = _prompt(19, 5)
+    logits = {}
+    with torch.no_grad():
+        for fmt in ("bf16", "w2"):
+            logits[fmt] = load_model(ckpt, expert_format=fmt, dtype=torch.float32)(ids)
+            want = load_model(open_checkpoint(str(out_d)), expert_format=fmt, dtype=torch.float32)(ids)
+            assert torch.equal(logits[fmt], want), fmt
+        # and the quantized values are really in use
+        original = load_model(open_checkpoint(path), expert_format="bf16", dtype=torch.float32)(ids)
+        assert (original - logits["bf16"]).abs().max() > 1e-3

@@ -9,6 +9,7 @@ keeping every shard open would grow RSS to the checkpoint's size while loading.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -28,6 +29,49 @@ ST_DTYPES: dict[str, torch.dtype] = {
 }
 if hasattr(torch, "float8_e8m0fnu"):
     ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+# DeepSeek's own checkpoints (DeepSeek-V4) store a quantized weight's scales as `X.scale`: beside an
+# e4m3 `X.weight` [N, K] they are FP8 block-128 scales [N/128, K/128] (UE8M0 or float32); beside an
+# int8 `X.weight` [N, K/2] of packed e2m1 pairs (low nibble first) they are UE8M0 exponents
+# [N, K/32], i.e. MXFP4. The reader presents them under the names of the formats moet reads
+# (checkpoint/weight_format.py): X.weight_scale_inv (float32), or X.weight_blocks [N, K/32, 16] +
+# X.weight_scales; the values are the same, only the names and views change.
+DS_SCALE = ".scale"
+
+
+def _e8m0_to_f32(t: torch.Tensor) -> torch.Tensor:
+    """UE8M0 exponent bytes -> 2**(byte - 127) in float32 (exact; 255, NaN, stays NaN)."""
+    b = t.view(torch.uint8).to(torch.int32)
+    out = torch.ldexp(torch.ones_like(b, dtype=torch.float32), b - 127)
+    return torch.where(b == 255, torch.full_like(out, float("nan")), out)
+
+
+def _deepseek_scale_aliases(tensors: dict[str, "TensorInfo"]) -> dict[str, tuple["TensorInfo", str]]:
+    """{presented name: (stored name, view)} for DeepSeek-style `.scale` weights; rewrites
+    `tensors` to list the presented names in place of the stored ones."""
+    aliases: dict[str, tuple[TensorInfo, str]] = {}
+    for name in [n for n in tensors if n.endswith(DS_SCALE)]:
+        stem = name[: -len(DS_SCALE)]
+        weight = tensors.get(stem + ".weight")
+        if weight is None:
+            continue                               # a parameter called scale (a norm's), not a weight's
+        scale = tensors[name]
+        if weight.dtype == "F8_E4M3":
+            presented = stem + ".weight_scale_inv"
+            aliases[presented] = (scale, "f32")
+            tensors[presented] = TensorInfo(presented, scale.file, "F32", scale.shape, 4 * math.prod(scale.shape))
+        elif weight.dtype in ("I8", "U8") and len(weight.shape) == 2 and weight.shape[1] % 16 == 0:
+            n, half = weight.shape
+            blocks, scales = stem + ".weight_blocks", stem + ".weight_scales"
+            aliases[blocks], aliases[scales] = (weight, "blocks"), (scale, "u8")
+            tensors[blocks] = TensorInfo(blocks, weight.file, "U8", (n, half // 16, 16), weight.nbytes)
+            tensors[scales] = TensorInfo(scales, scale.file, "U8", scale.shape, scale.nbytes)
+            del tensors[stem + ".weight"]
+        else:
+            continue
+        del tensors[name]
+    return aliases
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +117,9 @@ class CheckpointReader:
     config: dict
     generation_config: dict
     hf_quant_config: dict | None
-    tensors: dict[str, TensorInfo]             # every tensor of every shard, by name
+    tensors: dict[str, TensorInfo]             # every tensor of every shard, by name (as presented)
     shards: list[str]                          # shard file names in index order
+    aliases: dict[str, tuple[TensorInfo, str]] = field(default_factory=dict)   # DeepSeek .scale views
     _open_file: str | None = field(default=None, repr=False)
     _handle: object = field(default=None, repr=False)
 
@@ -123,7 +168,8 @@ class CheckpointReader:
                 if name not in tensors or tensors[name].file != shard:
                     raise CheckpointError(f"{os.path.join(path, shard)}: tensor {name} is listed in "
                                           f"{INDEX_FILE} but not stored in that shard")
-        return cls(path, config, generation_config, hf_quant, tensors, shards)
+        aliases = _deepseek_scale_aliases(tensors)
+        return cls(path, config, generation_config, hf_quant, tensors, shards, aliases=aliases)
 
     # ------------------------------------------------------------------ metadata
 
@@ -149,21 +195,32 @@ class CheckpointReader:
         file (it keeps the mapping, and the shard's touched pages in RSS, alive while
         referenced); for a caller that consumes it at once (decode / copy into a parameter),
         saving one transient copy of the tensor."""
+        if name in self.aliases:
+            stored, view = self.aliases[name]
+            t = self._read(stored)
+            if view == "f32":           # FP8 block scales: UE8M0 bytes, or already float
+                t = _e8m0_to_f32(t) if t.element_size() == 1 else t.float()
+            else:                       # MXFP4 views of packed e2m1 bytes and UE8M0 exponents
+                t = t.view(torch.uint8).reshape(self.tensors[name].shape)
+            return t.clone() if copy else t
+        t = self._read(self.info(name))
+        return t.clone() if copy else t
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
         from safetensors import safe_open
 
-        info = self.info(name)
         if self._open_file != info.file:
             self.close()
             self._handle = safe_open(os.path.join(self.path, info.file), framework="pt")
             self._open_file = info.file
         try:
-            t = self._handle.get_tensor(name)
+            t = self._handle.get_tensor(info.name)
         except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"{os.path.join(self.path, info.file)}: cannot read tensor {name} ({exc})") from exc
+            raise CheckpointError(f"{os.path.join(self.path, info.file)}: cannot read tensor {info.name} ({exc})") from exc
         if tuple(t.shape) != info.shape:
-            raise CheckpointError(f"{os.path.join(self.path, info.file)}: tensor {name} read as shape "
+            raise CheckpointError(f"{os.path.join(self.path, info.file)}: tensor {info.name} read as shape "
                                   f"{tuple(t.shape)}, header says {info.shape}")
-        return t.clone() if copy else t
+        return t
 
     def close(self) -> None:
         self._handle = None
