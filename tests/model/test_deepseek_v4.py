@@ -262,24 +262,16 @@ def test_the_expert_store_serves_it_as_resident(tmp_path):
     """W2 experts through the expert store (pack file, host arena, a device cache of 20 of the 32
     expert rows; hash-routed layers fetch by their token table): tokens and logprobs equal the
     resident engine's, with rows really fetched."""
-    from moet.config import EngineConfig
-    from moet.engine.llm_engine import LLMEngine
     from moet.sampling_params import SamplingParams
+    from moet.testing.engine_runs import run_engine
     prompts = [_prompt(n, n).tolist() for n in (21, 9, 35)]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
     kw = dict(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32", expert_format="w2",
               max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
-
-    def run(eng):
-        out = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
-        eng_stats = eng.stats().extra
-        eng.close()
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                for o in (out[str(i)] for i in range(len(prompts)))], eng_stats
-    want, _ = run(LLMEngine.from_config(EngineConfig(**kw)))
-    got, st = run(LLMEngine.from_config(EngineConfig(**kw, pack_dir=str(tmp_path), expert_cache_slots=20)))
-    assert got == want
-    assert st["expert_cache_slots"] == 20 and st["expert_rows_fetched_total"] > 0
+    want = run_engine(prompts, sp, **kw)
+    got = run_engine(prompts, sp, **kw, pack_dir=str(tmp_path), expert_cache_slots=20)
+    assert (got.tokens, got.logprobs) == (want.tokens, want.logprobs)
+    assert got.stats["expert_cache_slots"] == 20 and got.stats["expert_rows_fetched_total"] > 0
 
 
 def test_the_fp4_gate_repairs_v4_layers():
@@ -287,25 +279,18 @@ def test_the_fp4_gate_repairs_v4_layers():
     repair recomputes the fired position with FP4 experts, its KV and the compressed keys of a
     window ending there included, so the tokens equal an FP4-expert engine's (and differ from bare
     W2's); with tau 0 and refresh 4 every 4th generated position fires and recomputes 4."""
-    from moet.config import EngineConfig
-    from moet.engine.llm_engine import LLMEngine
     from moet.sampling_params import SamplingParams
+    from moet.testing.engine_runs import run_engine
     prompts = [_prompt(n, n).tolist() for n in (21, 9, 35)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     kw = dict(model=cached_checkpoint("deepseek_v4"), device="cpu", dtype="float32", max_num_seqs=4,
               max_num_batched_tokens=16, block_size=4)
-
-    def run(**k):
-        eng = LLMEngine.from_config(EngineConfig(**kw, **k))
-        out = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
-        counters = eng.gate.counters if eng.gate is not None else None
-        eng.close()
-        return [out[str(i)].outputs[0].token_ids for i in range(len(prompts))], counters
-    fp4, _ = run(expert_format="fp4")
-    w2, _ = run(expert_format="w2", fp4_gate=False)
-    gated, c = run(expert_format="w2", gate_tau=1.0)
-    assert gated == fp4 != w2 and c.fires == c.rows_checked == 11 * len(prompts)
-    _, c = run(expert_format="w2", gate_tau=0.0, gate_refresh=4)
+    fp4 = run_engine(prompts, sp, **kw, expert_format="fp4").tokens
+    w2 = run_engine(prompts, sp, **kw, expert_format="w2", fp4_gate=False).tokens
+    gated = run_engine(prompts, sp, **kw, expert_format="w2", gate_tau=1.0)
+    c = gated.gate_counters
+    assert gated.tokens == fp4 != w2 and c.fires == c.rows_checked == 11 * len(prompts)
+    c = run_engine(prompts, sp, **kw, expert_format="w2", gate_tau=0.0, gate_refresh=4).gate_counters
     assert c.fires == 2 * len(prompts) and c.recomputed_rows == 8 * len(prompts)
 
 

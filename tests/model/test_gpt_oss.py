@@ -16,6 +16,7 @@ from moet.model import load_model
 from moet.testing.tiny_checkpoint import FAMILIES, cached_checkpoint, reference_model
 
 pytestmark = pytest.mark.skipif("gpt_oss" not in FAMILIES, reason="this transformers has no GptOssConfig")
+PROMPTS = [list(range(40, 61)), list(range(100, 109)), list(range(7, 42))]
 
 
 def _config(path) -> dict:
@@ -71,47 +72,30 @@ def test_every_part_moves_the_logits():
 def test_the_expert_store_serves_it_as_resident(tmp_path):
     """W2 experts through the expert store (pack file, host arena, a device cache of 12 of the 24
     expert rows): tokens and logprobs equal the resident engine's, rows really fetched."""
-    from moet.config import EngineConfig
-    from moet.engine.llm_engine import LLMEngine
     from moet.sampling_params import SamplingParams
-    prompts = [list(range(40, 61)), list(range(100, 109)), list(range(7, 42))]
+    from moet.testing.engine_runs import run_engine
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
     kw = dict(model=cached_checkpoint("gpt_oss", "mxfp4"), device="cpu", dtype="float32", expert_format="w2",
               max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
-
-    def run(eng):
-        out = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
-        st = eng.stats().extra
-        eng.close()
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                for o in (out[str(i)] for i in range(len(prompts)))], st
-    want, _ = run(LLMEngine.from_config(EngineConfig(**kw)))
-    got, st = run(LLMEngine.from_config(EngineConfig(**kw, pack_dir=str(tmp_path), expert_cache_slots=12)))
-    assert got == want
-    assert st["expert_cache_slots"] == 12 and st["expert_rows_fetched_total"] > 0
+    want = run_engine(PROMPTS, sp, **kw)
+    got = run_engine(PROMPTS, sp, **kw, pack_dir=str(tmp_path), expert_cache_slots=12)
+    assert (got.tokens, got.logprobs) == (want.tokens, want.logprobs)
+    assert got.stats["expert_cache_slots"] == 12 and got.stats["expert_rows_fetched_total"] > 0
 
 
 def test_the_fp4_gate_repairs_gpt_oss():
     """W2 experts, the FP4 repair tier and a gate firing at every step (tau 1): the tokens of an
     FP4-expert engine (and not bare W2's)."""
-    from moet.config import EngineConfig
-    from moet.engine.llm_engine import LLMEngine
     from moet.sampling_params import SamplingParams
-    prompts = [list(range(40, 61)), list(range(100, 109)), list(range(7, 42))]
+    from moet.testing.engine_runs import run_engine
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     kw = dict(model=cached_checkpoint("gpt_oss", "mxfp4"), device="cpu", dtype="float32", max_num_seqs=4,
               max_num_batched_tokens=16, block_size=4)
-
-    def run(**k):
-        eng = LLMEngine.from_config(EngineConfig(**kw, **k))
-        out = eng.generate_all([(str(i), p, sp) for i, p in enumerate(prompts)])
-        counters = eng.gate.counters if eng.gate is not None else None
-        eng.close()
-        return [out[str(i)].outputs[0].token_ids for i in range(len(prompts))], counters
-    fp4, _ = run(expert_format="fp4")
-    w2, _ = run(expert_format="w2", fp4_gate=False)
-    gated, c = run(expert_format="w2", gate_tau=1.0)
-    assert gated == fp4 != w2 and c.fires == c.rows_checked == 11 * len(prompts)
+    fp4 = run_engine(PROMPTS, sp, **kw, expert_format="fp4").tokens
+    w2 = run_engine(PROMPTS, sp, **kw, expert_format="w2", fp4_gate=False).tokens
+    gated = run_engine(PROMPTS, sp, **kw, expert_format="w2", gate_tau=1.0)
+    c = gated.gate_counters
+    assert gated.tokens == fp4 != w2 and c.fires == c.rows_checked == 11 * len(PROMPTS)
 
 
 def test_decode_roofline_counts_what_windowed_layers_read():
