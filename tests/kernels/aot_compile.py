@@ -52,6 +52,9 @@ def _compile(fn, types: dict, const: dict, options: dict | None = None, div16: t
         const = {"SKIP_EMPTY": False, **const}
     if "NCHUNK" in fn.arg_names:
         const = {"NCHUNK": 1, **const}
+    if "HAS_SINKS" in fn.arg_names:      # no attention sinks (gpt-oss's) unless asked
+        const = {"HAS_SINKS": False, **const}
+        types = {"sinks_ptr": "*fp32", **types}
     if "SLACK" in fn.arg_names:          # the lazy-rescale slack the launchers pass by default
         from moet.kernels.attention_triton import RESCALE_SLACK
         const = {"SLACK": RESCALE_SLACK, **const}
@@ -306,6 +309,29 @@ def main() -> None:
     rm = sass_report(cm)
     assert rm["spill_ops"] == 0, rm
     print("gqa long partition split regs", r["regs"], "merge regs", rm["regs"])
+    # gpt-oss's attention sinks: the fused merge and the merge kernel (one chunk and the long
+    # partition's chunks) add them, the prefill at the end; GQA 64 / 8 heads of 64
+    oss_dims = dict(G=8, BLOCK_G=16, D=64, BLOCK_D=64, DV=64, BLOCK_DV=64)
+    fused = _compile(at._gqa_decode_split_kernel,
+                     dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32",
+                          lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*bf16",
+                          cnt_ptr="*i32", s2_ptr="*fp32", scale="fp32"),
+                     dict(oss_dims, BLOCK_SIZE=16, MAX_SPLITS=32, WINDOW=128, SCALE_KIND=0, GROUP_K=64, GROUP_V=64,
+                          BF16_DOT=True, INTERPRET=False, PAGES=4, OP_F16=False, FUSED_MERGE=True, HAS_SINKS=True,
+                          **at._merge_blocks(32, 64)))
+    merge = [_compile(at._merge_splits_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32",
+                                                    out_ptr="*bf16"),
+                      dict(HQ=64, DV=64, BLOCK_DV=64, MAX_SPLITS=32, BLOCK_SIZE=16, HAS_SINKS=True, **chunks,
+                           **at._merge_blocks(32, 64)))
+             for chunks in ({}, dict(LONG_SPLITS=64, NCHUNK=2))]
+    rows, warps, stages = pt.prefill_launch(False, 64)
+    prefill = _compile(pt._gqa_prefill_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ks_ptr="*fp32",
+                                                    vs_ptr="*fp32", bt_ptr="*i32", cu_ptr="*i32", lens_ptr="*i32",
+                                                    out_ptr="*bf16", scale="fp32"),
+                       dict(oss_dims, BLOCK_M=rows // 16, BLOCK_SIZE=16, BLOCK_N=pt.PREFILL_BLOCK_N, WINDOW=128, SCALE_KIND=0,
+                            GROUP_K=64, GROUP_V=64, INTERPRET=False, BF16_DOT=True, HAS_SINKS=True),
+                       dict(num_warps=warps, **({"num_stages": stages} if stages else {})))
+    print("gqa sinks", *(len(c.asm["cubin"]) > 0 for c in (fused, *merge, prefill)))
     # the split merge, all splits loaded at once: GQA rows of 128 (one [32, 128] tile) and MLA's
     # latent rows of 512 (four column tiles), as paged_decode_gqa / _mla launch it; no spills
     for name, hq, dv in (("gqa", 96, 128), ("mla", 128, 512)):

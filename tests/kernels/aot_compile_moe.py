@@ -49,6 +49,10 @@ def _compile(fn, types: dict, const: dict, num_warps: int = 4, num_stages: int =
         const = {"SKIP_EMPTY": False, **const}
     if "NCHUNK" in fn.arg_names:
         const = {"NCHUNK": 1, **const}
+    for flag in ("HAS_BIAS", "HAS_ALPHA", "HAS_SINKS"):           # gpt-oss's biases, activation, sinks: off
+        if flag in fn.arg_names:                                  # unless asked
+            const = {flag: False, **const}
+    types = {"bias_ptr": "*bf16", "alpha": "fp32", "sinks_ptr": "*fp32", **types}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     opts = {"num_warps": num_warps, "num_stages": num_stages}
@@ -161,6 +165,22 @@ def main(quick: bool = False) -> None:
                                                limit="fp32", P="i32"),
                  dict(I=2048, UPW=8, SPLIT_K=2, HAS_LIMIT=True, BI=1024, PDL=True))
     print("swiglu", "cubin bytes", len(c.asm["cubin"]))
+    # gpt-oss: gate/up biases by expert id and the alpha activation, in the one-split epilogue, the
+    # fused finish and the finish kernel (gpt-oss-120b: H 2880, I 2880, top-4)
+    gu = dict(x_ptr="*bf16", wq_ptr="*i16", sc_ptr="*u8", s2_ptr="*fp32", sorted_ptr="*i32", bslot_ptr="*i32",
+              act_ptr="*bf16", cnt_ptr="*i32", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32", s_x="i32",
+              s_wq_slot="i32", s_sc_slot="i32", limit="fp32", P="i32")
+    oss = dict(N=2880, K=2880, TOPK=4, GATE_UP=True, SPLIT_K=1, HAS_LIMIT=True, USE_ASM=2, BM=1, BN=32, BKH=32,
+               PDL=True, HAS_BIAS=True, HAS_ALPHA=True)
+    built = [_compile(g._moe_gemm_kernel, dict(gu, out_ptr="*bf16"), dict(oss, FMT=fmt), 2, 4)
+             for fmt in (m.FMT_W2, m.FMT_FP4)]
+    built.append(_compile(g._moe_gemm_kernel, dict(gu, out_ptr="*fp32"),
+                          dict(oss, FMT=m.FMT_W2, SPLIT_K=2, FUSED_FINISH=True), 2, 4))
+    built.append(_compile(g._swiglu_finish_kernel, dict(ws_ptr="*fp32", act_ptr="*bf16", ids_ptr="*i64",
+                                                        table_ptr="*i32", limit="fp32", P="i32"),
+                          dict(I=2880, UPW=8, SPLIT_K=2, HAS_LIMIT=True, BI=1024, PDL=True, HAS_BIAS=True,
+                               HAS_ALPHA=True)))
+    print("gpt-oss", *(len(c.asm["cubin"]) > 0 for c in built))
     c = _compile(g._combine_kernel, dict(ws_ptr="*fp32", ids_ptr="*i64", table_ptr="*i32", tw_ptr="*fp32",
                                          out_ptr="*bf16", P="i32"), dict(H=7168, TOPK=8, SPLIT_K=2, BH=1024, PDL=False))
     print("combine", "cubin bytes", len(c.asm["cubin"]))

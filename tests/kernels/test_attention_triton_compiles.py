@@ -39,3 +39,4 @@ def test_kernels_compile_for_sm90():
     assert sum(line.startswith("gqa form") for line in lines) == 3, r.stdout       # fp8_words x 2, swap_ab
     assert sum(line.startswith("gqa prefetch") for line in lines) == 2, r.stdout   # bf16, fp8 words
     assert sum(line.startswith("gqa long partition") for line in lines) == 1, r.stdout
+    assert [line for line in lines if line.startswith("gqa sinks")] == ["gqa sinks True True True True"], r.stdout

@@ -456,6 +456,7 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     kinds = [line.split()[0] for line in r.stdout.splitlines()]
     assert kinds.count("gemm") == 8 and {"align", "swiglu", "combine"} <= set(kinds), r.stdout
+    assert "gpt-oss True True True True" in r.stdout.splitlines(), r.stdout      # biases + alpha activation
     gemms = [line for line in r.stdout.splitlines() if line.startswith("gemm ")]
     assert all(line.endswith(" e4m3-cvt") == (line.split()[1] == "fp4") for line in gemms), r.stdout
     # GemmConfig.kwidth2: the scale bytes behind the branch give the MMA operands kWidth 2; without

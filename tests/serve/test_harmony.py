@@ -11,7 +11,7 @@ import pytest
 
 from moet.serve.chat_output import ChoiceOutputParser
 from moet.serve.harmony import HarmonyReasoningParser
-from moet.serve.reasoning import default_reasoning_parser, get_reasoning_parser
+from moet.serve.reasoning_parsers import default_reasoning_parser, get_reasoning_parser
 from moet.serve.tool_parsers import default_tool_parser, get_tool_parser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from moet.errors import ConfigError
-from moet.serve.reasoning import ReasoningParser, default_reasoning_parser, get_reasoning_parser
+from moet.serve.reasoning import ReasoningParser
+from moet.serve.reasoning_parsers import default_reasoning_parser, get_reasoning_parser
 
 CASES = [  # text, starts_in_reasoning, reasoning, content
     ("<think>12+30: 2+0=2, 1+3=4</think>\n42", False, "12+30: 2+0=2, 1+3=4", "42"),

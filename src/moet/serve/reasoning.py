@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moet.errors import ConfigError
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -113,30 +112,3 @@ class ReasoningParser:
         a, b = s.feed(text), s.finish()
         reasoning = a.reasoning + b.reasoning
         return (reasoning or None), a.content + b.content
-
-
-def _harmony() -> ReasoningParser:
-    from moet.serve.harmony import HarmonyReasoningParser
-    return HarmonyReasoningParser()
-
-
-# names vLLM uses for the same tags, accepted so that launch scripts carry over
-REASONING_PARSERS = {"think": ReasoningParser, "glm45": ReasoningParser, "deepseek_r1": ReasoningParser,
-                     "qwen3": ReasoningParser, "kimi_k2": ReasoningParser,
-                     "harmony": _harmony, "openai_gptoss": _harmony}
-
-
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    try:
-        return REASONING_PARSERS[name]()
-    except KeyError:
-        raise ConfigError(f"--reasoning-parser {name!r} is unknown; choose one of "
-                          f"{', '.join(sorted(REASONING_PARSERS))} (or none)") from None
-
-
-def default_reasoning_parser(chat_template: str | None) -> str | None:
-    """`harmony` when the chat template writes harmony channels (gpt-oss), `think` when it
-    writes think blocks, else none."""
-    if chat_template and "<|channel|>" in chat_template:
-        return "harmony"
-    return "think" if chat_template and THINK_START in chat_template else None

@@ -21,7 +21,7 @@ import socket
 
 def resolve_parsers(chat_template: str | None, architecture: str | None, tool_name: str, reasoning_name: str):
     """Flag values ("auto", "none" or a name) -> (tool parser class or None, reasoning parser or None)."""
-    from moet.serve.reasoning import default_reasoning_parser, get_reasoning_parser
+    from moet.serve.reasoning_parsers import default_reasoning_parser, get_reasoning_parser
     from moet.serve.tool_parsers import default_tool_parser, get_tool_parser
 
     if tool_name == "auto":
@@ -104,7 +104,7 @@ def build_server_app(engine_config, serve_config, engine=None, chat_template: st
 def check_parser_names(serve_config) -> None:
     """A misspelt --tool-call-parser / --reasoning-parser, refused before the model loads (auto is
     resolved later, from the chat template)."""
-    from moet.serve.reasoning import get_reasoning_parser
+    from moet.serve.reasoning_parsers import get_reasoning_parser
     from moet.serve.tool_parsers import get_tool_parser
 
     if serve_config.tool_call_parser not in ("auto", "none"):
