@@ -171,3 +171,22 @@ def test_every_shape_is_a_valid_config():
         spec = spec_from_config(cfg, f"shape {name}")
         gib[name] = len(spec.moe_layers) * spec.router.num_experts * expert_row_bytes(spec, "w2") / 2 ** 30
     assert gib["dsv4"] < 100 and gib["minimax_m2"] < 100 and gib["gpt_oss_120b"] < 40 and gib["glm5"] > 141
+
+
+def test_a_cut_shape_keeps_its_per_layer_fields_consistent():
+    """--layers N and the peer's cut depths: per-layer config lists (gpt-oss's layer_types) are cut
+    with the layers, so moet's spec and transformers' config of the cut both parse."""
+    import pytest
+
+    from moet.bench.peer import _hf_config
+    from moet.bench.shapes import SHAPES, cut_shape
+    from moet.checkpoint.spec import spec_from_config
+    for name in SHAPES:
+        _, cfg = cut_shape(name, 2)
+        assert spec_from_config(cfg, name).num_layers == 2
+    _, full = cut_shape("gpt_oss_120b", None)
+    hf = _hf_config(full, 10)
+    assert hf.num_hidden_layers == 10 and hf.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert len(hf.layer_types) == 10
+    with pytest.raises(Exception):                      # what the uncut list did to the peer
+        _hf_config(dict(full, num_hidden_layers=10), None)

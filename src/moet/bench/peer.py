@@ -39,11 +39,10 @@ def _quiet(model):
 def _hf_config(cfg: dict, layers: int | None = None):
     import transformers as tf
 
-    kw = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    from moet.bench.shapes import first_layers
     if layers is not None:
-        kw["num_hidden_layers"] = layers
-        if "mlp_only_layers" in kw:
-            kw["mlp_only_layers"] = [l for l in kw["mlp_only_layers"] if l < layers]
+        cfg = first_layers(cfg, layers)
+    kw = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
     return tf.AutoConfig.for_model(cfg["model_type"], **kw)
 
 

@@ -118,7 +118,23 @@ def cut_shape(name: str, layers: int | None) -> tuple[str, dict]:
     total = cfg["num_hidden_layers"]
     if not 1 <= layers <= total:
         raise ConfigError(f"--layers {layers}: --shape {name} has {total} layers; give 1..{total}")
-    return f"{label} ({layers} of {total} layers)", dict(cfg, num_hidden_layers=layers)
+    return f"{label} ({layers} of {total} layers)", first_layers(cfg, layers)
+
+
+# config fields with one entry per decoder layer (gpt-oss's sliding / full schedule, DeepSeek-V4's
+# MoE kinds, GLM-5's indexer sharing): cut with the layers
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "indexer_types")
+
+
+def first_layers(cfg: dict, layers: int) -> dict:
+    """A config of the first `layers` decoder layers of `cfg` (per-layer lists cut to match)."""
+    out = dict(cfg, num_hidden_layers=layers)
+    for key in PER_LAYER_FIELDS:
+        if isinstance(out.get(key), list):
+            out[key] = out[key][:layers]
+    if "mlp_only_layers" in out:
+        out["mlp_only_layers"] = [i for i in out["mlp_only_layers"] if i < layers]
+    return out
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
