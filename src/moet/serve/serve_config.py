@@ -44,11 +44,12 @@ class ServeConfig:
         None, "require 'Authorization: Bearer KEY' on /v1 requests", common=True, metavar="KEY",
         doc="A /v1 request without the key gets 401; /health and /metrics stay open. An empty key is refused.")
     tool_call_parser: str = _knob(
-        "auto", "glm45 hermes deepseek_v3 kimi_k2 minimax_m2 openai", common=True, metavar="NAME",
-        doc="How tool calls are found in the generated text and returned as tool_calls (or none). auto picks the "
+        "auto", "tool-call syntax; auto: from the template", common=True, metavar="NAME",
+        doc="How tool calls are found in the generated text and returned as tool_calls: glm45 (glm47), hermes, "
+            "deepseek_v3 (deepseek_v31), kimi_k2, minimax_m2, openai (gpt-oss's harmony; harmony); auto picks the "
             "syntax from the chat template's markup; none returns the text as it is (docs/serve.md).")
     reasoning_parser: str = _knob(
-        "auto", "think, harmony or none; auto: from the template", common=True, metavar="NAME",
+        "auto", "think, harmony or none; auto: from template", common=True, metavar="NAME",
         doc="think moves <think>...</think> into reasoning_content; harmony (gpt-oss) the analysis channel, "
             "the final channel into content and messages to functions.* on to the tool-call parser; auto "
             "uses harmony when the chat template writes harmony channels, think when it writes think blocks; "
