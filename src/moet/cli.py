@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from moet import __version__
 from moet.errors import MoetError
@@ -68,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moet: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # one Ctrl-C is the whole request: a second SIGINT during teardown (a terminal's repeat, a
+        # signal still pending when threads are joined) must not turn exit 130 into a traceback or
+        # a death by signal
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("moet: interrupted", file=sys.stderr)
         return 130
 
