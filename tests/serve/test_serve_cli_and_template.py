@@ -89,6 +89,10 @@ def test_template_messages_shape():
     assert msgs[0] == {"role": "system", "content": "Be brief."}
     assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 2}
     assert msgs[3]["tool_call_id"] == "c1"
+    # an assistant turn's reasoning under both names templates read (gpt-oss's harmony: thinking)
+    turn = dict(CALL_HISTORY[2], reasoning_content="Paris, two days")
+    m = template_messages(_req([CALL_HISTORY[1], turn]).messages)[1]
+    assert m["reasoning_content"] == m["thinking"] == "Paris, two days"
     with pytest.raises(BadRequest, match="image_url"):
         template_messages(_req([{"role": "user", "content": [{"type": "image_url", "text": None}]}]).messages)
 

@@ -42,7 +42,9 @@ def template_messages(messages: list[ChatMessage], *, arguments_as_dicts: bool =
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.reasoning_content:
-            d["reasoning_content"] = m.reasoning_content
+            # under both names templates read it by: reasoning_content (GLM, Qwen3, DeepSeek) and
+            # thinking (gpt-oss's harmony template renders it as the turn's analysis message)
+            d["reasoning_content"] = d["thinking"] = m.reasoning_content
         if m.tool_calls:
             calls = []
             for j, tc in enumerate(m.tool_calls):
