@@ -77,6 +77,18 @@ GPT_OSS_120B = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", v
                     tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=200002)
 GPT_OSS_20B = dict(GPT_OSS_120B, num_hidden_layers=24, num_local_experts=32,
                    layer_types=["sliding_attention", "full_attention"] * 12)
+# Qwen3.5-35B-A3B's text model: 40 layers, three gated DeltaNet layers to one gated-attention layer,
+# 256 experts top-8 plus a gated shared expert (W2 experts ~10 GiB)
+QWEN35_35B = dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", vocab_size=248320,
+                  hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                  linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, moe_intermediate_size=512,
+                  shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                  layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                       mrope_section=[11, 11, 10]),
+                  max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  torch_dtype="bfloat16", eos_token_id=248044)
 # a few-MB Qwen3-MoE-shaped model: the benchmark's own tests on a CPU (its numbers mean nothing)
 MICRO = dict(QWEN3_30B, vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -98,6 +110,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3_235b": ("Qwen3-235B-A22B", QWEN3_235B), "dsv3": ("DeepSeek-V3", DSV3), "glm5": ("GLM-5", GLM5),
     "dsv32": ("DeepSeek-V3.2", DSV32), "dsv4": ("DeepSeek-V4-Flash", DSV4), "minimax_m2": ("MiniMax-M2", MINIMAX_M2),
     "gpt_oss_120b": ("gpt-oss-120b", GPT_OSS_120B), "gpt_oss_20b": ("gpt-oss-20b", GPT_OSS_20B),
+    "qwen35_35b": ("Qwen3.5-35B-A3B", QWEN35_35B),
     "micro": ("micro (tests)", MICRO), "micro_v4": ("micro DeepSeek-V4 (tests)", MICRO_V4),
     "micro_mtp": ("micro with MTP (tests)", MICRO_MTP)}
 

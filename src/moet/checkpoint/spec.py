@@ -46,6 +46,7 @@ class AttentionSpec:
     o_bias: bool = False
     qk_norm: bool = False
     qk_norm_per_head: bool = True     # False (MiniMax-M2): q / k normed across all their heads at once
+    output_gate: bool = False         # Qwen3.5: q_proj also gives a per-head gate, out * sigmoid(gate)
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] | None = None   # per layer: windowed? (gpt-oss alternates); None = all
     sinks: bool = False               # gpt-oss: a learned per-head logit in every softmax's denominator
@@ -126,6 +127,24 @@ class HyperConnectionSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet layers (Qwen3.5-MoE) between full-attention ones: `layer_types[i]` is
+    "linear" (a gated DeltaNet: a short causal depthwise conv over q / k / v, then the gated delta
+    rule's recurrent state of value_heads x key_head_dim x value_head_dim, carried per sequence)
+    or "full" (the model's gated GQA). See model/layers/gated_deltanet.py."""
+    layer_types: tuple[str, ...]
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     num_experts: int
     top_k: int
@@ -162,6 +181,10 @@ class ModelSpec:
     sparse_attention: SparseAttentionSpec | None = None   # DSA (GLM-5); None = dense attention
     compressed_attention: CompressedAttentionSpec | None = None   # DeepSeek-V4
     hyper_connections: HyperConnectionSpec | None = None          # DeepSeek-V4
+    linear_attention: LinearAttentionSpec | None = None           # Qwen3.5-MoE's gated DeltaNet layers
+    norm_offset: float = 0.0          # Qwen3.5: RMSNorm weights stored as offsets from 1 (scale = 1 + w)
+    shared_expert_gate: bool = False  # Qwen3.5: the shared expert's output times sigmoid(a Linear of x)
+    ignored: tuple[str, ...] = ()     # canonical-name patterns of tensors no module reads (a vision tower)
     hidden_act: str = "silu"
     swiglu_limit: float | None = None  # clamp gate (max) and up (+-) in fp32 before SiLU-mul
     # gpt-oss's expert activation: gate * sigmoid(alpha * gate) * (up + 1) after the clamp, with
@@ -574,6 +597,52 @@ def minimax_m2_spec(cfg: dict) -> ModelSpec:
     )
 
 
+_QWEN35_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
+
+
+def qwen3_5_moe_spec(cfg: dict) -> ModelSpec:
+    """Qwen3.5-MoE's text model: gated DeltaNet layers (linear_attention) between gated GQA ones
+    (full_attention: q_proj gives each head a sigmoid output gate; q / k RMS-normed per head,
+    partial rotary); every layer MoE (softmax top-k, renormalised) with a shared expert behind its
+    own sigmoid gate; RMSNorm weights stored as offsets from 1. A multimodal checkpoint's text
+    model is read from text_config and model.language_model.*; its vision tower is not loaded."""
+    text = _dict(cfg, "text_config")
+    if text:
+        cfg = {**text, "architectures": cfg.get("architectures"), **{k: cfg[k] for k in ("tie_word_embeddings",)
+                                                                    if k in cfg and k not in text}}
+    base = _common(cfg, "qwen3_5_moe")
+    n = base["num_layers"]
+    types = cfg.get("layer_types")
+    if not isinstance(types, list) or len(types) != n:
+        raise _bad("layer_types", types, f"must be a list of {n} layer types")
+    unknown = sorted({str(t) for t in types} - set(_QWEN35_LAYER_TYPES))
+    if unknown:
+        raise CheckpointError(f"config.json: layer type {unknown[0]!r} is not supported "
+                              f"(supported: {', '.join(_QWEN35_LAYER_TYPES)})")
+    attn = _gqa(cfg, base, qkv_bias=_bool(cfg, "attention_bias", False), o_bias=_bool(cfg, "attention_bias", False),
+                qk_norm=True, output_gate=True)
+    linear = LinearAttentionSpec(
+        layer_types=tuple(_QWEN35_LAYER_TYPES[t] for t in types), key_heads=_cint(cfg, "linear_num_key_heads"),
+        value_heads=_cint(cfg, "linear_num_value_heads"), key_head_dim=_cint(cfg, "linear_key_head_dim"),
+        value_head_dim=_cint(cfg, "linear_value_head_dim"), conv_kernel=_cint(cfg, "linear_conv_kernel_dim", 4))
+    if linear.value_heads % linear.key_heads:
+        raise CheckpointError(f"config.json: linear_num_value_heads={linear.value_heads} is not a multiple of "
+                              f"linear_num_key_heads={linear.key_heads}")
+    router = RouterSpec(num_experts=_first_int(cfg, "num_experts", "num_local_experts"),
+                        top_k=_cint(cfg, "num_experts_per_tok"), scoring="softmax", norm_topk_prob=True)
+    return ModelSpec(
+        **base, layer_kinds=("moe",) * n, intermediate_size=0,
+        moe_intermediate_size=_cint(cfg, "moe_intermediate_size"),
+        shared_intermediate_size=_cint(cfg, "shared_expert_intermediate_size", 0, lo=0),
+        attention=attn, rope=_rope(cfg, int(attn.head_dim * _partial_rotary(cfg))), router=router,
+        linear_attention=linear, norm_offset=1.0, shared_expert_gate=True,
+        renames=((r"^model\.language_model\.", "model."), (r"\.linear_attn\.", ".self_attn."),
+                 (r"\.mlp\.shared_expert\.", ".mlp.shared_experts.")),
+        # the vision tower and the MTP block (not built) are left on disk
+        ignored=(r"^model\.visual\.", r"^mtp\."),
+    )
+
+
 _GPT_OSS_LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 
 
@@ -723,6 +792,8 @@ FAMILIES = {
     "DeepseekV4ForCausalLM": deepseek_v4_spec,
     "MiniMaxM2ForCausalLM": minimax_m2_spec,
     "GptOssForCausalLM": gpt_oss_spec,
+    "Qwen3_5MoeForCausalLM": qwen3_5_moe_spec,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_5_moe_spec,
 }
 
 
@@ -731,7 +802,8 @@ MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3For
                "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                "deepseek_v4": "DeepseekV4ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-               "gpt_oss": "GptOssForCausalLM"}
+               "gpt_oss": "GptOssForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+               "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 def spec_from_config(cfg: dict, where: str = "config.json") -> ModelSpec:

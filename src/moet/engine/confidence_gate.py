@@ -72,6 +72,10 @@ def repair_tier_plan(config: EngineConfig, ckpt, device: torch.device, dtype: to
     layers = len(pack_layers(spec))
     if not layers:
         return None, "the model has no routed experts"
+    if spec.linear_attention is not None:
+        # a repair recomputes past positions; a gated DeltaNet layer's state has already moved past
+        # them (it would need the state as it was before them, which is not kept)
+        return None, "the model's gated DeltaNet layers keep one state per sequence, which a repair cannot rewind"
     fmt = config.load.expert_format
     if fmt != "w2":
         return None, f"expert_format={fmt}: the experts are not W2, nothing to repair"

@@ -134,8 +134,13 @@ class LLMEngine:
             raise ConfigError(f"without chunked prefill max_num_batched_tokens={sch.max_num_batched_tokens} must "
                               f"be >= max_model_len={max_model_len}; raise it or enable chunked prefill")
         self.runner = ModelRunner(config, model, device, max_model_len, residency=residency)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        prefix_caching = config.cache.enable_prefix_caching
+        if prefix_caching and getattr(model, "has_recurrent_state", False):
+            # a cached prefix gives back its KV, not the recurrent state the gated DeltaNet layers
+            # reached at its end (vLLM keeps state snapshots per block for that; moet does not yet)
+            log.info("prefix caching off: the model's gated DeltaNet layers keep one state per sequence")
+            prefix_caching = False
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size, prefix_caching)
         max_seqs, max_tokens = self._step_limits(max_model_len)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                                    enable_chunked_prefill=sch.enable_chunked_prefill)
@@ -823,5 +828,8 @@ def check_speculative(config: EngineConfig, spec) -> None:
     if spec.compressed_attention is not None:
         raise ConfigError("--speculative-config: DeepSeek-V4's MTP layer is not built in moet yet (its weights "
                           "are skipped at load); drop the flag")
+    if spec.linear_attention is not None:
+        raise ConfigError("--speculative-config: Qwen3.5's MTP block is not built in moet yet, and a rejected draft "
+                          "would need the gated DeltaNet layers' state rewound; drop the flag")
     if not config.load.load_mtp:
         raise ConfigError("--speculative-config needs the MTP layers loaded: drop --no-load-mtp")

@@ -37,6 +37,7 @@ from moet.engine.cuda_graphs import GraphSet
 from moet.engine.scheduler import SchedulerOutput
 from moet.errors import ConfigError
 from moet.kernels.attention_ops import set_gqa_fused_merge
+from moet.engine.state_slots import StateSlots
 from moet.kernels.kv_cache import KVFormat, check_kv_format, kv_format_for, kv_layer_bytes_per_token
 from moet.kernels.sparse_attention import index_key_bytes_of
 from moet.kernels.pdl_flag import set_small_kernel_pdl
@@ -90,7 +91,10 @@ def kv_bytes_per_token_of(spec, kv_format: KVFormat, load_mtp: bool) -> int:
         check_kv_format(spec.attention, kv_format)
         return kv_format.dtype.itemsize * spec.compressed_attention.cache_elements_per_token(spec.attention.head_dim)
     mtp = spec.num_mtp_layers if load_mtp else 0
-    return kv_layer_bytes_per_token(spec.attention, kv_format) * (spec.num_layers + mtp) + \
+    layers = spec.num_layers
+    if spec.linear_attention is not None:            # Qwen3.5: gated DeltaNet layers hold no KV
+        layers = sum(t == "full" for t in spec.linear_attention.layer_types)
+    return kv_layer_bytes_per_token(spec.attention, kv_format) * (layers + mtp) + \
         index_key_bytes_of(spec, kv_format, mtp)
 
 
@@ -199,8 +203,16 @@ class ModelRunner:
         self.num_blocks, source = self._plan_num_blocks()
         check_kv_size(config, self.num_blocks, self.bytes_per_token, max_model_len,
                       available_kv_bytes(device) if source != "gpu_budget" else None, device, source)
+        # per-sequence recurrent states (Qwen3.5's gated DeltaNet layers): one slot per sequence a
+        # step may hold, handed out by build_batch (StateSlots)
+        self.state_slots = StateSlots(config.scheduler.max_num_seqs) if getattr(model, "has_recurrent_state",
+                                                                                False) else None
         try:
-            self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device)
+            if self.state_slots is not None:
+                self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device,
+                                             state_slots=self.state_slots.size)
+            else:
+                self.kv = model.new_kv_cache(self.num_blocks, self.block_size, self.kv_format, device)
         except torch.OutOfMemoryError as exc:
             raise ConfigError(f"the KV cache of {self.num_blocks} blocks ({_gib(self.kv_cache_bytes)}) could not be "
                               f"allocated on {device} ({str(exc).splitlines()[0]}); lower --num-kv-blocks / "
@@ -258,6 +270,7 @@ class ModelRunner:
         scratch = self.model.new_kv_cache(blocks, self.block_size, self.kv_format, dev)
         batch = AttentionBatch.build(block_tables=[list(range(blocks))], context_lens=[0], query_lens=[n],
                                      block_size=self.block_size, device=dev, pad_blocks_to=self.table_width)
+        batch.state_slots = [0]                          # the scratch cache's one recurrent-state slot, if any
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         ids = torch.randint(0, self.model.spec.vocab_size, (n,), device=dev)
@@ -268,7 +281,9 @@ class ModelRunner:
         del scratch, hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        budget = total * self.config.cache.gpu_memory_utilization - (total - free) - activation
+        # the recurrent states of max_num_seqs sequences come out of the same budget (gated DeltaNet)
+        states = self.config.scheduler.max_num_seqs * getattr(self.model, "state_bytes_per_sequence", lambda: 0)()
+        budget = total * self.config.cache.gpu_memory_utilization - (total - free) - activation - states
         if budget < per_block:
             raise ConfigError(f"no GPU memory left for the KV cache (total {total / 2**30:.1f} GiB, in use "
                               f"{(total - free) / 2**30:.1f} GiB, activations {activation / 2**30:.1f} GiB); raise "
@@ -293,6 +308,8 @@ class ModelRunner:
             sample.append(s.samples)
         batch = AttentionBatch.build(block_tables=tables, context_lens=ctx, query_lens=q, block_size=self.block_size,
                                      device=self.device, sample=sample, pad_blocks_to=self.table_width)
+        if self.state_slots is not None:
+            batch.state_slots = [self.state_slots.slot_for(s.seq) for s in sched.scheduled]
         if input_ids is not None:
             return input_ids, batch
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch

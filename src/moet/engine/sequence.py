@@ -54,6 +54,8 @@ class Sequence:
         # positions ..repaired_upto hold KV that FP4 experts computed over the context they have now
         # (the confidence gate's repairs, an FP4 prefill): a repair need not recompute them again
         self.repaired_upto = -1
+        # the recurrent-state slot of a model with per-sequence states (engine/state_slots.py); -1: none
+        self.state_slot = -1
         # speculative decoding (engine/speculative.py): drafts for the positions after the newest
         # token, which the next step computes and verifies with it; [] when none
         self.spec_token_ids: list[int] = []

@@ -53,6 +53,9 @@ class AttentionBatch:
     logits_indices: torch.Tensor
     seq_lens_host: list[int]
     cu_seqlens_q_host: list[int]
+    # per sequence: its slot of the recurrent-state pools (Qwen3.5's gated DeltaNet; the model
+    # runner's StateSlots); None for models without per-sequence state
+    state_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

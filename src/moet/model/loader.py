@@ -10,6 +10,7 @@ opened.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import replace
 
@@ -26,6 +27,8 @@ from moet.model.model import CausalLM
 from moet.quant.decode import decode
 from moet.quant.requantize import check_all_arrived, convert_into, fused_shape, new_pool, split_fused
 from moet.store.expert_slots import REPAIR_FORMAT, ExpertSlots
+
+log = logging.getLogger("moet.load")
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -122,6 +125,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
     by_shard: dict[str, list[str]] = {sh: [] for sh in reader.shards}
     for n, info in reader.tensors.items():
         by_shard[info.file].append(n)
+    left_on_disk = 0
     for shard in reader.shards:
         for disk_name in sorted(by_shard[shard]):
             if wf.primary_name(disk_name) is not None:
@@ -129,6 +133,9 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
             base = disk_name[: -len(wf.MXFP4_BLOCKS)] if disk_name.endswith(wf.MXFP4_BLOCKS) else disk_name
             name = spec.canonical_name(base)
             if any(p.search(name) for p in wf.IGNORED_NAMES):
+                continue
+            if any(re.search(p, name) for p in spec.ignored):
+                left_on_disk += 1          # a part moet does not build (Qwen3.5's vision tower, MTP block)
                 continue
             if name.startswith("mtp.") and int(name.split(".")[1]) < spec.num_mtp_layers and not model.mtp:
                 continue  # MTP layers not requested (load_mtp=False)
@@ -176,6 +183,9 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, expert_format: str, zero_
         reader.close()
         bar.update(shard_bytes[shard])
     bar.close()
+    if left_on_disk:
+        log.info("%s: %d tensors of parts moet does not build were left on disk (%s)", ckpt.path, left_on_disk,
+                 ", ".join(spec.ignored))
 
     _finish(model, ckpt, params, loaded, moes, experts_loaded)
 

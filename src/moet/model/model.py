@@ -21,6 +21,7 @@ from moet.model.attention_batch import AttentionBatch
 from moet.kernels.sparse_attention import index_key_bytes_per_token, new_index_keys
 from moet.model.layers.attention import GQAttention
 from moet.model.layers.dsa import TopKSelection
+from moet.model.layers.gated_deltanet import GatedDeltaNet, RecurrentState
 from moet.model.layers.linear import MLP, Linear
 from moet.model.layers.mla import MLAttention
 from moet.model.layers.moe import MoE
@@ -36,7 +37,11 @@ class DecoderLayer(nn.Module):
         writes or, for a shared layer, reads. index: the decoder layer's number (its attention
         may differ from the model's, ModelSpec.layer_attention); None = an MTP block's layer."""
         super().__init__()
-        if spec.attention.kind == "mla":
+        linear = spec.linear_attention
+        if linear is not None and linear.layer_types[index if index is not None else spec.num_layers - 1] == "linear":
+            # Qwen3.5: a gated DeltaNet where the others attend (checkpoint: linear_attn, renamed)
+            self.self_attn = GatedDeltaNet(linear, spec.hidden_size, spec.rms_norm_eps, dtype)
+        elif spec.attention.kind == "mla":
             dsa = None if sparse is None else (spec.sparse_attention, *sparse)
             self.self_attn = MLAttention(spec.attention, spec.hidden_size, rotary, spec.rms_norm_eps, dtype, dsa)
         else:
@@ -143,6 +148,19 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 
+def _offset_loader(offset: float):
+    """A norm weight stored as its offset from `offset` (Qwen3.5: scale = 1 + w): loaded as the
+    scale itself, added in float32."""
+    def load(param: nn.Parameter, fmt: str, parts: dict[str, torch.Tensor], where: str) -> None:
+        from moet.errors import CheckpointError
+        w = parts.get("weight")
+        if fmt != "float" or w is None or tuple(w.shape) != tuple(param.shape):
+            raise CheckpointError(f"{where}: norm weight stored as {fmt} {list(w.shape) if w is not None else ''}; "
+                                  f"config.json implies float {list(param.shape)}")
+        param.data.copy_(w.float() + offset)
+    return load
+
+
 class CausalLM(MoEModel):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, *, load_mtp: bool = True):
         super().__init__()
@@ -152,6 +170,10 @@ class CausalLM(MoEModel):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype)
         n_mtp = spec.num_mtp_layers if load_mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(spec, self.rotary, dtype) for _ in range(n_mtp))
+        if spec.norm_offset:
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.weight.weight_loader = _offset_loader(spec.norm_offset)
         # decode split-K partition of the Triton kernels: fixed per model, never per batch
         # (kernels/attention_ops.py says why)
         self.split_tokens = DEFAULT_SPLIT_TOKENS
@@ -215,18 +237,43 @@ class CausalLM(MoEModel):
         return out
 
     def new_cache(self, max_len: int, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Contiguous per-layer caches for one sequence (main layers, then MTP layers)."""
+        """Contiguous per-layer caches for one sequence (main layers, then MTP layers); a gated
+        DeltaNet layer's is its recurrent state."""
         layers = [layer for layer in self.model.layers] + [m.layer for m in self.mtp]
         out = []
         for layer in layers:
+            if isinstance(layer.self_attn, GatedDeltaNet):
+                out.append(layer.self_attn.new_state(device))
+                continue
             out.append(tuple(torch.zeros(shape, dtype=self.dtype, device=device)
                              for shape in layer.self_attn.cache_shapes(max_len)))
         return out
 
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Layers whose state is per sequence, not per token (Qwen3.5's gated DeltaNet)."""
+        return self.spec.linear_attention is not None
+
+    @property
+    def graph_safe(self) -> bool:
+        # the gated DeltaNet's paged forward walks the step's sequences on the host
+        return not self.has_recurrent_state
+
+    def state_bytes_per_sequence(self) -> int:
+        """Recurrent state bytes one running sequence holds (0 without gated DeltaNet layers)."""
+        la = self.spec.linear_attention
+        if la is None:
+            return 0
+        return RecurrentState.bytes_per_slot(la) * sum(t == "linear" for t in la.layer_types)
+
     # ------------------------------------------------------------------ paged KV cache
 
-    def _attention_layers(self) -> list[nn.Module]:
+    def _mixers(self) -> list[nn.Module]:
+        """Every layer's token mixer, main layers then MTP layers: what the paged caches align with."""
         return [layer.self_attn for layer in self.model.layers] + [m.layer.self_attn for m in self.mtp]
+
+    def _attention_layers(self) -> list[nn.Module]:
+        return [a for a in self._mixers() if not isinstance(a, GatedDeltaNet)]
 
     def kv_bytes_per_token(self, kv_format: KVFormat) -> int:
         """KV cache bytes one token occupies across every attention layer (MTP layers included),
@@ -237,10 +284,11 @@ class CausalLM(MoEModel):
         return kv_layer_bytes_per_token(self.spec.attention, kv_format) * len(layers) + index
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_format: KVFormat,
-                     device: torch.device | str) -> list:
+                     device: torch.device | str, state_slots: int = 1) -> list:
         """One paged cache layer object (kernels/kv_cache) per attention layer: main layers, then
-        MTP layers. `kv_format.dtype` is the "auto" data dtype (pass the model dtype). A format
-        this attention cannot hold is a ConfigError naming the ones it can (check_kv_format)."""
+        MTP layers; a gated DeltaNet layer gets its RecurrentState of `state_slots` sequences.
+        `kv_format.dtype` is the "auto" data dtype (pass the model dtype). A format this attention
+        cannot hold is a ConfigError naming the ones it can (check_kv_format)."""
         a = self.spec.attention
         check_kv_format(a, kv_format)
         if a.kind == "mla":
@@ -249,7 +297,10 @@ class CausalLM(MoEModel):
             make = lambda: new_gqa_layer(num_blocks, block_size, a.num_kv_heads, a.head_dim, a.v_head_dim,
                                          kv_format, device)
         out = []
-        for attn in self._attention_layers():
+        for attn in self._mixers():
+            if isinstance(attn, GatedDeltaNet):
+                out.append(RecurrentState.zeros(attn.spec, state_slots, device))
+                continue
             layer = make()
             if getattr(attn, "indexer", None) is not None:
                 layer.index_keys = new_index_keys(num_blocks, block_size, attn.indexer.spec.head_dim, kv_format,

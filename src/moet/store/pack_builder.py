@@ -22,6 +22,8 @@ a complete, valid pack in a read-only one is served as it is. Locks: open_pack's
 """
 from __future__ import annotations
 
+import re
+
 import errno
 import hashlib
 import json
@@ -106,7 +108,7 @@ def _sources_by_layer(ckpt: Checkpoint, layers: list[str]) -> dict[int, list[_So
             continue
         base = disk_name[: -len(wf.MXFP4_BLOCKS)] if disk_name.endswith(wf.MXFP4_BLOCKS) else disk_name
         name = spec.canonical_name(base)
-        if any(p.search(name) for p in wf.IGNORED_NAMES):
+        if any(p.search(name) for p in wf.IGNORED_NAMES) or any(re.search(p, name) for p in spec.ignored):
             continue
         ref = expert_ref(name)
         if ref is None:

@@ -45,6 +45,9 @@ FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral") + (
 # DeepSeek-V4 (transformers >= 5.23): contiguous forward only so far (moet/model/deepseek_v4.py), so
 # not among FAMILIES, whose tests run every family through the engine
 V4_FAMILIES = ("deepseek_v4",) if _transformers_has("DeepseekV4Config") else ()
+# Qwen3.5-MoE: gated DeltaNet layers with a per-sequence state (no prefix caching, no FP4 gate, no
+# MTP drafts), so not among FAMILIES either
+LINEAR_FAMILIES = ("qwen3_5_moe",) if _transformers_has("Qwen3_5MoeTextConfig") else ()
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 VOCAB = 260
 BOS, EOS, PAD = 256, 257, 258
@@ -134,13 +137,24 @@ def tiny_config(family: str, **overrides):
                                        original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
                                        truncate=False))
         cls = tf.GptOssConfig
+    elif family == "qwen3_5_moe":
+        # three gated DeltaNet layers and a gated-attention one; 4 value heads over 2 key heads;
+        # a quarter of each 32-dim head rotated
+        kw = dict(common, num_hidden_layers=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  num_experts=8, num_experts_per_tok=2,
+                  layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                       mrope_section=[2, 1, 1]))
+        cls = tf.Qwen3_5MoeTextConfig
     elif family == "mixtral":
         kw = dict(common, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, sliding_window=12,
                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))
         cls = tf.MixtralConfig
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + V4_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + V4_FAMILIES + LINEAR_FAMILIES}")
     kw.update(overrides)
     return cls(**kw)
 

@@ -57,7 +57,8 @@ class GQAttention(nn.Module):
         super().__init__()
         self.spec, self.rotary = spec, rotary
         d = spec.head_dim
-        self.q_proj = Linear(hidden, spec.num_heads * d, spec.qkv_bias, dtype)
+        # Qwen3.5: each head's q followed by its output gate (out * sigmoid(gate) before o_proj)
+        self.q_proj = Linear(hidden, spec.num_heads * d * (2 if spec.output_gate else 1), spec.qkv_bias, dtype)
         self.k_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
         self.v_proj = Linear(hidden, spec.num_kv_heads * d, spec.qkv_bias, dtype)
         self.o_proj = Linear(spec.num_heads * d, hidden, spec.o_bias, dtype)
@@ -68,6 +69,7 @@ class GQAttention(nn.Module):
             self.q_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_heads * d, eps, dtype)
             self.k_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_kv_heads * d, eps, dtype)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None     # fuse_qkv()
+        self.gate: torch.Tensor | None = None        # this step's output gate (_project sets it)
 
     def fuse_qkv(self) -> bool:
         """q, k, v as one GEMV (linear.fuse_linears: the projections' parameters become views
@@ -84,10 +86,14 @@ class GQAttention(nn.Module):
         """-> rotated q [T, Hq, d], rotated k [T, Hkv, d], v [T, Hkv, d]: what both caches store."""
         s, t = self.spec, x.shape[0]
         if self.qkv is not None:
-            nq, nk = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            nq, nk = s.num_heads * s.head_dim * (2 if s.output_gate else 1), s.num_kv_heads * s.head_dim
             q, k, v = torch.nn.functional.linear(x, *self.qkv).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        self.gate = None
+        if s.output_gate:
+            qg = q.view(t, s.num_heads, 2 * s.head_dim)
+            q, self.gate = qg[..., :s.head_dim].reshape(t, -1), qg[..., s.head_dim:].reshape(t, -1)
         across = s.qk_norm and not s.qk_norm_per_head
         if across:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -114,7 +120,11 @@ class GQAttention(nn.Module):
         k_cache[start:start + t] = k
         v_cache[start:start + t] = v
         out = attend(q, k_cache[:start + t], v_cache[:start + t], start, s.scale, s.sliding_window, sinks=self.sinks)
-        return self.o_proj(out)
+        return self.o_proj(self._gated(out))
+
+    def _gated(self, out: torch.Tensor) -> torch.Tensor:
+        """Qwen3.5's output gate, out [T, Hq * d] * sigmoid(gate); else out as it is."""
+        return out if self.gate is None else out * torch.sigmoid(self.gate)
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
                       kv: GQALayerKV, split_tokens: int) -> torch.Tensor:
@@ -123,4 +133,4 @@ class GQAttention(nn.Module):
         q, k, v = self._project(x, cos, sin)
         ops.write_gqa_kv(kv, k, v, batch.slot_mapping)
         out = attend_gqa(q, kv, batch, self.spec.scale, self.spec.sliding_window, split_tokens, self.sinks)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.o_proj(self._gated(out.reshape(x.shape[0], -1)))

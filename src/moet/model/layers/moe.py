@@ -15,7 +15,7 @@ from moet.checkpoint.spec import ModelSpec
 from moet.errors import CheckpointError
 from moet.kernels.moe_dispatch import moe_experts
 from moet.kernels.reference import ExpertActivation
-from moet.model.layers.linear import MLP
+from moet.model.layers.linear import MLP, Linear
 from moet.model.layers.router import route
 from moet.store.expert_slots import ExpertSlots
 
@@ -51,6 +51,9 @@ class MoE(nn.Module):
         self.gate = Router(spec, dtype)
         self.shared_experts = (MLP(spec.hidden_size, spec.shared_intermediate_size, dtype)
                                if spec.shared_intermediate_size else None)
+        # Qwen3.5: the shared expert's output times sigmoid(shared_expert_gate(x))
+        self.register_module("shared_expert_gate",
+                             Linear(spec.hidden_size, 1, False, dtype) if spec.shared_expert_gate else None)
         # gpt-oss's expert biases, by expert id (not slot): a few KiB a layer, resident beside the
         # router while expert weights move through slots. gate_up_bias holds the gate biases,
         # then the up biases (the pools' row order); down_bias is added after the weighted sum.
@@ -70,11 +73,11 @@ class MoE(nn.Module):
         layer hands both to the next RMSNorm.add, which does the add inside its kernel on CUDA."""
         side = self.experts.shared_stream if self.shared_experts is not None and x.is_cuda else None
         if side is None:
-            return self._routed(x), (self.shared_experts(x) if self.shared_experts is not None else None)
+            return self._routed(x), (self._shared(x) if self.shared_experts is not None else None)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)                         # x is ready
         with torch.cuda.stream(side):
-            shared = self.shared_experts(x)
+            shared = self._shared(x)
         out = self._routed(x)
         # Join before anyone reads `shared`. No record_stream is needed: x's memory can only be
         # reused by main-stream work queued after this join, and side-stream blocks (shared and
@@ -85,6 +88,10 @@ class MoE(nn.Module):
     def activation(self) -> ExpertActivation:
         """What the expert kernels run between their two GEMMs (with this block's gate/up biases)."""
         return ExpertActivation(self.spec.swiglu_limit, self.spec.swiglu_alpha, self.gate_up_bias)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared_experts(x)
+        return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This block's routing rule: x [T, H] -> (expert ids int64 [T, k], their weights [T, k])."""

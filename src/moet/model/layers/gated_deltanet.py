@@ -1,0 +1,155 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5-MoE, as transformers defines it.
+
+Per token t (heads h of the value side; q / k heads repeated to match):
+    qkv_t  = silu(causal depthwise conv over the last `conv_kernel` inputs of in_proj_qkv(x))
+    q, k   = l2-normalised, q scaled by key_head_dim^-1/2;   beta = sigmoid(in_proj_b(x))
+    g      = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)          (a log-decay, <= 0)
+    S      = S * exp(g)                                               S: [key_head_dim, value_head_dim]
+    S      = S + k (beta (v - S^T k))^T                                the delta rule
+    o_t    = S^T q
+    out    = out_proj(RMSNorm(o) * silu(in_proj_z(x)))                 (the gated norm, per head)
+What a sequence carries from step to step is its state: the conv's last conv_kernel - 1 inputs
+and S per value head, in float32 (RecurrentState). Prefill and decode run the same recurrence
+token by token in torch (float32); flash-linear-attention's chunked Triton kernels are the fast
+path this reference is for, not yet wired in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moet.checkpoint.spec import LinearAttentionSpec
+from moet.model.layers.linear import Linear
+
+
+@dataclass
+class RecurrentState:
+    """The states of one gated DeltaNet layer for `slots` sequences (a paged step's sequences
+    index it by AttentionBatch.state_slots; the contiguous forward holds one slot)."""
+    conv: torch.Tensor        # float32 [slots, conv_dim, conv_kernel - 1]: the conv's last inputs
+    recurrent: torch.Tensor   # float32 [slots, value_heads, key_head_dim, value_head_dim]
+
+    @classmethod
+    def zeros(cls, spec: LinearAttentionSpec, slots: int, device) -> "RecurrentState":
+        return cls(torch.zeros(slots, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32, device=device),
+                   torch.zeros(slots, spec.value_heads, spec.key_head_dim, spec.value_head_dim,
+                               dtype=torch.float32, device=device))
+
+    @staticmethod
+    def bytes_per_slot(spec: LinearAttentionSpec) -> int:
+        return 4 * (spec.conv_dim * (spec.conv_kernel - 1)
+                    + spec.value_heads * spec.key_head_dim * spec.value_head_dim)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+    """The recurrence over T tokens of one sequence, float32: q, k [T, H, Dk] (normalised, q
+    scaled), v [T, H, Dv], g, beta [T, H]; state [H, Dk, Dv] is updated in place -> o [T, H, Dv]."""
+    out = torch.empty_like(v)
+    s = state
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        remembered = (s * k[t][:, :, None]).sum(dim=1)                     # S^T k: [H, Dv]
+        s = s + k[t][:, :, None] * ((v[t] - remembered) * beta[t][:, None])[:, None, :]
+        out[t] = (s * q[t][:, :, None]).sum(dim=1)
+    state.copy_(s)
+    return out
+
+
+class _Conv(nn.Module):
+    """conv1d.weight [conv_dim, 1, kernel] under the checkpoint's name (depthwise, no bias)."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over a head's values, then times silu(gate) in float32 (weights stored as is)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: LinearAttentionSpec, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        kd, vd = spec.key_heads * spec.key_head_dim, spec.value_heads * spec.value_head_dim
+        self.in_proj_qkv = Linear(hidden, 2 * kd + vd, False, dtype)
+        self.in_proj_z = Linear(hidden, vd, False, dtype)
+        self.in_proj_b = Linear(hidden, spec.value_heads, False, dtype)
+        self.in_proj_a = Linear(hidden, spec.value_heads, False, dtype)
+        self.conv1d = _Conv(spec.conv_dim, spec.conv_kernel, dtype)
+        self.dt_bias = nn.Parameter(torch.empty(spec.value_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(spec.value_heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(spec.value_head_dim, eps, dtype)
+        self.out_proj = Linear(vd, hidden, False, dtype)
+
+    def _mix(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One sequence's T new tokens x [T, hidden] with its states (updated in place) ->
+        the layer's output [T, hidden]."""
+        s, t = self.spec, x.shape[0]
+        qkv = self.in_proj_qkv(x)                                           # [T, C]
+        # causal depthwise conv over [the previous K - 1 inputs, these T], in the weights' dtype
+        w = self.conv1d.weight
+        window = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(0, 1)], dim=1)    # [C, K - 1 + T]
+        conv = F.conv1d(window[None].to(w.dtype), w, groups=s.conv_dim)[0]             # [C, T]
+        conv_state.copy_(window[:, -(s.conv_kernel - 1):].float())
+        qkv = F.silu(conv).transpose(0, 1).to(x.dtype)                                  # [T, C]
+        kd = s.key_heads * s.key_head_dim
+        q, k, v = qkv.split([kd, kd, s.value_heads * s.value_head_dim], dim=-1)
+        rep = s.value_heads // s.key_heads
+        q = q.reshape(t, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
+        k = k.reshape(t, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
+        v = v.reshape(t, s.value_heads, s.value_head_dim).float()
+        q = _l2norm(q) * s.key_head_dim ** -0.5
+        k = _l2norm(k)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        o = gated_delta_rule(q, k, v, g, beta, state).to(x.dtype)          # [T, Hv, Dv]
+        z = self.in_proj_z(x).reshape(t, s.value_heads, s.value_head_dim)
+        return self.out_proj(self.norm(o, z).reshape(t, -1))
+
+    # the contiguous forward (one sequence): `cache` is (conv state, recurrent state) of one slot
+    def new_state(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        st = RecurrentState.zeros(self.spec, 1, device)
+        return st.conv[0], st.recurrent[0]
+
+    def forward(self, x: torch.Tensor, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        conv_state, state = cache
+        if start == 0:
+            conv_state.zero_()
+            state.zero_()
+        return self._mix(x, conv_state, state)
+
+    def forward_paged(self, x: torch.Tensor, cos, sin, batch, states: RecurrentState, split_tokens: int) -> torch.Tensor:
+        """Each sequence of the step from its own slot (batch.state_slots); a sequence whose
+        first token this step holds starts from zero states."""
+        out = torch.empty_like(x)
+        cu = batch.cu_seqlens_q_host
+        for b, slot in enumerate(batch.state_slots):
+            lo, hi = cu[b], cu[b + 1]
+            if hi == lo:
+                continue
+            if batch.seq_lens_host[b] == hi - lo:                          # no earlier token: fresh state
+                states.conv[slot].zero_()
+                states.recurrent[slot].zero_()
+            out[lo:hi] = self._mix(x[lo:hi], states.conv[slot], states.recurrent[slot])
+        return out
