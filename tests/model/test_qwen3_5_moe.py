@@ -157,3 +157,42 @@ def test_what_is_off_says_why():
     with pytest.raises(ConfigError, match="MTP"):
         LLMEngine.from_config(EngineConfig(model=path, device="cpu", dtype="float32",
                                            speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+
+
+def test_the_expert_store_serves_it_as_resident(tmp_path):
+    """W2 experts through the expert store with a device cache of 16 of 32 rows: a step that
+    misses is replayed after the fetch, and each replay starts from the recurrent states the step
+    began with (not the ones its discarded pass left): tokens and logprobs equal resident ones."""
+    from moet.testing.engine_runs import run_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    kw = dict(model=cached_checkpoint("qwen3_5_moe"), device="cpu", dtype="float32", expert_format="w2",
+              max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
+    want = run_engine(PROMPTS, sp, **kw)
+    got = run_engine(PROMPTS, sp, **kw, pack_dir=str(tmp_path), expert_cache_slots=16)
+    assert (got.tokens, got.logprobs) == (want.tokens, want.logprobs)
+    assert got.stats["expert_cache_slots"] == 16 and got.stats["expert_rows_fetched_total"] > 0
+
+
+def test_a_replayed_step_starts_from_the_states_it_began_with():
+    """What the expert store's replay relies on: save_states / restore_states give the pools of
+    the step's slots back exactly, so running the step twice equals running it once."""
+    from moet.model.attention_batch import AttentionBatch
+    from moet.kernels.kv_cache import KVFormat
+    model = load_model(open_checkpoint(cached_checkpoint("qwen3_5_moe")), expert_format="bf16", dtype=torch.float32)
+    kv = model.new_kv_cache(8, 4, KVFormat("auto", dtype=torch.float32), "cpu", state_slots=3)
+    first = AttentionBatch.build(block_tables=[[0, 1]], context_lens=[0], query_lens=[4], block_size=4, device="cpu")
+    first.state_slots = [2]
+    with torch.no_grad():
+        model.forward_paged(torch.arange(20, 24), first, kv)         # a first chunk: the states move off zero
+    ids = torch.arange(24, 27)                                        # the step under test continues it
+    batch = AttentionBatch.build(block_tables=[[0, 1]], context_lens=[4], query_lens=[3], block_size=4, device="cpu")
+    batch.state_slots = [2]
+    saved = model.save_states(kv, [2])
+    with torch.no_grad():
+        once = model.forward_paged(ids, batch, kv)
+        after = model.save_states(kv, [2])
+        model.restore_states(kv, [2], saved)
+        twice = model.forward_paged(ids, batch, kv)
+    assert torch.equal(once, twice)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(after, model.save_states(kv, [2])))
+    assert any(not torch.equal(a[1], b[1]) for a, b in zip(saved, after))          # the step did move them

@@ -340,6 +340,14 @@ class ModelRunner:
             step = lambda: found[0].replay(found[1], input_ids, batch)  # noqa: E731
         if res is None:
             return step()
+        if batch.state_slots is not None:
+            # a replayed pass must start from the recurrent states the step began with, not from
+            # those its discarded pass left (KV writes repeat the same bytes; state updates do not)
+            saved, inner = self.model.save_states(self.kv, batch.state_slots), step
+
+            def step():
+                self.model.restore_states(self.kv, batch.state_slots, saved)
+                return inner()
         t0 = time.perf_counter()
         out = res.run(step, scan=batch.max_seqlen_q > self.verify_width, num_tokens=int(input_ids.shape[0]))
         if key is not None:

@@ -259,6 +259,18 @@ class CausalLM(MoEModel):
         # the gated DeltaNet's paged forward walks the step's sequences on the host
         return not self.has_recurrent_state
 
+    def save_states(self, kv: list, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the recurrent states of `slots` in every gated DeltaNet layer's pool."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        return [(st.conv[idx.to(st.conv.device)].clone(), st.recurrent[idx.to(st.conv.device)].clone())
+                for st in kv if isinstance(st, RecurrentState)]
+
+    def restore_states(self, kv: list, slots: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        idx = torch.tensor(slots, dtype=torch.long)
+        for st, (conv, rec) in zip((st for st in kv if isinstance(st, RecurrentState)), saved):
+            st.conv[idx.to(st.conv.device)] = conv
+            st.recurrent[idx.to(st.conv.device)] = rec
+
     def state_bytes_per_sequence(self) -> int:
         """Recurrent state bytes one running sequence holds (0 without gated DeltaNet layers)."""
         la = self.spec.linear_attention
