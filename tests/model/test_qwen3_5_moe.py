@@ -196,3 +196,37 @@ def test_a_replayed_step_starts_from_the_states_it_began_with():
     assert torch.equal(once, twice)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(after, model.save_states(kv, [2])))
     assert any(not torch.equal(a[1], b[1]) for a, b in zip(saved, after))          # the step did move them
+
+
+def test_a_decode_step_of_several_sequences_equals_each_alone():
+    """The batched decode step (all sequences' one token at once) against each sequence run by
+    the per-sequence path, states included; a one-token prompt in the batch starts fresh."""
+    from moet.kernels.kv_cache import KVFormat
+    from moet.model.attention_batch import AttentionBatch
+    model = load_model(open_checkpoint(cached_checkpoint("qwen3_5_moe")), expert_format="bf16", dtype=torch.float32)
+    layer = model.model.layers[0].self_attn
+    kv = model.new_kv_cache(4, 4, KVFormat("auto", dtype=torch.float32), "cpu", state_slots=4)
+    st = kv[0]
+    g = torch.Generator().manual_seed(3)
+    st.conv.copy_(torch.randn(st.conv.shape, generator=g))
+    st.recurrent.copy_(0.1 * torch.randn(st.recurrent.shape, generator=g))
+    x = torch.randn(3, 64, generator=g)
+    slots, lens = [3, 0, 2], [9, 1, 5]                # the second: a one-token prompt
+    alone = []
+    for i, (slot, n) in enumerate(zip(slots, lens)):
+        conv, rec = st.conv[slot].clone(), st.recurrent[slot].clone()
+        if n == 1:
+            conv.zero_()
+            rec.zero_()
+        with torch.no_grad():
+            alone.append((layer._mix(x[i:i + 1], conv, rec), conv, rec))
+    batch = AttentionBatch.build(block_tables=[[0, 1, 2], [0], [0, 1]], context_lens=[n - 1 for n in lens],
+                                 query_lens=[1, 1, 1], block_size=4, device="cpu")
+    batch.state_slots = slots
+    with torch.no_grad():
+        out = layer.forward_paged(x, None, None, batch, st, 64)
+    for i, slot in enumerate(slots):
+        o, conv, rec = alone[i]
+        torch.testing.assert_close(out[i:i + 1], o, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(st.conv[slot], conv, rtol=1e-6, atol=1e-6)      # (row-count GEMM rounding)
+        torch.testing.assert_close(st.recurrent[slot], rec, rtol=1e-6, atol=1e-6)

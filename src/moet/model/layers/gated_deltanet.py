@@ -9,9 +9,9 @@ Per token t (heads h of the value side; q / k heads repeated to match):
     o_t    = S^T q
     out    = out_proj(RMSNorm(o) * silu(in_proj_z(x)))                 (the gated norm, per head)
 What a sequence carries from step to step is its state: the conv's last conv_kernel - 1 inputs
-and S per value head, in float32 (RecurrentState). Prefill and decode run the same recurrence
-token by token in torch (float32); flash-linear-attention's chunked Triton kernels are the fast
-path this reference is for, not yet wired in.
+and S per value head, in float32 (RecurrentState). A prompt runs the recurrence token by token in
+torch (float32), a decode step one step for all its sequences at once; flash-linear-attention's
+chunked Triton kernels are the fast path this reference is for, not yet wired in.
 """
 from __future__ import annotations
 
@@ -139,9 +139,46 @@ class GatedDeltaNet(nn.Module):
             state.zero_()
         return self._mix(x, conv_state, state)
 
+    def _decode(self, x: torch.Tensor, slots: torch.Tensor, states: RecurrentState) -> torch.Tensor:
+        """One new token of each of B sequences, x [B, hidden], their states at `slots` (int64 [B]),
+        all at once: the recurrence's one step batched over the sequences (what _mix does per
+        sequence, the same ops)."""
+        s, b = self.spec, x.shape[0]
+        qkv = self.in_proj_qkv(x)                                           # [B, C]
+        w = self.conv1d.weight
+        window = torch.cat([states.conv[slots].to(qkv.dtype), qkv[:, :, None]], dim=2)    # [B, C, K]
+        conv = F.conv1d(window.to(w.dtype), w, groups=s.conv_dim)[:, :, 0]              # [B, C]
+        states.conv[slots] = window[:, :, 1:].float()
+        qkv = F.silu(conv).to(x.dtype)
+        kd = s.key_heads * s.key_head_dim
+        q, k, v = qkv.split([kd, kd, s.value_heads * s.value_head_dim], dim=-1)
+        rep = s.value_heads // s.key_heads
+        q = q.reshape(b, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
+        k = k.reshape(b, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
+        v = v.reshape(b, s.value_heads, s.value_head_dim).float()
+        q = _l2norm(q) * s.key_head_dim ** -0.5
+        k = _l2norm(k)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        st = states.recurrent[slots] * g.exp()[:, :, None, None]          # [B, Hv, Dk, Dv]
+        remembered = (st * k[:, :, :, None]).sum(dim=2)
+        st = st + k[:, :, :, None] * ((v - remembered) * beta[:, :, None])[:, :, None, :]
+        states.recurrent[slots] = st
+        o = (st * q[:, :, :, None]).sum(dim=2).to(x.dtype)                 # [B, Hv, Dv]
+        z = self.in_proj_z(x).reshape(b, s.value_heads, s.value_head_dim)
+        return self.out_proj(self.norm(o, z).reshape(b, -1))
+
     def forward_paged(self, x: torch.Tensor, cos, sin, batch, states: RecurrentState, split_tokens: int) -> torch.Tensor:
         """Each sequence of the step from its own slot (batch.state_slots); a sequence whose
-        first token this step holds starts from zero states."""
+        first token this step holds starts from zero states. A step of one token per sequence
+        runs the sequences together (_decode)."""
+        if batch.is_pure_decode:
+            fresh = [slot for slot, n in zip(batch.state_slots, batch.seq_lens_host) if n == 1]
+            if fresh:
+                idx = torch.tensor(fresh, dtype=torch.long, device=x.device)
+                states.conv[idx] = 0.0
+                states.recurrent[idx] = 0.0
+            return self._decode(x, torch.tensor(batch.state_slots, dtype=torch.long, device=x.device), states)
         out = torch.empty_like(x)
         cu = batch.cu_seqlens_q_host
         for b, slot in enumerate(batch.state_slots):
