@@ -597,6 +597,18 @@ def minimax_m2_spec(cfg: dict) -> ModelSpec:
     )
 
 
+def _layer_types(types, n: int, known: dict) -> tuple:
+    """config.json's layer_types (one per layer) mapped through `known`; a length or a type moet
+    does not build is one line naming it."""
+    if not isinstance(types, list) or len(types) != n:
+        raise _bad("layer_types", types, f"must be a list of {n} layer types")
+    unknown = sorted({str(t) for t in types} - set(known))
+    if unknown:
+        raise CheckpointError(f"config.json: layer type {unknown[0]!r} is not supported "
+                              f"(supported: {', '.join(known)})")
+    return tuple(known[t] for t in types)
+
+
 _QWEN35_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
 
 
@@ -612,17 +624,11 @@ def qwen3_5_moe_spec(cfg: dict) -> ModelSpec:
                                                                     if k in cfg and k not in text}}
     base = _common(cfg, "qwen3_5_moe")
     n = base["num_layers"]
-    types = cfg.get("layer_types")
-    if not isinstance(types, list) or len(types) != n:
-        raise _bad("layer_types", types, f"must be a list of {n} layer types")
-    unknown = sorted({str(t) for t in types} - set(_QWEN35_LAYER_TYPES))
-    if unknown:
-        raise CheckpointError(f"config.json: layer type {unknown[0]!r} is not supported "
-                              f"(supported: {', '.join(_QWEN35_LAYER_TYPES)})")
+    types = _layer_types(cfg.get("layer_types"), n, _QWEN35_LAYER_TYPES)
     attn = _gqa(cfg, base, qkv_bias=_bool(cfg, "attention_bias", False), o_bias=_bool(cfg, "attention_bias", False),
                 qk_norm=True, output_gate=True)
     linear = LinearAttentionSpec(
-        layer_types=tuple(_QWEN35_LAYER_TYPES[t] for t in types), key_heads=_cint(cfg, "linear_num_key_heads"),
+        layer_types=types, key_heads=_cint(cfg, "linear_num_key_heads"),
         value_heads=_cint(cfg, "linear_num_value_heads"), key_head_dim=_cint(cfg, "linear_key_head_dim"),
         value_head_dim=_cint(cfg, "linear_value_head_dim"), conv_kernel=_cint(cfg, "linear_conv_kernel_dim", 4))
     if linear.value_heads % linear.key_heads:
@@ -656,15 +662,9 @@ def gpt_oss_spec(cfg: dict) -> ModelSpec:
     base["hidden_act"] = "silu"
     n = base["num_layers"]
     types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n:
-        raise _bad("layer_types", types, f"must be a list of {n} layer types")
-    unknown = sorted({str(t) for t in types} - set(_GPT_OSS_LAYER_TYPES))
-    if unknown:
-        raise CheckpointError(f"config.json: layer type {unknown[0]!r} is not supported "
-                              f"(supported: {', '.join(_GPT_OSS_LAYER_TYPES)})")
     bias = _bool(cfg, "attention_bias", True)
     attn = _gqa(cfg, base, qkv_bias=bias, o_bias=bias, sliding_window=_cint(cfg, "sliding_window", 128),
-                sliding_layers=tuple(_GPT_OSS_LAYER_TYPES[t] for t in types), sinks=True)
+                sliding_layers=_layer_types(types, n, _GPT_OSS_LAYER_TYPES), sinks=True)
     router = RouterSpec(num_experts=_first_int(cfg, "num_local_experts", "num_experts"),
                         top_k=_cint(cfg, "num_experts_per_tok"), scoring="softmax", norm_topk_prob=True,
                         logit_bias=True)

@@ -105,27 +105,36 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """One sequence's T new tokens x [T, hidden] with its states (updated in place) ->
         the layer's output [T, hidden]."""
-        s, t = self.spec, x.shape[0]
+        s = self.spec
         qkv = self.in_proj_qkv(x)                                           # [T, C]
         # causal depthwise conv over [the previous K - 1 inputs, these T], in the weights' dtype
         w = self.conv1d.weight
         window = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(0, 1)], dim=1)    # [C, K - 1 + T]
         conv = F.conv1d(window[None].to(w.dtype), w, groups=s.conv_dim)[0]             # [C, T]
         conv_state.copy_(window[:, -(s.conv_kernel - 1):].float())
-        qkv = F.silu(conv).transpose(0, 1).to(x.dtype)                                  # [T, C]
+        q, k, v, g, beta = self._heads(F.silu(conv).transpose(0, 1).to(x.dtype), x)
+        return self._out(gated_delta_rule(q, k, v, g, beta, state).to(x.dtype), x)
+
+    def _heads(self, qkv: torch.Tensor, x: torch.Tensor):
+        """The conv's output qkv [N, C] of N rows and their inputs x [N, hidden] -> float32 q, k
+        [N, Hv, Dk] (repeated to the value heads, normalised, q scaled), v [N, Hv, Dv], the
+        log-decay g and beta [N, Hv]."""
+        s, n = self.spec, x.shape[0]
         kd = s.key_heads * s.key_head_dim
         q, k, v = qkv.split([kd, kd, s.value_heads * s.value_head_dim], dim=-1)
         rep = s.value_heads // s.key_heads
-        q = q.reshape(t, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
-        k = k.reshape(t, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
-        v = v.reshape(t, s.value_heads, s.value_head_dim).float()
-        q = _l2norm(q) * s.key_head_dim ** -0.5
-        k = _l2norm(k)
+        q = q.reshape(n, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
+        k = k.reshape(n, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
+        v = v.reshape(n, s.value_heads, s.value_head_dim).float()
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        o = gated_delta_rule(q, k, v, g, beta, state).to(x.dtype)          # [T, Hv, Dv]
-        z = self.in_proj_z(x).reshape(t, s.value_heads, s.value_head_dim)
-        return self.out_proj(self.norm(o, z).reshape(t, -1))
+        return _l2norm(q) * s.key_head_dim ** -0.5, _l2norm(k), v, g, beta
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The recurrence's output o [N, Hv, Dv] gated by in_proj_z(x), normed, projected."""
+        s = self.spec
+        z = self.in_proj_z(x).reshape(x.shape[0], s.value_heads, s.value_head_dim)
+        return self.out_proj(self.norm(o, z).reshape(x.shape[0], -1))
 
     # the contiguous forward (one sequence): `cache` is (conv state, recurrent state) of one slot
     def new_state(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,30 +152,18 @@ class GatedDeltaNet(nn.Module):
         """One new token of each of B sequences, x [B, hidden], their states at `slots` (int64 [B]),
         all at once: the recurrence's one step batched over the sequences (what _mix does per
         sequence, the same ops)."""
-        s, b = self.spec, x.shape[0]
+        s = self.spec
         qkv = self.in_proj_qkv(x)                                           # [B, C]
         w = self.conv1d.weight
         window = torch.cat([states.conv[slots].to(qkv.dtype), qkv[:, :, None]], dim=2)    # [B, C, K]
         conv = F.conv1d(window.to(w.dtype), w, groups=s.conv_dim)[:, :, 0]              # [B, C]
         states.conv[slots] = window[:, :, 1:].float()
-        qkv = F.silu(conv).to(x.dtype)
-        kd = s.key_heads * s.key_head_dim
-        q, k, v = qkv.split([kd, kd, s.value_heads * s.value_head_dim], dim=-1)
-        rep = s.value_heads // s.key_heads
-        q = q.reshape(b, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
-        k = k.reshape(b, s.key_heads, s.key_head_dim).repeat_interleave(rep, dim=1).float()
-        v = v.reshape(b, s.value_heads, s.value_head_dim).float()
-        q = _l2norm(q) * s.key_head_dim ** -0.5
-        k = _l2norm(k)
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        q, k, v, g, beta = self._heads(F.silu(conv).to(x.dtype), x)
         st = states.recurrent[slots] * g.exp()[:, :, None, None]          # [B, Hv, Dk, Dv]
         remembered = (st * k[:, :, :, None]).sum(dim=2)
         st = st + k[:, :, :, None] * ((v - remembered) * beta[:, :, None])[:, :, None, :]
         states.recurrent[slots] = st
-        o = (st * q[:, :, :, None]).sum(dim=2).to(x.dtype)                 # [B, Hv, Dv]
-        z = self.in_proj_z(x).reshape(b, s.value_heads, s.value_head_dim)
-        return self.out_proj(self.norm(o, z).reshape(b, -1))
+        return self._out((st * q[:, :, :, None]).sum(dim=2).to(x.dtype), x)
 
     def forward_paged(self, x: torch.Tensor, cos, sin, batch, states: RecurrentState, split_tokens: int) -> torch.Tensor:
         """Each sequence of the step from its own slot (batch.state_slots); a sequence whose
