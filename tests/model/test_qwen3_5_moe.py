@@ -46,7 +46,7 @@ def test_spec_reads_the_layer_schedule_and_refuses_what_it_cannot_build():
         spec_from_config({**cfg, "linear_num_value_heads": 3})
 
 
-@pytest.mark.parametrize("n", [1, 5, 23])
+@pytest.mark.parametrize("n", [1, 5, 23, 70])          # 70: past CHUNK_FROM_TOKENS, the chunked form
 def test_logits_equal_transformers(n):
     path = cached_checkpoint("qwen3_5_moe")
     model = load_model(open_checkpoint(path), expert_format="bf16", dtype=torch.float32)
@@ -230,3 +230,22 @@ def test_a_decode_step_of_several_sequences_equals_each_alone():
         torch.testing.assert_close(out[i:i + 1], o, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(st.conv[slot], conv, rtol=1e-6, atol=1e-6)      # (row-count GEMM rounding)
         torch.testing.assert_close(st.recurrent[slot], rec, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 2, 15, 16, 17, 50])
+def test_the_chunked_delta_rule_is_the_recurrence(t):
+    """chunked_gated_delta_rule (chunks of 16 here; partial last chunk, carried state) against the
+    token-by-token recurrence: outputs and final states to float32 rounding, from a non-zero state."""
+    from moet.model.layers.gated_deltanet import _l2norm, chunked_gated_delta_rule, gated_delta_rule
+    g = torch.Generator().manual_seed(t)
+    h, dk, dv = 4, 16, 8
+    q = _l2norm(torch.randn(t, h, dk, generator=g)) * dk ** -0.5
+    k = _l2norm(torch.randn(t, h, dk, generator=g))
+    v = torch.randn(t, h, dv, generator=g)
+    decay, beta = -torch.rand(t, h, generator=g), torch.rand(t, h, generator=g)
+    s0 = 0.3 * torch.randn(h, dk, dv, generator=g)
+    s1, s2 = s0.clone(), s0.clone()
+    want = gated_delta_rule(q, k, v, decay, beta, s1)
+    got = chunked_gated_delta_rule(q, k, v, decay, beta, s2, chunk=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s2, s1, rtol=1e-5, atol=1e-6)

@@ -9,9 +9,10 @@ Per token t (heads h of the value side; q / k heads repeated to match):
     o_t    = S^T q
     out    = out_proj(RMSNorm(o) * silu(in_proj_z(x)))                 (the gated norm, per head)
 What a sequence carries from step to step is its state: the conv's last conv_kernel - 1 inputs
-and S per value head, in float32 (RecurrentState). A prompt runs the recurrence token by token in
-torch (float32), a decode step one step for all its sequences at once; flash-linear-attention's
-chunked Triton kernels are the fast path this reference is for, not yet wired in.
+and S per value head, in float32 (RecurrentState). In torch, float32: a prompt of 64 tokens or more
+runs the chunked (WY) form, a shorter one the recurrence token by token, and a decode step one step
+for all its sequences at once; flash-linear-attention's Triton kernels are the fast path these
+references are for, not yet wired in.
 """
 from __future__ import annotations
 
@@ -61,6 +62,49 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         out[t] = (s * q[t][:, :, None]).sum(dim=1)
     state.copy_(s)
     return out
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """gated_delta_rule's result (to float32 rounding) in chunks of `chunk` tokens: within a
+    chunk the delta rule's corrections form a lower-triangular system, solved once for all chunks
+    (the WY form: C row updates instead of T dependent steps); across chunks the state is carried
+    as in the recurrence, one matrix product per chunk. Same arguments and in-place state."""
+    t, h, dk = k.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))          # padded tokens: no decay, no write
+    # [H, N, C, ...]
+    q, k, v = (x.reshape(n, chunk, h, -1).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.reshape(n, chunk, h).permute(2, 0, 1) for x in (g, beta))
+    gc = g.cumsum(-1)                                                     # decay from the chunk's start
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # i >= j
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # a[i, j] = -beta_i k_i . k_j decay(i, j) for j < i; then (I - a)^-1 row by row
+    a = -(kb @ k.transpose(-1, -2) * decay).masked_fill(lower.triu(), 0.0)     # strictly below the diagonal
+    for i in range(1, chunk):
+        a[..., i, :i] = a[..., i, :i] + (a[..., i, :i, None] * a[..., :i, :i]).sum(-2)
+    a = a + torch.eye(chunk, dtype=a.dtype, device=a.device)
+    u = a @ vb                                                            # the chunk's corrected values
+    w = a @ (kb * gc.exp()[..., None])                                    # what the carried state removes
+    out = torch.empty_like(v)
+    s = state
+    for c in range(n):
+        qc, kc, gcc = q[:, c], k[:, c], gc[:, c]
+        intra = (qc @ kc.transpose(-1, -2)) * decay[:, c]
+        v_new = u[:, c] - w[:, c] @ s
+        out[:, c] = (qc * gcc.exp()[..., None]) @ s + intra @ v_new
+        last = gcc[:, -1]
+        s = s * last.exp()[:, None, None] + (kc * (last[:, None] - gcc).exp()[..., None]).transpose(-1, -2) @ v_new
+    state.copy_(s)
+    return out.permute(1, 2, 0, 3).reshape(n * chunk, h, -1)[:t]
+
+
+# prompts at least this long run in chunks (chunked_gated_delta_rule); shorter ones token by token
+CHUNK_FROM_TOKENS = 64
 
 
 class _Conv(nn.Module):
@@ -113,7 +157,8 @@ class GatedDeltaNet(nn.Module):
         conv = F.conv1d(window[None].to(w.dtype), w, groups=s.conv_dim)[0]             # [C, T]
         conv_state.copy_(window[:, -(s.conv_kernel - 1):].float())
         q, k, v, g, beta = self._heads(F.silu(conv).transpose(0, 1).to(x.dtype), x)
-        return self._out(gated_delta_rule(q, k, v, g, beta, state).to(x.dtype), x)
+        rule = chunked_gated_delta_rule if x.shape[0] >= CHUNK_FROM_TOKENS else gated_delta_rule
+        return self._out(rule(q, k, v, g, beta, state).to(x.dtype), x)
 
     def _heads(self, qkv: torch.Tensor, x: torch.Tensor):
         """The conv's output qkv [N, C] of N rows and their inputs x [N, hidden] -> float32 q, k
