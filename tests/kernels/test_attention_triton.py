@@ -505,6 +505,19 @@ def test_explicit_heads_m_too_big_for_the_device_is_a_clear_error(monkeypatch):
     md.check_heads_m_fits(cuda, 64, 512, 64, 64, "paged decode mla")
 
 
+def _long_setup(g: torch.Generator):
+    """A 2,131-token and a 40-token sequence (fp32 cache, 2 kv heads of 16, 4 query heads) for the
+    long partition's tests: (cache, block tables, lengths, queries)."""
+    lens = [2131, 40]
+    nb = sum(-(-n // BS) for n in lens) + 3
+    cache = new_gqa_layer(nb, BS, 2, 16, 16, KVFormat("auto", dtype=torch.float32), device=DEVICE)
+    table = random_block_tables(lens, BS, nb, g).to(DEVICE)
+    for b, n in enumerate(lens):
+        write_gqa_kv(cache, torch.randn(n, 2, 16, generator=g).to(DEVICE), torch.randn(n, 2, 16, generator=g).to(DEVICE),
+                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
+    return cache, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE), torch.randn(2, 4, 16, generator=g).to(DEVICE)
+
+
 def test_long_partition_matches_reference_and_keeps_short_sequences_bits():
     """The long partition (long_splits): past max_splits splits of 1,024 tokens a sequence gets more
     splits of 1,024 tokens, merged in chunks of BLOCK_S. Here max_splits 2 (BLOCK_S 2) and long_splits
@@ -513,16 +526,7 @@ def test_long_partition_matches_reference_and_keeps_short_sequences_bits():
     sequence in the same batch keeps its bits (its partition is the same); reruns identical."""
     at = _tri()
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    lens = [2131, 40]
-    nb = sum(-(-n // BS) for n in lens) + 3
-    fmt = KVFormat("auto", dtype=torch.float32)
-    cache = new_gqa_layer(nb, BS, 2, 16, 16, fmt, device=DEVICE)
-    table = random_block_tables(lens, BS, nb, g).to(DEVICE)
-    for b, n in enumerate(lens):
-        write_gqa_kv(cache, torch.randn(n, 2, 16, generator=g).to(DEVICE), torch.randn(n, 2, 16, generator=g).to(DEVICE),
-                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(2, 4, 16, generator=g).to(DEVICE)
+    cache, table, seq_lens, q = _long_setup(g)
     kw = dict(split_tokens=BS, max_splits=2)
     got = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, long_splits=5, **kw)
     want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3)
@@ -557,16 +561,8 @@ def test_sinks_with_the_long_partition():
     """The long partition's chunked merge adds the sink once, after the last chunk."""
     at = _tri()
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    lens = [2131, 40]
-    nb = sum(-(-n // BS) for n in lens) + 3
-    cache = new_gqa_layer(nb, BS, 2, 16, 16, KVFormat("auto", dtype=torch.float32), device=DEVICE)
-    table = random_block_tables(lens, BS, nb, g).to(DEVICE)
-    for b, n in enumerate(lens):
-        write_gqa_kv(cache, torch.randn(n, 2, 16, generator=g).to(DEVICE), torch.randn(n, 2, 16, generator=g).to(DEVICE),
-                     slots_for(table.cpu(), b, range(n), BS).to(DEVICE))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(2, 4, 16, generator=g).to(DEVICE)
-    sinks = (math.log(max(lens)) + 1.5 * torch.randn(4, generator=g)).to(DEVICE)
+    cache, table, seq_lens, q = _long_setup(g)
+    sinks = (math.log(int(seq_lens.max())) + 1.5 * torch.randn(4, generator=g)).to(DEVICE)
     got = at.paged_decode_gqa(q, cache, table, seq_lens, 0.3, split_tokens=BS, max_splits=2, long_splits=5, sinks=sinks)
     want = ref.paged_decode_gqa(q.cpu(), _to_cpu(cache), table.cpu(), seq_lens.cpu(), 0.3, sinks=sinks.cpu())
     assert float((got.cpu() - want).norm() / want.norm()) < 2e-5

@@ -118,7 +118,7 @@ def test_qk_norm_rope_as_attention_calls_it():
     assert attn.fuse_qkv()
     x = torch.randn(2, hidden, generator=g).to(dtype)
     cos, sin = rot.cos_sin(torch.tensor([5, 6]), dtype)
-    q_want, k_want, v_want = attn._project(x, cos, sin)
+    q_want, k_want, v_want, _ = attn._project(x, cos, sin)
     q, k, v = F.linear(x, *attn.qkv).split([4 * d, 2 * d, 2 * d], dim=-1)
     gq, gk = _nrt().qk_norm_rope(q.view(2, 4, d).to(DEVICE), k.view(2, 2, d).to(DEVICE), cos.to(DEVICE),
                                  sin.to(DEVICE), False, attn.q_norm.weight.to(DEVICE),

@@ -65,7 +65,7 @@ def test_every_part_moves_the_logits():
     edits = {
         "conv": lambda m: m.model.layers[0].self_attn.conv1d.weight.data.roll(1, -1),
         "decay": lambda m: m.model.layers[0].self_attn.A_log.data.add_(1.0),
-        "output gate": lambda m: setattr(m.model.layers[2].self_attn, "_gated", lambda out: out),
+        "output gate": lambda m: setattr(m.model.layers[2].self_attn, "_gated", lambda out, gate: out),
         "shared expert gate": lambda m: m.model.layers[1].mlp.shared_expert_gate.weight.data.zero_(),
         "norm offset": lambda m: m.model.layers[1].input_layernorm.weight.data.sub_(1.0),
     }

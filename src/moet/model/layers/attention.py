@@ -69,7 +69,6 @@ class GQAttention(nn.Module):
             self.q_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_heads * d, eps, dtype)
             self.k_norm = RMSNorm(d if spec.qk_norm_per_head else spec.num_kv_heads * d, eps, dtype)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None     # fuse_qkv()
-        self.gate: torch.Tensor | None = None        # this step's output gate (_project sets it)
 
     def fuse_qkv(self) -> bool:
         """q, k, v as one GEMV (linear.fuse_linears: the projections' parameters become views
@@ -83,17 +82,18 @@ class GQAttention(nn.Module):
         return (max_len, s.num_kv_heads, s.head_dim), (max_len, s.num_kv_heads, s.head_dim)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """-> rotated q [T, Hq, d], rotated k [T, Hkv, d], v [T, Hkv, d]: what both caches store."""
+        """-> rotated q [T, Hq, d], rotated k [T, Hkv, d], v [T, Hkv, d] (what both caches store),
+        and Qwen3.5's output gate [T, Hq * d] (None without one)."""
         s, t = self.spec, x.shape[0]
         if self.qkv is not None:
             nq, nk = s.num_heads * s.head_dim * (2 if s.output_gate else 1), s.num_kv_heads * s.head_dim
             q, k, v = torch.nn.functional.linear(x, *self.qkv).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        self.gate = None
+        gate = None
         if s.output_gate:
             qg = q.view(t, s.num_heads, 2 * s.head_dim)
-            q, self.gate = qg[..., :s.head_dim].reshape(t, -1), qg[..., s.head_dim:].reshape(t, -1)
+            q, gate = qg[..., :s.head_dim].reshape(t, -1), qg[..., s.head_dim:].reshape(t, -1)
         across = s.qk_norm and not s.qk_norm_per_head
         if across:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -107,30 +107,31 @@ class GQAttention(nn.Module):
                                     self.k_norm.weight, self.q_norm.eps)
             else:
                 q, k = qk_norm_rope(q, k, cos, sin, self.rotary.spec.interleave)
-            return q, k, v
+            return q, k, v, gate
         if s.qk_norm and not across:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v
+        return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v, gate
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
         s, t = self.spec, x.shape[0]
-        q, k, v = self._project(x, cos, sin)
+        q, k, v, gate = self._project(x, cos, sin)
         k_cache, v_cache = cache
         k_cache[start:start + t] = k
         v_cache[start:start + t] = v
         out = attend(q, k_cache[:start + t], v_cache[:start + t], start, s.scale, s.sliding_window, sinks=self.sinks)
-        return self.o_proj(self._gated(out))
+        return self.o_proj(self._gated(out, gate))
 
-    def _gated(self, out: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Qwen3.5's output gate, out [T, Hq * d] * sigmoid(gate); else out as it is."""
-        return out if self.gate is None else out * torch.sigmoid(self.gate)
+        return out if gate is None else out * torch.sigmoid(gate)
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
                       kv: GQALayerKV, split_tokens: int) -> torch.Tensor:
         """x [N, H]: a flat varlen batch of several sequences' new tokens (AttentionBatch).
         Writes their K/V into the paged cache, then attends reading every key from it."""
-        q, k, v = self._project(x, cos, sin)
+        q, k, v, gate = self._project(x, cos, sin)
         ops.write_gqa_kv(kv, k, v, batch.slot_mapping)
         out = attend_gqa(q, kv, batch, self.spec.scale, self.spec.sliding_window, split_tokens, self.sinks)
-        return self.o_proj(self._gated(out.reshape(x.shape[0], -1)))
+        return self.o_proj(self._gated(out.reshape(x.shape[0], -1), gate))
